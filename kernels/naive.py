@@ -1,0 +1,100 @@
+"""Reference implementation of the LSTMem block scan: a plain token loop.
+
+This file is the specification the vectorised and Triton paths are tested against. It runs in
+whatever float dtype it is given (float64 included) and does no fusion or reordering.
+
+Notation (paper Sec. 3.2 and App. C.3), per sequence ``b``, head ``j`` and time ``t``; a gate vector
+multiplies a state row-wise (``diag(g) X``):
+
+    read_t  = D_{t-1} q_t                                   (temporal read r^time_t)
+    C_t     = diag(f_t) C_{t-1} + w_t k_t^T                 (w_t = i_t * e_t, the gated residual)
+    D_t     = diag(o_t) tanh(C_t) + depth_t                 (depth_t = diag(g_t) D^{(l-1)}_t)
+
+At an invalid (padding) position the read is still produced but ``C`` and ``D`` are carried over
+unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def scan_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    f: torch.Tensor,
+    o: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    initial_cell: torch.Tensor | None = None,
+    initial_hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the LSTMem cell/hidden recurrence over a block, one token at a time.
+
+    Args:
+        q: ``(B, T, H, R)`` read queries (normalised memory queries ``q^mem``).
+        k: ``(B, T, H, R)`` write keys (normalised memory keys ``k^mem``).
+        w: ``(B, T, H, R)`` gated write residuals ``i_t * e_t``.
+        f: ``(B, T, H, R)`` forget gates.
+        o: ``(B, T, H, R)`` output gates.
+        depth: ``(B, T, H, R, R)`` depth term ``g_t * D^{(l-1)}_t`` or ``None`` (zeros).
+        valid: ``(B, T)`` bool, ``False`` where the position is padding; ``None`` means all valid.
+        initial_cell, initial_hidden: ``(B, H, R, R)`` states before the block, ``None`` for zeros.
+
+    Returns:
+        ``(read, hidden, final_cell, final_hidden)``: ``read`` ``(B, T, H, R)`` is ``D_{t-1} q_t``;
+        ``hidden`` ``(B, T, H, R, R)`` is ``D_t`` after each position; the finals are ``(B, H, R, R)``.
+    """
+    B, T, H, R = q.shape
+    C = q.new_zeros(B, H, R, R) if initial_cell is None else initial_cell.to(q.dtype)
+    D = q.new_zeros(B, H, R, R) if initial_hidden is None else initial_hidden.to(q.dtype)
+    reads, hiddens = [], []
+    for t in range(T):
+        reads.append(torch.einsum("bhac,bhc->bha", D, q[:, t]))
+        C_new = f[:, t, :, :, None] * C + w[:, t, :, :, None] * k[:, t, :, None, :]
+        D_new = o[:, t, :, :, None] * torch.tanh(C_new)
+        if depth is not None:
+            D_new = D_new + depth[:, t]
+        if valid is not None:
+            keep = valid[:, t].view(B, 1, 1, 1)
+            C_new = torch.where(keep, C_new, C)
+            D_new = torch.where(keep, D_new, D)
+        C, D = C_new, D_new
+        hiddens.append(D)
+    read = torch.stack(reads, dim=1) if T else q.new_zeros(B, 0, H, R)
+    hidden = torch.stack(hiddens, dim=1) if T else q.new_zeros(B, 0, H, R, R)
+    return read, hidden, C, D
+
+
+def step_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    f: torch.Tensor,
+    o: torch.Tensor,
+    cell: torch.Tensor,
+    hidden: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the recurrence, updating ``cell`` and ``hidden`` **in place**.
+
+    Args:
+        q, k, w, f, o: ``(B, H, R)`` per-token inputs (see :func:`scan_naive`).
+        cell, hidden: ``(B, H, R, R)`` states, overwritten with ``C_t`` and ``D_t``.
+        depth: ``(B, H, R, R)`` depth term or ``None``.
+        valid: ``(B,)`` bool or ``None``.
+
+    Returns:
+        ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, computed before the update.
+    """
+    read, _, C, D = scan_naive(
+        q[:, None], k[:, None], w[:, None], f[:, None], o[:, None],
+        None if depth is None else depth[:, None],
+        None if valid is None else valid[:, None],
+        cell, hidden,
+    )
+    cell.copy_(C)
+    hidden.copy_(D)
+    return read[:, 0]

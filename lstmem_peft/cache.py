@@ -1,0 +1,315 @@
+"""``MemoryCache``: the LSTMem states of one batch of sessions, held next to ``past_key_values``.
+
+A cache is a list of per-layer :class:`LayerState` objects (cell ``C`` and hidden ``D``, each
+``(batch, n_h, r, r)``) in depth order, plus a per-row count of tokens written. Like the KV caches of
+transformers, batch operations are per-layer methods that the container fans out, states are
+allocated lazily from the first input, and nothing is ever silently reset: a cache bound to one
+adapter layout refuses another, and a batch-size mismatch is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """The shape of the memory an adapter expects; its fingerprint guards saved caches.
+
+    Attributes:
+        layer_indices: backbone decoder layers that carry memory, in depth order.
+        num_heads: ``n_h``.
+        head_dim: ``r``.
+        state_dtype: ``"float32"`` or ``"bfloat16"``.
+        identity: free text that names the adapter (base model, adapter config), part of the
+            fingerprint so that a cache from another adapter is refused.
+    """
+
+    layer_indices: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    state_dtype: str = "float32"
+    identity: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_indices)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return STATE_DTYPES[self.state_dtype]
+
+    def fingerprint(self) -> str:
+        payload = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class LayerState:
+    """Cell and hidden state of one memory layer: ``(batch, n_h, r, r)`` each, or ``None``."""
+
+    def __init__(self, cell: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> None:
+        self.cell = cell
+        self.hidden = hidden
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.cell is not None
+
+    def _map(self, fn) -> None:
+        if self.cell is not None:
+            self.cell = fn(self.cell)
+            self.hidden = fn(self.hidden)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self._map(lambda t: t.index_select(0, index.to(t.device)))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def detach_(self) -> None:
+        self._map(torch.Tensor.detach)
+
+    def to(self, *args, **kwargs) -> None:
+        self._map(lambda t: t.to(*args, **kwargs))
+
+    def clone(self) -> LayerState:
+        if self.cell is None:
+            return LayerState()
+        return LayerState(self.cell.clone(), self.hidden.clone())
+
+    def __repr__(self) -> str:
+        if self.cell is None:
+            return "LayerState(empty)"
+        return f"LayerState(shape={tuple(self.cell.shape)}, dtype={self.cell.dtype})"
+
+
+class MemoryCache:
+    """LSTMem memory for a batch of sessions.
+
+    Create one per batch of independent histories and pass it to every forward/generate call of
+    those sessions; ``clone()`` it to answer several questions from one snapshot.
+
+    Args:
+        layout: optional :class:`MemoryLayout`; normally bound by the model on first use.
+
+    Attributes:
+        layers: one :class:`LayerState` per memory layer, shallow to deep;
+            ``cache.layers[i].cell`` is ``C``, ``cache.layers[i].hidden`` is ``D``.
+        tokens_written: ``(batch,)`` long, valid tokens written into each row so far.
+
+    Example:
+        >>> cache = MemoryCache()
+        >>> cache.is_initialized
+        False
+    """
+
+    def __init__(self, layout: MemoryLayout | None = None) -> None:
+        self.layout: MemoryLayout | None = None
+        self.layers: list[LayerState] = []
+        self.tokens_written: torch.Tensor | None = None
+        if layout is not None:
+            self.bind(layout)
+
+    # ------------------------------------------------------------------ layout and allocation
+    def bind(self, layout: MemoryLayout) -> None:
+        """Attach the cache to an adapter layout; a cache bound to another layout is refused."""
+        if self.layout is None:
+            self.layout = layout
+            self.layers = [LayerState() for _ in range(layout.num_layers)]
+            return
+        if self.layout != layout:
+            raise ValueError(
+                "this MemoryCache belongs to another adapter layout "
+                f"({self._describe(self.layout)}) but the model expects {self._describe(layout)}; "
+                "create a new MemoryCache() for this model or adapter"
+            )
+
+    @staticmethod
+    def _describe(layout: MemoryLayout) -> str:
+        return (
+            f"{layout.num_layers} memory layers at {list(layout.layer_indices)}, n_h={layout.num_heads}, "
+            f"r={layout.head_dim}, state_dtype={layout.state_dtype}, fingerprint={layout.fingerprint()}"
+        )
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.layers) and all(layer.is_initialized for layer in self.layers)
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.tokens_written is None else int(self.tokens_written.shape[0])
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self.tokens_written is None else self.tokens_written.device
+
+    def ensure(self, batch_size: int, device: torch.device) -> None:
+        """Allocate zero states for ``batch_size`` rows on first use; check the batch size after."""
+        if self.layout is None:
+            raise RuntimeError("MemoryCache is not bound to a model yet; pass it to the model first")
+        if self.tokens_written is None:
+            shape = (batch_size, self.layout.num_heads, self.layout.head_dim, self.layout.head_dim)
+            dtype = self.layout.torch_dtype
+            for layer in self.layers:
+                layer.cell = torch.zeros(shape, dtype=dtype, device=device)
+                layer.hidden = torch.zeros(shape, dtype=dtype, device=device)
+            self.tokens_written = torch.zeros(batch_size, dtype=torch.long, device=device)
+            return
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"MemoryCache holds {self.batch_size} sequences but the input has batch size "
+                f"{batch_size}; use one cache per batch of sessions (cache.batch_select_indices / "
+                "batch_repeat_interleave change its rows explicitly)"
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        """Forget everything: states are reallocated (zeros) on next use, at any batch size."""
+        for layer in self.layers:
+            layer.cell = layer.hidden = None
+        self.tokens_written = None
+
+    def clone(self) -> MemoryCache:
+        """An independent snapshot (questions on one history start from the same state)."""
+        new = MemoryCache(self.layout)
+        new.layers = [layer.clone() for layer in self.layers]
+        new.tokens_written = None if self.tokens_written is None else self.tokens_written.clone()
+        return new
+
+    def detach_(self) -> MemoryCache:
+        """Cut the states from the autograd graph in place (stage-2 training between blocks)."""
+        for layer in self.layers:
+            layer.detach_()
+        return self
+
+    def to(self, *args, **kwargs) -> MemoryCache:
+        """Move states (``device`` and/or ``dtype``) in place; returns ``self``."""
+        for layer in self.layers:
+            layer.to(*args, **kwargs)
+        if self.tokens_written is not None:
+            device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+            if device is not None:
+                self.tokens_written = self.tokens_written.to(device)
+        return self
+
+    # ------------------------------------------------------------------ batch / beam operations
+    def _check_index(self, index: torch.Tensor) -> torch.Tensor:
+        index = torch.as_tensor(index, dtype=torch.long)
+        if self.batch_size is not None and index.numel() and (index.min() < 0 or index.max() >= self.batch_size):
+            raise IndexError(f"row index out of range for a MemoryCache of batch size {self.batch_size}")
+        return index
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Reorder rows like ``past_key_values.reorder_cache(beam_idx)`` (beam search)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (and reorder to) the given rows."""
+        if self.tokens_written is None:
+            return
+        indices = self._check_index(indices)
+        for layer in self.layers:
+            layer.reorder(indices)
+        self.tokens_written = self.tokens_written.index_select(0, indices.to(self.tokens_written.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (``num_return_sequences``, beam expansion)."""
+        if self.tokens_written is None:
+            return
+        for layer in self.layers:
+            layer.repeat_interleave(repeats)
+        self.tokens_written = self.tokens_written.repeat_interleave(repeats, dim=0)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the states (cells and hiddens, all layers and rows)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.cell, layer.hidden))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, index: int) -> LayerState:
+        if not -len(self.layers) <= index < len(self.layers):
+            raise IndexError(f"memory layer index {index} out of range [0, {len(self.layers)})")
+        return self.layers[index]
+
+    def __repr__(self) -> str:
+        if self.layout is None:
+            return "MemoryCache(unbound)"
+        return (
+            f"MemoryCache(layers={len(self.layers)}, batch={self.batch_size}, "
+            f"n_h={self.layout.num_heads}, r={self.layout.head_dim}, dtype={self.layout.state_dtype}, "
+            f"nbytes={self.nbytes})"
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the states to a safetensors file with the layout and its fingerprint."""
+        if self.layout is None or not self.is_initialized:
+            raise ValueError("nothing to save: the MemoryCache has not been written yet")
+        tensors = {"tokens_written": self.tokens_written.contiguous()}
+        for i, layer in enumerate(self.layers):
+            tensors[f"layers.{i}.cell"] = layer.cell.detach().contiguous()
+            tensors[f"layers.{i}.hidden"] = layer.hidden.detach().contiguous()
+        metadata = {
+            "format": "lstmem-memory-cache",
+            "version": "1",
+            "layout": json.dumps(asdict(self.layout)),
+            "fingerprint": self.layout.fingerprint(),
+        }
+        save_file(tensors, os.fspath(path), metadata=metadata)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, layout: MemoryLayout | None = None, device: str | torch.device = "cpu"
+    ) -> MemoryCache:
+        """Read a cache written by :meth:`save`.
+
+        Args:
+            path: the safetensors file.
+            layout: the layout the caller's model expects (``lstmem_peft.memory_layout(model)``);
+                a file written for another layout is refused.
+            device: where to put the states.
+        """
+        from safetensors import safe_open
+
+        try:
+            with safe_open(os.fspath(path), framework="pt") as fh:
+                metadata = fh.metadata() or {}
+        except Exception as err:
+            raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
+        if metadata.get("format") != "lstmem-memory-cache":
+            raise ValueError(f"{path} is not a MemoryCache file (written by MemoryCache.save)")
+        stored = json.loads(metadata["layout"])
+        stored["layer_indices"] = tuple(stored["layer_indices"])
+        stored_layout = MemoryLayout(**stored)
+        if stored_layout.fingerprint() != metadata.get("fingerprint"):
+            raise ValueError(f"{path}: the layout fingerprint does not match its contents; the file is corrupt")
+        if layout is not None and layout != stored_layout:
+            raise ValueError(
+                f"{path} was saved for {cls._describe(stored_layout)} but the model expects "
+                f"{cls._describe(layout)}; load it with the adapter it was written by"
+            )
+        tensors = load_file(os.fspath(path), device=str(device))
+        cache = cls(stored_layout)
+        expected = None
+        for i, layer in enumerate(cache.layers):
+            layer.cell, layer.hidden = tensors[f"layers.{i}.cell"], tensors[f"layers.{i}.hidden"]
+            for t in (layer.cell, layer.hidden):
+                shape = (t.shape[0], stored_layout.num_heads, stored_layout.head_dim, stored_layout.head_dim)
+                expected = expected or shape
+                if tuple(t.shape) != expected or t.dtype != stored_layout.torch_dtype:
+                    raise ValueError(f"{path}: layer {i} has state {tuple(t.shape)} {t.dtype}, expected {expected}")
+                if not torch.isfinite(t.float()).all():
+                    raise ValueError(f"{path}: layer {i} holds nonfinite values")
+        cache.tokens_written = tensors["tokens_written"]
+        return cache

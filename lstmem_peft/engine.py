@@ -1,0 +1,128 @@
+"""``MemoryPass``: one forward of the memory stack over a block of tokens.
+
+The tuner opens a pass when the backbone's forward starts, calls :meth:`MemoryPass.run` from each
+memory-enabled decoder layer (shallow to deep; the backbone's own order), and calls
+:meth:`MemoryPass.finish` when the forward ends. A pass
+
+* reads each layer's states from the :class:`~lstmem_peft.cache.MemoryCache` and writes them back,
+* hands ``D_t`` of one memory layer to the next as its depth input, keeping it only until then,
+* gathers what block-end feedback needs (terminal gates, shared sampled keys/values) and applies it
+  in :meth:`finish` when asked to.
+
+It depends on torch only, so the whole engine can be driven without a transformer (see the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import constants as K
+from .cache import MemoryCache
+from .feedback import FeedbackResult, LayerTerminal, block_feedback, sample_feedback_positions
+from .memory import LayerOutput, LSTMemLayer
+
+
+def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, ...)`` at per-row positions ``index`` ``(B, P)`` -> ``(B, P, ...)``."""
+    view = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return x.gather(1, view)
+
+
+class MemoryPass:
+    """Run the memory layers of one forward against a cache.
+
+    Args:
+        cache: the session states; bound and allocated by the caller.
+        valid: ``(B, T)`` bool validity of the block's positions, or ``None`` (all valid).
+        write: update the states (``False``: read-only pass over fixed states).
+        feedback: apply block-end feedback in :meth:`finish` (history blocks only).
+        depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
+        feedback_positions: ``|I_b|`` bound.
+        backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
+    """
+
+    def __init__(
+        self,
+        cache: MemoryCache,
+        valid: torch.Tensor | None = None,
+        *,
+        write: bool = True,
+        feedback: bool = False,
+        depth_coupling: bool = True,
+        feedback_positions: int = K.FEEDBACK_POSITIONS,
+        backend: str = "auto",
+    ) -> None:
+        if feedback and not write:
+            raise ValueError("block feedback needs a writing pass (write=True)")
+        self.cache = cache
+        self.valid = valid
+        self.write = write
+        self.feedback = feedback
+        self.depth_coupling = depth_coupling
+        self.backend = backend
+        self.feedback_positions = feedback_positions
+        self.feedback_result: FeedbackResult | None = None
+        self._next = 0
+        self._depth: torch.Tensor | None = None
+        self._terminals: list[LayerTerminal] = []
+
+    def _sampling(self, T: int, device: torch.device) -> None:
+        """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
+        valid = self.valid
+        if valid is None:
+            valid = torch.ones(self.cache.batch_size, T, dtype=torch.bool, device=device)
+        self._positions, self._mask = sample_feedback_positions(valid, self.feedback_positions)
+        idx = torch.arange(T, device=device).expand_as(valid)
+        self._last = torch.where(valid, idx, torch.zeros_like(idx)).amax(dim=1, keepdim=True)
+
+    def run(self, index: int, layer: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
+        """Run memory layer ``index`` (depth order) on its input ``x`` ``(B, T, d)``."""
+        if index != self._next:
+            raise RuntimeError(
+                f"memory layer {index} ran before memory layer {self._next}: memory layers must run "
+                "once each, shallow to deep, within one forward"
+            )
+        state = self.cache.layers[index]
+        out = layer(x, state.cell, state.hidden, depth=self._depth, valid=self.valid, write=self.write, backend=self.backend)
+        if self.write:
+            state.cell, state.hidden = out.cell, out.hidden
+            self._depth = out.hidden_seq if self.depth_coupling else None
+            if index == 0:
+                n = x.shape[1] if self.valid is None else self.valid.sum(dim=1)
+                self.cache.tokens_written = self.cache.tokens_written + n
+        else:
+            self._depth = state.hidden if self.depth_coupling else None
+        if self.feedback:
+            if index == 0:
+                self._sampling(x.shape[1], x.device)
+            self._terminals.append(
+                LayerTerminal(
+                    cell=out.cell,
+                    hidden=out.hidden,
+                    out_gate=_gather_time(out.out_gate, self._last)[:, 0],
+                    depth_gate=_gather_time(out.depth_gate, self._last)[:, 0],
+                    key=_gather_time(out.key, self._positions),
+                    value=_gather_time(out.value, self._positions),
+                )
+            )
+        self._next += 1
+        return out
+
+    def finish(self) -> FeedbackResult | None:
+        """Close the pass; for history blocks, apply feedback and store the corrected states.
+
+        Returns the :class:`~lstmem_peft.feedback.FeedbackResult` when feedback ran.
+        """
+        if self._next != len(self.cache.layers):
+            raise RuntimeError(
+                f"only {self._next} of {len(self.cache.layers)} memory layers ran in this forward; "
+                "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"
+            )
+        self._depth = None
+        if self.feedback and self._terminals:
+            result = block_feedback(self._terminals, self._mask, self.depth_coupling)
+            for state, cell, hidden in zip(self.cache.layers, result.cells, result.hiddens):
+                state.cell, state.hidden = cell, hidden
+            self.feedback_result = result
+            self._terminals = []
+        return self.feedback_result

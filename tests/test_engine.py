@@ -1,0 +1,131 @@
+"""A stack of memory layers driven through MemoryPass, without a transformer."""
+
+import pytest
+import torch
+
+from lstmem_peft import LSTMemLayer, MemoryCache, MemoryLayout, MemoryPass
+
+D = 32
+L = 3
+
+
+def make_stack(seed=0):
+    torch.manual_seed(seed)
+    layers = [LSTMemLayer(D, D, layer_idx=i) for i in range(L)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.init_corrections(torch.randn(D, D), torch.randn(D, D))
+            for p in layer.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return layers
+
+
+def new_cache(batch, **layout):
+    cache = MemoryCache(MemoryLayout(tuple(range(L)), 4, 8, **layout))
+    cache.ensure(batch, torch.device("cpu"))
+    return cache
+
+
+def run(layers, cache, xs, valid=None, **kw):
+    p = MemoryPass(cache, valid, **kw)
+    outs = [p.run(i, layer, x) for i, (layer, x) in enumerate(zip(layers, xs))]
+    return outs, p.finish()
+
+
+def test_left_padded_batch_equals_each_row_alone():
+    layers = make_stack()
+    T = 20
+    lengths = [20, 13, 5]
+    xs = [torch.randn(3, T, D) for _ in range(L)]
+    valid = torch.zeros(3, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n :] = True
+    batch = new_cache(3)
+    outs, res = run(layers, batch, xs, valid, feedback=True)
+    for b, n in enumerate(lengths):
+        alone = new_cache(1)
+        single_outs, _ = run(layers, alone, [x[b : b + 1, T - n :] for x in xs], feedback=True)
+        for o_batch, o_single in zip(outs, single_outs):
+            torch.testing.assert_close(o_batch.delta_q[b, T - n :], o_single.delta_q[0], atol=1e-5, rtol=1e-5)
+        for s_batch, s_single in zip(batch.layers, alone.layers):
+            torch.testing.assert_close(s_batch.cell[b], s_single.cell[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s_batch.hidden[b], s_single.hidden[0], atol=1e-5, rtol=1e-5)
+    assert batch.tokens_written.tolist() == lengths
+
+
+def test_prefill_equals_decode_steps_through_the_stack():
+    layers = make_stack()
+    T = 10
+    xs = [torch.randn(2, T, D) for _ in range(L)]
+    full = new_cache(2)
+    full_outs, _ = run(layers, full, xs)
+    steps = new_cache(2)
+    for t in range(T):
+        outs, _ = run(layers, steps, [x[:, t : t + 1] for x in xs])
+        for o, ref in zip(outs, full_outs):
+            torch.testing.assert_close(o.delta_o[:, 0], ref.delta_o[:, t], atol=1e-5, rtol=1e-5)
+    for a, b in zip(full.layers, steps.layers):
+        torch.testing.assert_close(a.cell, b.cell, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_depth_input_is_the_hidden_sequence_of_the_layer_below():
+    layers = make_stack()
+    xs = [torch.randn(1, 6, D) for _ in range(L)]
+    outs, _ = run(layers, new_cache(1), xs)
+    cache = new_cache(1)
+    layer1 = layers[1](xs[1], cache.layers[1].cell, cache.layers[1].hidden, depth=outs[0].hidden_seq)
+    torch.testing.assert_close(layer1.hidden, outs[1].hidden)
+    off, _ = run(layers, new_cache(1), xs, depth_coupling=False)
+    alone = layers[1](xs[1], cache.layers[1].cell, cache.layers[1].hidden, depth=None)
+    torch.testing.assert_close(off[1].hidden, alone.hidden)
+
+
+def test_feedback_changes_the_carried_state_only():
+    layers = make_stack()
+    xs = [torch.randn(2, 40, D) for _ in range(L)]
+    with_fb, without = new_cache(2), new_cache(2)
+    outs_fb, res = run(layers, with_fb, xs, feedback=True)
+    outs_plain, none = run(layers, without, xs)
+    assert none is None and res is not None
+    for a, b in zip(outs_fb, outs_plain):  # outputs inside the block are unchanged
+        assert torch.equal(a.delta_q, b.delta_q)
+    assert not torch.equal(with_fb.layers[0].cell, without.layers[0].cell)
+    assert torch.equal(with_fb.layers[-1].cell, without.layers[-1].cell)
+
+
+def test_read_only_pass_leaves_the_cache_alone():
+    layers = make_stack()
+    cache = new_cache(2)
+    run(layers, cache, [torch.randn(2, 8, D) for _ in range(L)])
+    snap = cache.clone()
+    run(layers, cache, [torch.randn(2, 5, D) for _ in range(L)], write=False)
+    for a, b in zip(cache.layers, snap.layers):
+        assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
+    assert torch.equal(cache.tokens_written, snap.tokens_written)
+
+
+def test_layers_out_of_order_or_missing_are_errors():
+    layers = make_stack()
+    cache = new_cache(1)
+    p = MemoryPass(cache)
+    with pytest.raises(RuntimeError, match="shallow to deep"):
+        p.run(1, layers[1], torch.randn(1, 3, D))
+    p.run(0, layers[0], torch.randn(1, 3, D))
+    with pytest.raises(RuntimeError, match="only 1 of 3"):
+        p.finish()
+    with pytest.raises(ValueError, match="writing pass"):
+        MemoryPass(cache, write=False, feedback=True)
+
+
+def test_gradients_reach_every_layer_through_history_and_feedback():
+    layers = make_stack()
+    cache = new_cache(2)
+    run(layers, cache, [torch.randn(2, 30, D) for _ in range(L)], feedback=True)
+    outs, _ = run(layers, cache, [torch.randn(2, 4, D) for _ in range(L)], write=False)
+    sum(o.delta_q.square().sum() + o.delta_o.square().sum() for o in outs).backward()
+    for i, layer in enumerate(layers):
+        # the first layer's depth input is D^(0) = 0, so its W~_pred never acts
+        unused = {"w_pred_full"} if i == 0 else set()
+        assert [n for n, p in layer.named_parameters() if p.grad is None] == sorted(unused)
+        assert layer.w_in.grad.abs().sum() > 0 and layer.w_gate_full.grad.abs().sum() > 0

@@ -1,0 +1,142 @@
+"""The vectorised scan and decode step against the naive token loop, forward and backward."""
+
+import pytest
+import torch
+
+from lstmem_kernels import lstmem_scan, lstmem_step, scan_naive, scan_parallel, step_naive, step_torch
+
+
+def make_inputs(B, T, H=4, R=8, dtype=torch.float32, depth=True, padding=None, initial=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, kind="randn"):
+        x = torch.randn(*shape, generator=g) if kind == "randn" else torch.rand(*shape, generator=g)
+        return x.to(dtype)
+
+    args = dict(
+        q=rnd(B, T, H, R), k=rnd(B, T, H, R), w=rnd(B, T, H, R),
+        f=rnd(B, T, H, R, kind="rand"), o=rnd(B, T, H, R, kind="rand"),
+        depth=rnd(B, T, H, R, R) if depth else None,
+        valid=None,
+        initial_cell=rnd(B, H, R, R) if initial else None,
+        initial_hidden=rnd(B, H, R, R) if initial else None,
+    )
+    if padding == "left":
+        valid = torch.ones(B, T, dtype=torch.bool)
+        for b in range(B):
+            valid[b, : (b * T) // (B + 1)] = False
+        args["valid"] = valid
+    elif padding == "random":
+        args["valid"] = torch.rand(B, T, generator=g) > 0.3
+        args["valid"][-1] = False  # an all-padding row
+    return args
+
+
+def grads_of(fn, args):
+    args = {k: (v.detach().clone().requires_grad_(v.is_floating_point()) if v is not None else None) for k, v in args.items()}
+    read, hidden, cell_T, hidden_T = fn(**args)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((t.double() * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum() for t in (read, hidden, cell_T, hidden_T))
+    loss.backward()
+    outs = (read, hidden, cell_T, hidden_T)
+    grads = {k: v.grad for k, v in args.items() if v is not None and v.is_floating_point()}
+    return outs, grads
+
+
+CASES = [
+    dict(B=1, T=1),
+    dict(B=2, T=63, padding="left"),
+    dict(B=3, T=63, padding="random", depth=False),
+    dict(B=2, T=100, initial=False),
+    dict(B=1, T=2049, H=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_parallel_matches_naive_fp32(case):
+    args = make_inputs(**case)
+    ref_args = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in args.items()}
+    ref_out, ref_grads = grads_of(scan_naive, ref_args)
+    out, grads = grads_of(scan_parallel, args)
+    for a, b in zip(out, ref_out):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name].double(), ref_grads[name], atol=2e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_parallel_matches_naive_bf16(case):
+    args = make_inputs(dtype=torch.bfloat16, **case)
+    ref_args = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in args.items()}
+    ref_out = scan_naive(**ref_args)
+    out = scan_parallel(**args)
+    for a, b in zip(out, ref_out):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=2e-2)
+
+
+def test_float64_is_exact_to_rounding():
+    args = make_inputs(2, 200, dtype=torch.float64, padding="random")
+    for a, b in zip(scan_parallel(**args), scan_naive(**args)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_padding_carries_states_and_matches_the_unpadded_run():
+    args = make_inputs(1, 40, padding=None)
+    valid = torch.ones(1, 40, dtype=torch.bool)
+    valid[0, :10] = False
+    padded = scan_parallel(**{**args, "valid": valid})
+    alone = scan_parallel(**{k: (v[:, 10:] if k not in ("initial_cell", "initial_hidden") and v is not None else v) for k, v in args.items()})
+    torch.testing.assert_close(padded[1][:, 10:], alone[1])
+    torch.testing.assert_close(padded[2], alone[2])
+    # the padded prefix reads and carries the initial state
+    assert torch.equal(padded[1][:, :10], args["initial_hidden"][:, None].expand(1, 10, 4, 8, 8))
+
+
+def test_extreme_gates_stay_finite():
+    args = make_inputs(1, 300)
+    args["f"] = torch.where(torch.rand_like(args["f"]) > 0.5, torch.zeros_like(args["f"]), torch.ones_like(args["f"]))
+    for a, b in zip(scan_parallel(**args), scan_naive(**args)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_step_matches_naive(state_dtype, with_valid):
+    args = make_inputs(3, 1)
+    x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
+    cell = args["initial_cell"].to(state_dtype)
+    hidden = args["initial_hidden"].to(state_dtype)
+    depth = args["depth"][:, 0]
+    valid = torch.tensor([True, False, True]) if with_valid else None
+    ref_c, ref_h = cell.clone(), hidden.clone()
+    ref_read = step_naive(**x, cell=ref_c, hidden=ref_h, depth=depth, valid=valid)
+    read, c, h = step_torch(**x, cell=cell, hidden=hidden, depth=depth, valid=valid)
+    assert c.dtype == state_dtype and h.dtype == state_dtype
+    torch.testing.assert_close(read, ref_read, atol=1e-5, rtol=1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(c.float(), ref_c.float(), **tol)
+    torch.testing.assert_close(h.float(), ref_h.float(), **tol)
+    if with_valid:
+        assert torch.equal(c[1], cell[1]) and torch.equal(h[1], hidden[1])
+
+
+def test_scan_of_one_token_equals_step():
+    args = make_inputs(2, 1)
+    read, hidden, cell_T, hidden_T = lstmem_scan(**args)
+    x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
+    r, c, h = lstmem_step(**x, cell=args["initial_cell"], hidden=args["initial_hidden"], depth=args["depth"][:, 0])
+    torch.testing.assert_close(read[:, 0], r)
+    torch.testing.assert_close(cell_T, c)
+    torch.testing.assert_close(hidden_T, h)
+
+
+def test_dispatch_validates_arguments():
+    args = make_inputs(1, 4)
+    with pytest.raises(ValueError, match="backend"):
+        lstmem_scan(**args, backend="cuda")
+    with pytest.raises(ValueError, match="k must have"):
+        lstmem_scan(**{**args, "k": args["k"][:, :2]})
+    with pytest.raises(ValueError, match="valid must have"):
+        lstmem_scan(**{**args, "valid": torch.ones(1, 3, dtype=torch.bool)})
