@@ -1,19 +1,51 @@
-"""lstmem-peft: LSTMem online memory for frozen causal language models, as a PEFT adapter."""
+"""lstmem-peft: LSTMem online memory for frozen causal language models, as a PEFT adapter.
 
+Importing the package registers the ``LSTMEM`` method with PEFT, so ``get_peft_model`` and
+``PeftModel.from_pretrained`` work with no other set-up.
+"""
+
+from peft import mapping as _peft_mapping
+
+from . import card as _card
 from .cache import LayerState, MemoryCache, MemoryLayout
+from .config import LSTMemConfig, LSTMemPeftType
+from .context import memory_options
 from .engine import MemoryPass
 from .feedback import block_feedback, feedback_gradients, sample_feedback_positions
+from .history import memory_layers, memory_layout, write_history
+from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 from .memory import LSTMemLayer
+from .tuner import LSTMemModel
 
 __version__ = "0.1.0"
 
+
+def _register() -> None:
+    """Add LSTMem to PEFT's method tables (PEFT's own registry only accepts its closed enum)."""
+    peft_type = LSTMemPeftType.LSTMEM
+    _peft_mapping.PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = LSTMemConfig
+    _peft_mapping.PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = LSTMemModel
+    _peft_mapping.PEFT_TYPE_TO_PREFIX_MAPPING[peft_type] = LSTMemModel.prefix
+
+
+_register()
+_card.install()
+
 __all__ = [
+    "LSTMemConfig",
     "LSTMemLayer",
+    "LSTMemModel",
+    "LSTMemOutputLayer",
+    "LSTMemQueryLayer",
     "LayerState",
     "MemoryCache",
     "MemoryLayout",
     "MemoryPass",
     "block_feedback",
     "feedback_gradients",
+    "memory_layers",
+    "memory_layout",
+    "memory_options",
     "sample_feedback_positions",
+    "write_history",
 ]

@@ -1,0 +1,129 @@
+"""Writing a history into memory in blocks, and finding a model's memory layers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .cache import MemoryCache, MemoryLayout
+from .context import memory_options
+from .memory import LSTMemLayer
+from .tuner import LSTMemModel
+
+
+def find_tuner(model: nn.Module) -> LSTMemModel:
+    """The :class:`LSTMemModel` inside a PeftModel, a DDP/accelerate wrapper or the tuner itself."""
+    seen = model
+    while hasattr(seen, "module") and isinstance(seen.module, nn.Module) and not isinstance(seen, LSTMemModel):
+        seen = seen.module  # DistributedDataParallel and similar wrappers
+    if isinstance(seen, LSTMemModel):
+        return seen
+    base = getattr(seen, "base_model", None)
+    if isinstance(base, LSTMemModel):
+        return base
+    raise TypeError(
+        f"{type(model).__name__} carries no LSTMem adapter; wrap the model first with "
+        "peft.get_peft_model(model, LSTMemConfig(...)) or PeftModel.from_pretrained(model, path)"
+    )
+
+
+def memory_layers(model: nn.Module) -> list[LSTMemLayer]:
+    """The active adapter's memory layers in depth order.
+
+    Each has ``.layer_idx`` (its decoder layer) and ``paper_parameters()``.
+    """
+    return find_tuner(model).memory_layers()
+
+
+def memory_layout(model: nn.Module) -> MemoryLayout:
+    """The :class:`MemoryLayout` a :class:`MemoryCache` for this model must have (e.g. to load one)."""
+    return find_tuner(model).memory_layout()
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def write_history(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    memory_cache: MemoryCache,
+    attention_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+    past_key_values=None,
+    progress: bool | None = None,
+) -> MemoryCache:
+    """Write a history into memory block by block, with block-end feedback after every block.
+
+    Every token reads and then writes memory; after each block (the last included) feedback corrects
+    the carried states (unless the adapter's ``block_feedback`` is off). Runs under the caller's
+    grad mode: with gradients the whole history stays in the graph (the paper's stage 1); wrap it in
+    ``torch.no_grad()`` and ``memory_cache.detach_()`` between calls for stage 2.
+
+    Args:
+        model: a model carrying an LSTMem adapter.
+        input_ids: ``(B, T)`` history tokens (left padding allowed).
+        memory_cache: the sessions' memory; written in place.
+        attention_mask: ``(B, T)`` (or ``(B, P + T)`` when ``past_key_values`` already holds ``P``
+            tokens), 1 for tokens, 0 for padding; ``None`` for no padding.
+        block_size: tokens per block; defaults to the adapter's ``block_size`` (2048).
+        past_key_values: a transformers cache to fill with the history too (the paper's evaluation
+            protocol keeps the history in the KV cache); blocks then attend to earlier blocks. Without
+            it each block is an independent forward (positions restart at 0) and peak memory does not
+            grow with the history length.
+        progress: show a progress bar; default: when there is more than one block.
+
+    Returns:
+        ``memory_cache``.
+    """
+    tuner = find_tuner(model)
+    config = tuner.peft_config[tuner._single_active_adapter()]
+    block = block_size or config.block_size
+    if block < 1:
+        raise ValueError(f"block_size must be positive, got {block}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+    if not isinstance(memory_cache, MemoryCache):
+        raise TypeError(f"memory_cache must be a MemoryCache, got {type(memory_cache).__name__}")
+    B, T = input_ids.shape
+    past = 0 if past_key_values is None else past_key_values.get_seq_length()
+    if attention_mask is None:
+        full_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+    elif attention_mask.shape == (B, past + T):
+        full_mask = attention_mask.long()
+    elif attention_mask.shape == (B, T):
+        full_mask = torch.cat([attention_mask.new_ones(B, past), attention_mask], dim=1).long()
+    else:
+        raise ValueError(
+            f"attention_mask must have shape {(B, T)} (or {(B, past + T)} with the KV cache's {past} tokens), "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
+    extra = {"logits_to_keep": 1} if _accepts(tuner.model, "logits_to_keep") else {}
+    starts = range(0, T, block)
+    show = len(starts) > 1 if progress is None else progress
+    with memory_options(write=True, feedback=True):
+        for start in tqdm(starts, desc="writing history", unit="block", disable=not show):
+            end = min(start + block, T)
+            if past_key_values is not None:
+                mask = full_mask[:, : past + end]
+                pos = positions[:, past + start : past + end]
+            else:
+                mask = full_mask[:, past + start : past + end]
+                pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
+            model(
+                input_ids=input_ids[:, start:end],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
+                memory_cache=memory_cache,
+                **extra,
+            )
+    return memory_cache

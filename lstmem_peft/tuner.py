@@ -1,0 +1,345 @@
+"""``LSTMemModel``: the PEFT tuner that injects LSTMem memory into a causal LM.
+
+For every chosen decoder layer, the query projection is wrapped by
+:class:`~lstmem_peft.layer.LSTMemQueryLayer` (which owns the memory parameters) and the output
+projection by :class:`~lstmem_peft.layer.LSTMemOutputLayer`. Two hooks on the backbone open and close
+a memory pass around each forward; ``generate`` and ``prepare_inputs_for_generation`` are wrapped on
+the backbone instance so that ``memory_cache=`` reaches every step. ``unload()`` removes all of it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner
+from torch import nn
+
+from .cache import MemoryCache, MemoryLayout
+from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
+from .context import ModelPass, current_options, current_pass, memory_options
+from .engine import MemoryPass
+from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | None:
+    """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
+
+    Args:
+        mask: ``None``; 2-D ``(B, S)`` with 1 for tokens (the last ``length`` columns are the
+            current tokens); 4-D ``(B, 1, T, S)`` boolean (``True`` = attend) or float (0 = attend),
+            where a token is valid when it may attend to itself; or a dict of such masks.
+    Returns:
+        ``(B, length)`` bool, or ``None`` when every token is valid.
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        if not mask:
+            return None
+        mask = next(iter(mask.values()))
+    if mask.dim() == 2:
+        valid = mask[:, -length:].bool()
+    elif mask.dim() == 4:
+        S = mask.shape[-1]
+        t = torch.arange(length, device=mask.device)
+        diag = mask[:, 0, -length:, :][:, t, S - length + t]
+        valid = diag if diag.dtype == torch.bool else diag == 0
+    else:
+        raise ValueError(f"cannot read token validity from an attention mask of shape {tuple(mask.shape)}")
+    if valid.shape != (batch, length):
+        raise ValueError(f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}")
+    return None if bool(valid.all()) else valid
+
+
+class LSTMemModel(BaseTuner):
+    """Creates an LSTMem model from a pretrained causal LM.
+
+    Example:
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> from peft import get_peft_model
+        >>> from lstmem_peft import LSTMemConfig, MemoryCache
+        >>> base = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+        >>> model = get_peft_model(base, LSTMemConfig())
+        >>> cache = MemoryCache()
+        >>> out = model(input_ids=torch.tensor([[1, 2, 3]]), memory_cache=cache)
+        >>> cache.tokens_written.tolist()
+        [3]
+    """
+
+    prefix: str = "lstmem_"
+    tuner_layer_cls = LSTMemTunerLayer
+    target_module_mapping = DEFAULT_TARGET_MODULES
+
+    # ------------------------------------------------------------------ injection
+    def _prepare_adapter_config(self, peft_config: LSTMemConfig, model_config: dict) -> LSTMemConfig:
+        if peft_config.target_modules is None:
+            model_type = model_config.get("model_type")
+            if model_type not in DEFAULT_TARGET_MODULES:
+                raise ValueError(
+                    f"LSTMem has no default target modules for model type {model_type!r}; pass "
+                    "target_modules=[<query projection name>, <output projection name>] (for most decoder "
+                    "models ['q_proj', 'o_proj'])"
+                )
+            peft_config.target_modules = list(DEFAULT_TARGET_MODULES[model_type])
+        return peft_config
+
+    @staticmethod
+    def _layer_index(key: str) -> int | None:
+        found = _LAYER_INDEX.findall(f".{key}.")
+        return int(found[-1]) if found else None
+
+    @staticmethod
+    def _check_target_module_exists(peft_config: LSTMemConfig, key: str) -> bool:
+        name = key.rsplit(".", 1)[-1]
+        if name not in (peft_config.query_module, peft_config.output_module):
+            return False
+        idx = LSTMemModel._layer_index(key)
+        if idx is None:
+            return False
+        return peft_config.layers_to_transform is None or idx in peft_config.layers_to_transform
+
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None):
+        idx = self._layer_index(current_key)
+        if target_name == peft_config.query_module:
+            output = getattr(parent, peft_config.output_module, None)
+            if output is None:
+                raise ValueError(
+                    f"{current_key}: found the query projection but no sibling {peft_config.output_module!r}; "
+                    "LSTMem needs both projections of one attention block: set target_modules=[query, output]"
+                )
+            output_weight = output.get_base_layer().weight if isinstance(output, LSTMemTunerLayer) else output.weight
+            if not isinstance(target, LSTMemQueryLayer):
+                self._check_linear(target, current_key)
+                new = LSTMemQueryLayer(target, idx)
+                self._replace_module(parent, target_name, new, target)
+                target = new
+            target.update_layer(adapter_name, peft_config, output_weight)
+        elif not isinstance(target, LSTMemOutputLayer):
+            self._check_linear(target, current_key)
+            self._replace_module(parent, target_name, LSTMemOutputLayer(target, idx), target)
+
+    @staticmethod
+    def _check_linear(module: nn.Module, key: str) -> None:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"LSTMem wraps torch.nn.Linear projections, but {key} is {type(module).__name__}; "
+                "quantised or fused projections are not supported"
+            )
+
+    def _post_injection_hook(self, model: nn.Module, config: LSTMemConfig, adapter_name: str) -> None:
+        queries = self._query_layers(adapter_name)
+        outputs = {m.layer_idx for m in model.modules() if isinstance(m, LSTMemOutputLayer)}
+        if not queries:
+            raise ValueError(
+                f"LSTMem found no {config.query_module!r}/{config.output_module!r} projections in decoder layers "
+                f"{config.layers_to_transform or 'all'}; check target_modules and layers_to_transform"
+            )
+        missing = [q.layer_idx for q in queries if q.layer_idx not in outputs]
+        if missing:
+            raise ValueError(f"decoder layers {missing} have a query projection but no {config.output_module!r}")
+        if config.layers_to_transform is not None:
+            absent = sorted(set(config.layers_to_transform) - {q.layer_idx for q in queries})
+            if absent:
+                raise ValueError(
+                    f"layers_to_transform names decoder layers {absent} that the model does not have "
+                    f"(it has {self._num_layers(model)} layers)"
+                )
+        self._install_hooks()
+
+    @staticmethod
+    def _num_layers(model: nn.Module) -> int | None:
+        return getattr(getattr(model, "config", None), "num_hidden_layers", None)
+
+    # ------------------------------------------------------------------ memory layout
+    def _query_layers(self, adapter_name: str | None = None) -> list[LSTMemQueryLayer]:
+        adapter_name = adapter_name or self._single_active_adapter()
+        layers = [m for m in self.model.modules() if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory]
+        return sorted(layers, key=lambda m: m.layer_idx)
+
+    def _single_active_adapter(self) -> str:
+        active = self.active_adapters
+        if len(active) != 1:
+            raise ValueError(f"LSTMem runs one adapter at a time; set_adapter() one of {active}")
+        return active[0]
+
+    def memory_layout(self, adapter_name: str | None = None) -> MemoryLayout:
+        """The :class:`~lstmem_peft.cache.MemoryLayout` of the (active) adapter."""
+        adapter_name = adapter_name or self._single_active_adapter()
+        config = self.peft_config[adapter_name]
+        base = getattr(self.model, "config", None)
+        identity = "|".join(
+            str(x)
+            for x in (
+                getattr(base, "model_type", type(self.model).__name__),
+                getattr(base, "hidden_size", ""),
+                getattr(config, "base_model_name_or_path", "") or "",
+                f"alpha={config.alpha}",
+                f"depth_coupling={config.depth_coupling}",
+            )
+        )
+        return MemoryLayout(
+            layer_indices=tuple(q.layer_idx for q in self._query_layers(adapter_name)),
+            num_heads=config.num_heads,
+            head_dim=config.r,
+            state_dtype=config.state_dtype,
+            identity=identity,
+        )
+
+    def memory_layers(self, adapter_name: str | None = None):
+        """The adapter's :class:`~lstmem_peft.memory.LSTMemLayer` modules in depth order."""
+        adapter_name = adapter_name or self._single_active_adapter()
+        return [q.lstmem_memory[adapter_name] for q in self._query_layers(adapter_name)]
+
+    def _adapters_disabled(self) -> bool:
+        return any(m.disable_adapters for m in self.model.modules() if isinstance(m, LSTMemQueryLayer))
+
+    # ------------------------------------------------------------------ hooks around the backbone
+    def _hook_targets(self) -> list[nn.Module]:
+        targets = [self.model]
+        decoder = getattr(self.model, "model", None)
+        if isinstance(decoder, nn.Module):
+            targets.append(decoder)
+        return targets
+
+    def _install_hooks(self) -> None:
+        if getattr(self, "_lstmem_handles", None):
+            return
+        handles = []
+        for target in self._hook_targets():
+            handles.append(target.register_forward_pre_hook(self._open_pass, with_kwargs=True))
+            handles.append(target.register_forward_hook(self._close_pass, with_kwargs=True, always_call=True))
+        self._lstmem_handles = handles
+        self._lstmem_opened: dict[int, list] = {}
+        model = self.model
+        if hasattr(model, "generate"):
+            model.generate = self._wrap_generate(model.generate)
+        if hasattr(model, "prepare_inputs_for_generation"):
+            model.prepare_inputs_for_generation = self._wrap_prepare(model.prepare_inputs_for_generation)
+
+    def _remove_hooks(self) -> None:
+        for handle in getattr(self, "_lstmem_handles", []):
+            handle.remove()
+        self._lstmem_handles = []
+        for name in ("generate", "prepare_inputs_for_generation"):
+            self.model.__dict__.pop(name, None)
+
+    def _checkpointing(self) -> bool:
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(type(self.model), name):
+                return bool(getattr(self.model, name))
+        return False
+
+    def _open_pass(self, module: nn.Module, args, kwargs):
+        cache = kwargs.pop("memory_cache", None)
+        if current_pass() is not None:
+            if cache is not None:
+                raise RuntimeError("memory_cache was passed to a nested forward of a model whose memory pass is already open")
+            return args, kwargs
+        if self._adapters_disabled():
+            return args, kwargs
+        adapter = self._single_active_adapter()
+        config = self.peft_config[adapter]
+        if self.model.training and torch.is_grad_enabled() and self._checkpointing():
+            raise RuntimeError(
+                "LSTMem does not support gradient checkpointing: the recomputed layers would run outside the "
+                "memory pass and memory gradients would be wrong. Call model.gradient_checkpointing_disable() "
+                "(with TRL: gradient_checkpointing=False in the trainer config)"
+            )
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        if ref is None:
+            raise ValueError("LSTMem needs input_ids or inputs_embeds to size the memory pass")
+        batch, length = ref.shape[0], ref.shape[1]
+        if cache is None:
+            cache = MemoryCache()  # a fresh memory for this call only
+        if not isinstance(cache, MemoryCache):
+            raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+        cache.bind(self.memory_layout(adapter))
+        cache.ensure(batch, ref.device)
+        valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length)
+        options = current_options()
+        memory_pass = MemoryPass(
+            cache,
+            valid,
+            write=options.write,
+            feedback=options.feedback and options.write and config.block_feedback,
+            depth_coupling=config.depth_coupling,
+            feedback_positions=config.feedback_positions,
+            backend=config.scan_backend,
+        )
+        depth_index = {q.layer_idx: i for i, q in enumerate(self._query_layers(adapter))}
+        model_pass = ModelPass(adapter, depth_index, memory_pass)
+        model_pass.open()
+        self._lstmem_opened.setdefault(id(module), []).append(model_pass)
+        return args, kwargs
+
+    def _close_pass(self, module: nn.Module, args, kwargs, output):
+        stack = self._lstmem_opened.get(id(module))
+        if not stack:
+            return output
+        model_pass = stack.pop()
+        model_pass.close(completed=output is not None and model_pass.memory_pass._next > 0)
+        return output
+
+    # ------------------------------------------------------------------ generate
+    def _wrap_generate(self, generate):
+        tuner = self
+
+        def lstmem_generate(*args, memory_cache: MemoryCache | None = None, **kwargs):
+            if tuner._adapters_disabled():
+                return generate(*args, **kwargs)
+            gen_config = kwargs.get("generation_config") or getattr(tuner.model, "generation_config", None)
+            num_beams = kwargs.get("num_beams", getattr(gen_config, "num_beams", 1) or 1)
+            if num_beams > 1:
+                raise NotImplementedError(
+                    "beam search (num_beams > 1) is not supported with LSTMem memory yet: beams would need their "
+                    "memory reordered with the KV cache. Use sampling or greedy decoding"
+                )
+            cache = MemoryCache() if memory_cache is None else memory_cache
+            repeats = kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", 1) or 1)
+            if repeats > 1 and cache.tokens_written is not None:
+                cache.batch_repeat_interleave(repeats)
+            config = tuner.peft_config[tuner._single_active_adapter()]
+            with memory_options(write=config.update_during_generation, feedback=False):
+                return generate(*args, memory_cache=cache, **kwargs)
+
+        lstmem_generate.__doc__ = generate.__doc__
+        return lstmem_generate
+
+    @staticmethod
+    def _wrap_prepare(prepare):
+        def prepare_inputs_for_generation(*args, memory_cache: MemoryCache | None = None, **kwargs):
+            inputs = prepare(*args, **kwargs)
+            if memory_cache is not None:
+                inputs["memory_cache"] = memory_cache
+            return inputs
+
+        # no __wrapped__: transformers reads this signature to accept memory_cache
+        return prepare_inputs_for_generation
+
+    # ------------------------------------------------------------------ merging and unloading
+    def merge_and_unload(self, *args, **kwargs):
+        raise NotImplementedError(
+            "merge_and_unload() cannot apply to LSTMem: the adapter is a stateful memory whose corrections depend "
+            "on the history written so far, so there are no fixed weights to merge. Use model.unload() to get the "
+            "plain base model back, or keep the adapter and pass a MemoryCache"
+        )
+
+    def merge_adapter(self, *args, **kwargs):
+        self.merge_and_unload()
+
+    def unload(self) -> nn.Module:
+        """Remove every LSTMem layer and hook; returns the plain base model."""
+        self._remove_hooks()
+        return self._unload_and_optionally_merge(merge=False)
+
+    def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+        if merge:
+            self.merge_and_unload()
+        self._remove_hooks()
+        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)

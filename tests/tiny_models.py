@@ -1,0 +1,36 @@
+"""Tiny random-init causal LMs built from configs (no downloads)."""
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+ARCHITECTURES = {
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=12, **COMMON)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON)),
+    "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0, 1], **COMMON)),
+}
+
+
+def tiny_model(arch: str = "qwen3", seed: int = 0):
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch]()
+    model.eval()
+    return model
