@@ -1,0 +1,44 @@
+"""Tiny models and tokenizers built locally, for examples, demos and tests (no downloads)."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+
+def char_tokenizer(alphabet: str = string.printable[:95]) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: one id per character of ``alphabet`` plus pad/bos/eos."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+
+
+def tiny_qwen3(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random-init Qwen3 causal LM (4 heads of 32, 2 KV heads) with pad/bos/eos ids 0/1/2."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config).eval()
