@@ -1,0 +1,177 @@
+"""Episodes: what LSTMem trains and evaluates on.
+
+An episode is a history (written into memory) and a final turn (a prompt and the answer to predict
+from memory). Builders turn the supported formats into text episodes::
+
+    {"history": str, "prompt": str, "answer": str}
+
+and :func:`tokenize_episode` turns one into the token lists the collator pads::
+
+    {"history_input_ids": [...], "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+
+Formats:
+
+* chat JSONL: one ``{"messages": [{"role", "content"}, ...]}`` per line; the last message is the
+  assistant answer, the user message before it the prompt, everything earlier the history;
+* QASPER, in its public schema (``title``, ``abstract``, ``full_text.section_name/paragraphs``,
+  ``qas.question/answers``): the paper is the history, one episode per answered question;
+* long-document QA JSONL (the shape of the paper's Long dataset): ``{"context": str, "qas":
+  [{"question": str, "answer": str}, ...]}``, one episode per question;
+* synthetic key-value recall (:func:`synthetic_recall_episodes`) for tests and the demo.
+
+Each loader reads a local file (``.json``/``.jsonl``) or, given a Hub dataset id, goes through
+``datasets.load_dataset``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from . import constants as K
+
+Episode = dict[str, str]
+
+
+# ---------------------------------------------------------------------- reading records
+def read_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
+    """Records from a local ``.jsonl``/``.json`` file, or a Hub dataset id through ``datasets``."""
+    if os.path.exists(source):
+        with open(source, encoding="utf-8") as fh:
+            if source.endswith(".jsonl"):
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)
+                        except json.JSONDecodeError as err:
+                            raise ValueError(f"{source}:{n}: not valid JSON ({err.msg})") from err
+                return
+            data = json.load(fh)
+        if isinstance(data, dict):  # QASPER's official files map paper ids to papers
+            for key, value in data.items():
+                yield {"id": key, **value} if isinstance(value, dict) else value
+        else:
+            yield from data
+        return
+    if "/" not in source:
+        raise FileNotFoundError(f"{source!r} is neither a local file nor a Hub dataset id (owner/name)")
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is optional
+        raise ImportError("loading from the Hub needs `pip install datasets`") from err
+    yield from datasets.load_dataset(source, split=split)
+
+
+# ---------------------------------------------------------------------- builders
+def chat_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
+    """Chat transcripts -> episodes (history turns, final user prompt, final assistant answer)."""
+    for n, record in enumerate(records):
+        messages = record.get("messages")
+        if not messages or len(messages) < 2:
+            raise ValueError(f"chat record {n} needs a 'messages' list with at least a user turn and an answer")
+        *before, prompt, answer = messages
+        if answer.get("role") != "assistant" or prompt.get("role") != "user":
+            raise ValueError(f"chat record {n} must end with a user message followed by the assistant answer")
+        history = "\n".join(f"{m['role']}: {m['content']}" for m in before)
+        yield {"history": history, "prompt": f"user: {prompt['content']}\nassistant:", "answer": " " + answer["content"]}
+
+
+def _qasper_answer(answer: dict[str, Any]) -> str | None:
+    if answer.get("unanswerable"):
+        return None
+    if answer.get("free_form_answer"):
+        return answer["free_form_answer"]
+    if answer.get("extractive_spans"):
+        return ", ".join(answer["extractive_spans"])
+    if answer.get("yes_no") is not None:
+        return "Yes" if answer["yes_no"] else "No"
+    return None
+
+
+def _rows(table: Any, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """QASPER stores lists of records either row-wise (official JSON) or column-wise (Hub dataset)."""
+    if isinstance(table, dict):
+        columns = [table.get(k, []) for k in keys]
+        return [dict(zip(keys, values)) for values in zip(*columns)]
+    return list(table or [])
+
+
+def qasper_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
+    """QASPER papers -> one episode per answered question; the paper is the history.
+
+    Reads both public layouts: the official JSON release (``full_text`` and ``qas`` as lists of
+    records, ``answers[i]["answer"]`` a dict) and the Hub dataset (columns of lists).
+    """
+    for paper in records:
+        sections = [
+            f"{sec.get('section_name') or ''}\n" + "\n".join(sec.get("paragraphs") or [])
+            for sec in _rows(paper.get("full_text"), ("section_name", "paragraphs"))
+        ]
+        history = "\n\n".join([paper.get("title", ""), paper.get("abstract", ""), *sections]).strip()
+        for qa in _rows(paper.get("qas"), ("question", "answers")):
+            answers = qa.get("answers") or []
+            if isinstance(answers, dict):  # Hub layout: {"answer": [...], "annotation_id": [...], ...}
+                answers = [{"answer": a} for a in answers.get("answer", [])]
+            found = [_qasper_answer(a.get("answer") or {}) for a in answers]
+            found = [a for a in found if a]
+            if found:
+                yield {"history": history, "prompt": f"Question: {qa['question']}\nAnswer:", "answer": " " + found[0]}
+
+
+def long_qa_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
+    """Long-document QA (``context`` + ``qas``) -> one episode per question."""
+    for n, record in enumerate(records):
+        if "context" not in record or "qas" not in record:
+            raise ValueError(f"long-QA record {n} needs 'context' and 'qas' fields")
+        for qa in record["qas"]:
+            yield {"history": record["context"], "prompt": f"Question: {qa['question']}\nAnswer:", "answer": " " + qa["answer"]}
+
+
+BUILDERS = {"chat": chat_episodes, "qasper": qasper_episodes, "long_qa": long_qa_episodes}
+
+
+def load_episodes(source: str, fmt: str, split: str = "train") -> list[Episode]:
+    """Episodes from a local file or Hub id in one of :data:`BUILDERS`' formats."""
+    if fmt not in BUILDERS:
+        raise ValueError(f"unknown episode format {fmt!r}; choose one of {sorted(BUILDERS)}")
+    return list(BUILDERS[fmt](read_records(source, split)))
+
+
+# ---------------------------------------------------------------------- synthetic recall
+def synthetic_recall_episodes(
+    num_episodes: int, num_pairs: int = 8, num_keys: int = 32, num_values: int = 32, seed: int = 0
+) -> list[Episode]:
+    """Key-value recall: a history of facts ``k07 v19 ;`` and a question ``? k07`` answered ``v19``.
+
+    Keys within an episode are distinct; the answer appears only in the history.
+    """
+    rng = random.Random(seed)
+    episodes = []
+    for _ in range(num_episodes):
+        keys = rng.sample(range(num_keys), num_pairs)
+        values = [rng.randrange(num_values) for _ in keys]
+        ask = rng.randrange(num_pairs)
+        history = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values))
+        episodes.append({"history": history, "prompt": f"? k{keys[ask]:02d}", "answer": f" v{values[ask]:02d}"})
+    return episodes
+
+
+# ---------------------------------------------------------------------- tokenization
+def tokenize_episode(
+    tokenizer, episode: Episode, history_max_tokens: int = K.STAGE1_HISTORY_CAP, add_eos: bool = True
+) -> dict[str, list[int]]:
+    """Token ids of one episode; the history keeps its first ``history_max_tokens`` tokens."""
+    history = tokenizer(episode["history"], add_special_tokens=False)["input_ids"][:history_max_tokens]
+    prompt = tokenizer(episode["prompt"], add_special_tokens=False)["input_ids"]
+    answer = tokenizer(episode["answer"], add_special_tokens=False)["input_ids"]
+    if add_eos and tokenizer.eos_token_id is not None:
+        answer = answer + [tokenizer.eos_token_id]
+    if tokenizer.bos_token_id is not None:
+        history = [tokenizer.bos_token_id] + history
+        prompt = [tokenizer.bos_token_id] + prompt
+    if not answer:
+        raise ValueError(f"episode has an empty answer: {episode!r}")
+    return {"history_input_ids": history, "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
