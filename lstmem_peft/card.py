@@ -18,6 +18,22 @@ from . import constants as K
 BEGIN, END = "<!-- lstmem:begin -->", "<!-- lstmem:end -->"
 
 
+TRAINING_ATTR = "lstmem_training_info"
+
+
+def record_training(model, **info) -> None:
+    """Attach training facts (base model, data, schedule) that the model card will list."""
+    current = dict(getattr(model, TRAINING_ATTR, None) or {})
+    current.update({k: v for k, v in info.items() if v is not None})
+    object.__setattr__(model, TRAINING_ATTR, current)
+
+
+def _training_table(info: dict) -> str:
+    rows = ["### Training", "", "| | |", "| --- | --- |"]
+    rows += [f"| {key.replace('_', ' ')} | {value} |" for key, value in info.items()]
+    return "\n".join(rows)
+
+
 def lstmem_card_section(config, extra: str = "") -> str:
     """Markdown describing an LSTMem adapter and citing the paper."""
     layers = "all" if config.layers_to_transform is None else ", ".join(map(str, config.layers_to_transform))
@@ -39,6 +55,7 @@ def lstmem_card_section(config, extra: str = "") -> str:
         f"| block feedback | {config.block_feedback} (<= {config.feedback_positions} positions per block) |",
         f"| history block size | {config.block_size} |",
         f"| state dtype | {config.state_dtype} |",
+        f"| base model | {config.base_model_name_or_path or 'not recorded'} |",
         "",
     ]
     if extra:
@@ -77,16 +94,20 @@ def install() -> None:
     original_card = PeftModel.create_or_update_model_card
     original_upload = PeftModel._upload_modified_files
 
+    def extra_of(model) -> str:
+        info = getattr(model, TRAINING_ATTR, None)
+        return _training_table(info) if info else ""
+
     def create_or_update_model_card(self, output_dir: str):
         original_card(self, output_dir)
         config = _lstmem_config(self)
         if config is not None:
-            write_lstmem_section(output_dir, config)
+            write_lstmem_section(output_dir, config, extra_of(self))
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
         config = _lstmem_config(self)
         if config is not None:
-            write_lstmem_section(working_dir, config)
+            write_lstmem_section(working_dir, config, extra_of(self))
         return original_upload(self, working_dir, *args, **kwargs)
 
     create_or_update_model_card._lstmem = True

@@ -24,6 +24,7 @@ from trl import SFTConfig, SFTTrainer
 
 from . import constants as K
 from .cache import MemoryCache
+from .card import record_training
 from .context import memory_options
 from .history import find_tuner, write_history
 
@@ -176,6 +177,26 @@ class LSTMemTrainer(SFTTrainer):
             )
         super().__init__(model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs)
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
+
+    def train(self, *args, **kwargs):
+        """Train, then record the base model, data and schedule for the adapter's model card."""
+        output = super().train(*args, **kwargs)
+        base = getattr(getattr(self.model, "config", None), "_name_or_path", None) or None
+        data = self.train_dataset
+        record_training(
+            self.model,
+            base_model=base,
+            training_data=getattr(getattr(data, "info", None), "dataset_name", None),
+            episodes=len(data) if hasattr(data, "__len__") else None,
+            history_mode=self.args.history_mode,
+            history_max_tokens=self.args.history_max_tokens,
+            updates=self.state.global_step,
+            learning_rate=self.args.learning_rate,
+            effective_batch=self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+            * self.accelerator.num_processes,
+            seed=self.args.seed,
+        )
+        return output
 
     def write_episode_history(self, model, history_ids: torch.Tensor, history_mask: torch.Tensor) -> MemoryCache:
         """Step 2 of an episode: a fresh memory with the history written into it."""
