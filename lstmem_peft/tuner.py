@@ -58,6 +58,7 @@ class LSTMemModel(BaseTuner):
     """Creates an LSTMem model from a pretrained causal LM.
 
     Example:
+        >>> import torch
         >>> from transformers import Qwen3Config, Qwen3ForCausalLM
         >>> from peft import get_peft_model
         >>> from lstmem_peft import LSTMemConfig, MemoryCache
@@ -131,6 +132,7 @@ class LSTMemModel(BaseTuner):
             )
 
     def _post_injection_hook(self, model: nn.Module, config: LSTMemConfig, adapter_name: str) -> None:
+        self._forget_layers()
         queries = self._query_layers(adapter_name)
         outputs = {m.layer_idx for m in model.modules() if isinstance(m, LSTMemOutputLayer)}
         if not queries:
@@ -156,9 +158,16 @@ class LSTMemModel(BaseTuner):
 
     # ------------------------------------------------------------------ memory layout
     def _query_layers(self, adapter_name: str | None = None) -> list[LSTMemQueryLayer]:
+        """The adapter's query wrappers in depth order (cached: forwards must not walk the model)."""
         adapter_name = adapter_name or self._single_active_adapter()
-        layers = [m for m in self.model.modules() if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory]
-        return sorted(layers, key=lambda m: m.layer_idx)
+        cache = self.__dict__.setdefault("_lstmem_query_layers", {})
+        if adapter_name not in cache:
+            layers = [m for m in self.model.modules() if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory]
+            cache[adapter_name] = sorted(layers, key=lambda m: m.layer_idx)
+        return cache[adapter_name]
+
+    def _forget_layers(self) -> None:
+        self.__dict__.pop("_lstmem_query_layers", None)
 
     def _single_active_adapter(self) -> str:
         active = self.active_adapters
@@ -195,7 +204,10 @@ class LSTMemModel(BaseTuner):
         return [q.lstmem_memory[adapter_name] for q in self._query_layers(adapter_name)]
 
     def _adapters_disabled(self) -> bool:
-        return any(m.disable_adapters for m in self.model.modules() if isinstance(m, LSTMemQueryLayer))
+        if not self.peft_config:
+            return True
+        layers = self._query_layers(next(iter(self.peft_config)))  # PEFT toggles every wrapper together
+        return bool(layers) and layers[0].disable_adapters
 
     # ------------------------------------------------------------------ hooks around the backbone
     def _hook_targets(self) -> list[nn.Module]:
@@ -226,6 +238,7 @@ class LSTMemModel(BaseTuner):
         self._lstmem_handles = []
         for name in ("generate", "prepare_inputs_for_generation"):
             self.model.__dict__.pop(name, None)
+        self._forget_layers()
 
     def _checkpointing(self) -> bool:
         for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
@@ -343,3 +356,7 @@ class LSTMemModel(BaseTuner):
             self.merge_and_unload()
         self._remove_hooks()
         return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        self._forget_layers()
