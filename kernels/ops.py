@@ -20,7 +20,7 @@ BACKENDS = ("auto", "naive", "torch", "triton")
 def triton_available() -> bool:
     """Whether ``lstmem_kernels.triton_scan`` can be imported (Triton installed)."""
     try:
-        from . import triton_scan  # noqa: F401
+        from . import triton_scan  # noqa: F401  (importable means available)
     except ImportError:
         return False
     return True

@@ -24,8 +24,9 @@ def char_tokenizer(alphabet: str = string.printable[:95]) -> PreTrainedTokenizer
     )
 
 
-def tiny_qwen3(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Qwen3ForCausalLM:
-    """A random-init Qwen3 causal LM (4 heads of 32, 2 KV heads) with pad/bos/eos ids 0/1/2."""
+def tiny_qwen3(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, num_kv_heads: int = 2,
+               tie_embeddings: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random-init Qwen3 causal LM (4 query heads) with pad/bos/eos ids 0/1/2."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -33,12 +34,12 @@ def tiny_qwen3(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, see
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // 4,
         max_position_embeddings=4096,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
     )
     return Qwen3ForCausalLM(config).eval()

@@ -8,11 +8,10 @@ import textwrap
 from pathlib import Path
 
 import torch
-from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 
-from lstmem_peft import LSTMemConfig, MemoryCache, write_history
-from test_tuner import ids, make
+from lstmem_peft import MemoryCache, write_history
+from test_tuner import make
 
 TESTS = Path(__file__).parent
 

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig, LSTMemOutputLayer, LSTMemQueryLayer, MemoryCache, memory_layers, write_history
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
