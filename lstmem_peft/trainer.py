@@ -108,7 +108,7 @@ class LSTMemTrainingConfig(SFTConfig):
         context_dropout (`float`, *optional*, defaults to `0.2`):
             Probability of dropping the answer pass's prompt (all but its last token).
 
-    Defaults that differ from ``SFTConfig``: ``gradient_checkpointing=False`` (the tuner refuses
+    Defaults that differ from ``SFTConfig``: no activation/gradient checkpointing (the tuner refuses
     it), ``remove_unused_columns=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}``
     (episode columns are kept and not re-tokenized), ``bf16`` on when a CUDA device supports it.
     """
@@ -118,7 +118,7 @@ class LSTMemTrainingConfig(SFTConfig):
     history_block_size: Optional[int] = field(default=None, metadata={"help": "Tokens per history block."})
     answer_max_tokens: int = field(default=K.ANSWER_READ_LIMIT, metadata={"help": "Read-sequence limit."})
     context_dropout: float = field(default=K.CONTEXT_DROPOUT, metadata={"help": "Prompt dropout probability."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Not supported by LSTMem."})
+    gradient_checkpointing: Optional[bool] = field(default=None, metadata={"help": "Not supported by LSTMem."})
     remove_unused_columns: bool = field(default=False, metadata={"help": "Episode columns must reach the collator."})
     dataset_kwargs: Optional[dict[str, Any]] = field(
         default_factory=lambda: {"skip_prepare_dataset": True}, metadata={"help": "TRL dataset preparation options."}
@@ -133,10 +133,11 @@ class LSTMemTrainingConfig(SFTConfig):
             raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {self.history_mode!r}")
         if self.history_max_tokens is None:
             self.history_max_tokens = K.STAGE1_HISTORY_CAP if self.history_mode == "stage1" else K.STAGE2_HISTORY_CAP
-        if self.gradient_checkpointing:
+        if self.gradient_checkpointing or getattr(self, "activation_checkpointing", None):
             raise ValueError(
-                "gradient_checkpointing=True is not supported by LSTMem (recomputed layers run outside the memory "
-                "pass, so memory gradients would be wrong); set gradient_checkpointing=False"
+                "activation (gradient) checkpointing is not supported by LSTMem: recomputed layers run outside the "
+                "memory pass, so memory gradients would be wrong; leave activation_checkpointing and "
+                "gradient_checkpointing unset or False"
             )
         if not 0.0 <= self.context_dropout < 1.0:
             raise ValueError(f"context_dropout must be in [0, 1), got {self.context_dropout}")

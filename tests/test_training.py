@@ -115,7 +115,8 @@ def test_collator_pads_limits_and_drops_context():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(gradient_checkpointing=True), "gradient_checkpointing"), (dict(history_mode="stage3"), "history_mode"),
+    [(dict(gradient_checkpointing=True), "checkpointing"), (dict(activation_checkpointing=True), "checkpointing"),
+     (dict(history_mode="stage3"), "history_mode"),
      (dict(context_dropout=1.0), "context_dropout")],
 )
 def test_training_config_validation(tmp_path, kwargs, message):
