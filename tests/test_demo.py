@@ -44,3 +44,20 @@ def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
 def test_missing_assets_name_the_rebuild_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m lstmem_peft.demo build"):
         demo.load_backbone(tmp_path)
+
+
+def test_demo_runs_on_a_model_given_by_path(tmp_path):
+    """`--model` takes any causal LM and tokenizer (a Hub id or, here, a local folder)."""
+    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+
+    tok = char_tokenizer()
+    tiny_qwen3(len(tok), hidden_size=64).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    result = subprocess.run(
+        [sys.executable, "-m", "lstmem_peft.cli", "demo", "--model", str(tmp_path / "model"), "--train", "--steps", "3",
+         "--episodes", "16", "--no-ablations"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["trained"] and summary["num_episodes"] == 16 and "train_full_s" in summary

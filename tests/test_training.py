@@ -196,3 +196,25 @@ def test_ddp_two_processes_end_with_identical_adapters(tmp_path):
     init = get_peft_model(tiny_qwen3(len(tok), hidden_size=64, num_layers=2, seed=0), LSTMemConfig(block_size=32))
     initial = dict(init.named_parameters())
     assert any(not torch.equal(w0[k], initial[k]) for k in w0)  # training moved the adapter
+
+
+def test_generate_uses_memory_after_the_trainer_wrapped_the_model(tmp_path):
+    """TRL patches the model (fused LM head); memory must still reach forward and generate."""
+    model, trainer = _trainer(tmp_path, steps=2)
+    trainer.train()
+    model.eval()
+    tok = demo_tokenizer()
+    history = torch.tensor([tokenize_episode(tok, e)["history_input_ids"] for e in synthetic_recall_episodes(2, 4, seed=5)])
+    question = torch.tensor([[tok.bos_token_id, tok.convert_tokens_to_ids("?"), 5]] * 2)
+    from lstmem_peft import MemoryCache, write_history
+
+    cache = MemoryCache()
+    with torch.no_grad():
+        write_history(model, history, cache, progress=False)
+        written = cache.tokens_written.clone()
+        with_memory = model(input_ids=question, memory_cache=cache.clone()).logits
+        with model.disable_adapter():
+            plain = model(input_ids=question).logits
+        model.generate(input_ids=question, memory_cache=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert not torch.allclose(with_memory, plain)
+    assert (cache.tokens_written == written + 3 + 2).all()  # prompt and all but the last generated token

@@ -371,3 +371,21 @@ def test_merge_is_refused_and_unload_restores_the_plain_model():
     assert "generate" not in vars(plain) and "prepare_inputs_for_generation" not in vars(plain)
     ref = tiny_model()
     torch.testing.assert_close(plain(input_ids=ids()).logits, ref(input_ids=ids()).logits, rtol=0, atol=0)
+
+
+def test_write_history_peak_memory_does_not_grow_with_history_length():
+    """16x the history, same peak RSS (fresh processes); retaining each block's depth sequence
+    would add about 32 MB here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "write_peak_rss.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    peak = {}
+    for n in (1024, 16384):
+        out = subprocess.run([sys.executable, str(script), str(n)], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        peak[n] = int(out.stdout.strip().splitlines()[-1])  # KiB
+    assert peak[16384] - peak[1024] < 16 * 1024, peak
