@@ -254,19 +254,17 @@ class LSTMemLayer(nn.Module):
         ds = self.state_size
         wdtype = self.w_in.dtype
         proj = F.linear(x.to(wdtype), self.w_in)
-        q_raw, k_raw, v, z = proj.split(ds, dim=-1)
-        q = head_normalize(q_raw, H)  # (B, T, H, r)
-
         if not write:
+            q = head_normalize(proj[..., :ds], H)  # (B, T, H, r)
             D = hidden.to(wdtype)
             r_time = torch.einsum("bhac,bthc->btha", D, q)
             r_dep = None if depth is None else torch.einsum("bhac,bthc->btha", depth.to(wdtype), q)
             dq, do = self._corrections(r_time, r_dep)
             return LayerOutput(dq.to(x.dtype), do.to(x.dtype), cell, hidden)
 
-        k = head_normalize(k_raw, H)
-        v = v.unflatten(-1, (H, -1))
-        z = z + self.b_x
+        q, k = head_normalize(proj[..., : 2 * ds], 2 * H).split(H, dim=-2)  # one pass for both
+        v = proj[..., 2 * ds : 3 * ds].unflatten(-1, (H, -1))
+        z = proj[..., 3 * ds :] + self.b_x
         if depth is not None:
             depth = depth.to(wdtype)
             r_dep = torch.einsum("bthac,bthc->btha", depth, q)
@@ -276,8 +274,11 @@ class LSTMemLayer(nn.Module):
             r_dep = None
             v_hat = self.b_pred.expand(B, T, ds)
         e = v.flatten(-2) - v_hat
-        gate_in = torch.cat([z, torch.zeros_like(z) if r_dep is None else r_dep.flatten(-2), e], dim=-1)
-        gates = torch.sigmoid(F.linear(gate_in, self.effective_gate(), self.b_gate))
+        # W_gate^full [z; 0; r_dep; e] = W~_gate [z; r_dep; e] (App. C.2): the zero block in the
+        # activations costs less than slicing the weight on every call.
+        zeros = torch.zeros_like(z)
+        gate_in = torch.cat([z, zeros, zeros if r_dep is None else r_dep.flatten(-2), e], dim=-1)
+        gates = torch.sigmoid(F.linear(gate_in, self.w_gate_full, self.b_gate))
         i, f, o, g = (t.unflatten(-1, (H, -1)) for t in gates.split(ds, dim=-1))
         w = i * e.unflatten(-1, (H, -1))
         depth_term = None if depth is None else g[..., None] * depth
