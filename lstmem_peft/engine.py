@@ -66,6 +66,11 @@ class MemoryPass:
         self._depth: torch.Tensor | None = None
         self._terminals: list[LayerTerminal] = []
 
+    @property
+    def layers_run(self) -> int:
+        """Memory layers that have run in this pass so far."""
+        return self._next
+
     def _sampling(self, T: int, device: torch.device) -> None:
         """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
         valid = self.valid

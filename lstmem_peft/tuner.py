@@ -296,7 +296,7 @@ class LSTMemModel(BaseTuner):
         if not stack:
             return output
         model_pass = stack.pop()
-        model_pass.close(completed=output is not None and model_pass.memory_pass._next > 0)
+        model_pass.close(completed=output is not None and model_pass.memory_pass.layers_run > 0)
         return output
 
     # ------------------------------------------------------------------ generate

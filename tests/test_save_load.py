@@ -10,41 +10,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lstmem_peft import MemoryCache, write_history
 from test_tuner import make
+from tiny_models import history_then_question_logits
 
 TESTS = Path(__file__).parent
 
-# Shared by the child processes: rebuild the same tiny base model, write a fixed history, compute logits.
+# The child processes rebuild the same tiny base model; `import lstmem_peft` is their only set-up.
 CHILD_PRELUDE = textwrap.dedent(
     f"""
     import sys, torch
     sys.path.insert(0, {str(TESTS)!r})
     import lstmem_peft  # registers LSTMem with PEFT; nothing else is set up
     from peft import PeftModel
-    from lstmem_peft import MemoryCache, write_history
-    from tiny_models import tiny_model
-
-    def logits_of(model):
-        g = torch.Generator().manual_seed(0)
-        hist = torch.randint(3, 96, (2, 40), generator=g)
-        question = torch.randint(3, 96, (2, 6), generator=g)
-        cache = MemoryCache()
-        with torch.no_grad():
-            write_history(model, hist, cache, block_size=16, progress=False)
-            return model(input_ids=question, memory_cache=cache).logits
+    from tiny_models import history_then_question_logits as logits_of, tiny_model
     """
 )
-
-
-def reference_logits(model):
-    g = torch.Generator().manual_seed(0)
-    hist = torch.randint(3, 96, (2, 40), generator=g)
-    question = torch.randint(3, 96, (2, 6), generator=g)
-    cache = MemoryCache()
-    with torch.no_grad():
-        write_history(model, hist, cache, block_size=16, progress=False)
-        return model(input_ids=question, memory_cache=cache).logits
 
 
 def run_child(code: str, cwd: Path, env: dict | None = None) -> None:
@@ -73,7 +53,7 @@ def test_adapter_files_are_peft_format_and_cite_the_paper(tmp_path):
 def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path):
     model = make()
     model.save_pretrained(tmp_path / "adapter")
-    torch.save(reference_logits(model), tmp_path / "expected.pt")
+    torch.save(history_then_question_logits(model), tmp_path / "expected.pt")
     run_child(
         f"""
         model = PeftModel.from_pretrained(tiny_model(), {str(tmp_path / 'adapter')!r}, adapter_name="renamed").eval()
@@ -88,7 +68,7 @@ def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path):
 def test_offline_hub_round_trip(tmp_path):
     """push_to_hub writes a real Hub cache snapshot; from_pretrained("user/repo") reads it offline."""
     model = make()
-    torch.save(reference_logits(model), tmp_path / "expected.pt")
+    torch.save(history_then_question_logits(model), tmp_path / "expected.pt")
     torch.save({k: v for k, v in model.state_dict().items() if "lstmem_memory" in k}, tmp_path / "weights.pt")
     workdir = tmp_path / "empty"  # no local folder "user/repo" may shadow the Hub id
     workdir.mkdir()

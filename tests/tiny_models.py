@@ -34,3 +34,16 @@ def tiny_model(arch: str = "qwen3", seed: int = 0):
     model = ARCHITECTURES[arch]()
     model.eval()
     return model
+
+
+def history_then_question_logits(model):
+    """Logits of a fixed question after a fixed 40-token history written into a fresh memory."""
+    from lstmem_peft import MemoryCache, write_history
+
+    g = torch.Generator().manual_seed(0)
+    history = torch.randint(3, VOCAB, (2, 40), generator=g)
+    question = torch.randint(3, VOCAB, (2, 6), generator=g)
+    cache = MemoryCache()
+    with torch.no_grad():
+        write_history(model, history, cache, block_size=16, progress=False)
+        return model(input_ids=question, memory_cache=cache).logits
