@@ -1,0 +1,82 @@
+"""Generation with LSTMem vs the plain backbone (adapter disabled) in one process.
+
+    python benchmarks/bench_decode.py                         # CPU preset: hidden 1024, 8 layers
+    python benchmarks/bench_decode.py --prompt 256 --new 32 --reps 6 --out benchmarks/out/decode_cpu.json
+
+Times ``generate`` (prompt prefill plus ``--new`` greedy tokens, min_new_tokens = new) from an empty
+memory, with memory on every layer (n_h 4, r 8), alternating the order of the two models in each
+repetition after one warm-up each; reports medians and min-max. Weights are random: timing does
+not need trained weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from peft import get_peft_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from lstmem_peft import LSTMemConfig, MemoryCache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden), num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128, head_dim=64,
+    )
+    model = get_peft_model(Qwen3ForCausalLM(config).eval(), LSTMemConfig()).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, args.prompt))
+    gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+
+    def run(with_memory: bool) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            if with_memory:
+                model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)
+            else:
+                with model.disable_adapter():
+                    model.generate(input_ids=prompt, **gen)
+        return time.perf_counter() - start
+
+    run(True), run(False)  # warm-ups
+    times = {True: [], False: []}
+    for i in range(args.reps):
+        for with_memory in (True, False) if i % 2 else (False, True):
+            times[with_memory].append(run(with_memory))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    record = dict(
+        benchmark="decode",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        torch=torch.__version__, transformers=transformers.__version__,
+        hidden=args.hidden, layers=args.layers, prompt=args.prompt, new_tokens=args.new, reps=args.reps,
+        lstmem_s=dict(median=med[True], min=min(times[True]), max=max(times[True])),
+        plain_s=dict(median=med[False], min=min(times[False]), max=max(times[False])),
+        ratio=med[True] / med[False],
+    )
+    print(f"lstmem {med[True]:.3f} s  plain {med[False]:.3f} s  ratio {record['ratio']:.3f}")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
