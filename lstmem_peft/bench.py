@@ -1,0 +1,355 @@
+"""Benchmarks: decode speed vs KV length, end-to-end history + answer, history writing, scans.
+
+Each benchmark times LSTMem against the plain backbone (the same model with the adapter disabled)
+in one process, alternating their order, after warm-ups, synchronising CUDA around every timed
+region, and records medians and min-max over repetitions in a JSON file with the device, library
+versions and date. ``report`` renders every JSON record under a folder into ``RESULTS.md`` and PNG
+plots. Weights are random: timing needs a model's dimensions, not its training.
+
+    lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
+    lstmem bench e2e | write | scan ...
+    lstmem bench report benchmarks/results              # RESULTS.md + plots from the JSON records
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    # a few seconds end to end: smoke tests of the benchmark code
+    "tiny": dict(
+        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    ),
+    # hidden 1024, 8 layers: the CPU targets of the benchmark issue
+    "cpu-small": dict(
+        model_type="qwen3", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+    ),
+    # Qwen3-4B's dimensions (the paper's backbone), shipped as a config file
+    "qwen3-4b": json.loads((Path(__file__).parent / "assets" / "configs" / "qwen3-4b.json").read_text()),
+}
+DEFAULTS = {
+    "cpu": dict(kv_lengths=[256, 1024, 2048], histories=[2048, 4096], answer_tokens=32, write_tokens=4096),
+    "cuda": dict(kv_lengths=[8192 * i for i in (1, 2, 4, 8, 16)], histories=[8192, 32768, 131072], answer_tokens=2048,
+                 write_tokens=32768),
+}
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    )
+    return dict(
+        device=name, torch=torch.__version__, transformers=transformers.__version__, triton=triton_version,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def build_model(preset: str, device: torch.device, dtype: torch.dtype, **adapter):
+    """A random-init causal LM with a preset's dimensions and LSTMem on every layer."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .config import LSTMemConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = dict(PRESETS[preset])
+    config = AutoConfig.for_model(spec.pop("model_type"), **{k: v for k, v in spec.items() if k != "torch_dtype"})
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return get_peft_model(base.eval(), LSTMemConfig(**adapter)).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(times: list[float]) -> dict:
+    return dict(median=statistics.median(times), min=min(times), max=max(times), n=len(times))
+
+
+def _alternate(run, reps: int, warmup: int, device: torch.device, setup=None) -> dict:
+    """Time ``run(memory)`` for memory in (True, False), alternating order; ``setup(memory)`` untimed."""
+    times = {True: [], False: []}
+    for i in range(warmup + reps):
+        for memory in (True, False) if i % 2 else (False, True):
+            state = setup(memory) if setup else None
+            _sync(device)
+            start = time.perf_counter()
+            run(memory, state)
+            _sync(device)
+            if i >= warmup:
+                times[memory].append(time.perf_counter() - start)
+    return {"lstmem": _stats(times[True]), "plain": _stats(times[False])}
+
+
+@torch.no_grad()
+def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) -> list[dict]:
+    """One synchronised single-token decode forward from restored KV and memory states."""
+    from transformers import DynamicCache
+
+    from .cache import MemoryCache
+
+    device = next(model.parameters()).device
+    vocab = model.get_base_model().config.vocab_size
+    rows = []
+    for length in kv_lengths:
+        prompt = torch.randint(0, vocab, (1, length), device=device)
+        token = torch.randint(0, vocab, (1, 1), device=device)
+        memory, kv_mem, kv_plain = MemoryCache(), DynamicCache(), DynamicCache()
+        model(input_ids=prompt, past_key_values=kv_mem, use_cache=True, memory_cache=memory, logits_to_keep=1)
+        with model.disable_adapter():
+            model(input_ids=prompt, past_key_values=kv_plain, use_cache=True, logits_to_keep=1)
+
+        def setup(with_memory):
+            kv = kv_mem if with_memory else kv_plain
+            extra = kv.get_seq_length() - length
+            if extra > 0:
+                kv.crop(-extra)  # restore the KV cache to the prompt (transformers 5: negative = tokens to drop)
+            return memory.clone() if with_memory else None  # restore the memory
+
+        def run(with_memory, state):
+            if with_memory:
+                model(input_ids=token, past_key_values=kv_mem, use_cache=True, memory_cache=state)
+            else:
+                with model.disable_adapter():
+                    model(input_ids=token, past_key_values=kv_plain, use_cache=True)
+
+        result = _alternate(run, reps, warmup, device, setup)
+        result.update(kv_length=length, lstmem_tok_s=1 / result["lstmem"]["median"], plain_tok_s=1 / result["plain"]["median"],
+                      ratio=result["lstmem"]["median"] / result["plain"]["median"])
+        rows.append(result)
+    return rows
+
+
+@torch.no_grad()
+def bench_write(model, tokens: int, block_size: int = 2048, reps: int = 3, warmup: int = 1) -> dict:
+    """History writing (blocks + feedback, filling a KV cache) vs the plain forward of the same blocks."""
+    from transformers import DynamicCache
+
+    from .cache import MemoryCache
+    from .history import write_history
+
+    device = next(model.parameters()).device
+    history = torch.randint(0, model.get_base_model().config.vocab_size, (1, tokens), device=device)
+
+    def run(with_memory, _):
+        kv = DynamicCache()
+        if with_memory:
+            write_history(model, history, MemoryCache(), block_size=block_size, past_key_values=kv, progress=False)
+            return
+        with model.disable_adapter():
+            for start in range(0, tokens, block_size):
+                model(input_ids=history[:, start : start + block_size], past_key_values=kv, use_cache=True, logits_to_keep=1)
+
+    result = _alternate(run, reps, warmup, device)
+    result.update(tokens=tokens, block_size=block_size, ratio=result["lstmem"]["median"] / result["plain"]["median"],
+                  lstmem_tok_s=tokens / result["lstmem"]["median"], plain_tok_s=tokens / result["plain"]["median"])
+    return result
+
+
+@torch.no_grad()
+def bench_e2e(model, history_tokens: int, answer_tokens: int, question_tokens: int = 32, block_size: int = 2048,
+              reps: int = 3, warmup: int = 1) -> dict:
+    """From empty memory: write the history (KV kept), prefill a question, generate ``answer_tokens``."""
+    from transformers import DynamicCache
+
+    from .cache import MemoryCache
+    from .history import write_history
+
+    device = next(model.parameters()).device
+    vocab = model.get_base_model().config.vocab_size
+    history = torch.randint(0, vocab, (1, history_tokens), device=device)
+    question = torch.randint(0, vocab, (1, question_tokens), device=device)
+    full = torch.cat([history, question], dim=1)
+    gen = dict(max_new_tokens=answer_tokens, min_new_tokens=answer_tokens, do_sample=False)
+
+    def run(with_memory, _):
+        kv = DynamicCache()
+        if with_memory:
+            memory = MemoryCache()
+            write_history(model, history, memory, block_size=block_size, past_key_values=kv, progress=False)
+            model.generate(input_ids=full, past_key_values=kv, memory_cache=memory, **gen)
+            return
+        with model.disable_adapter():
+            for start in range(0, history_tokens, block_size):
+                model(input_ids=history[:, start : start + block_size], past_key_values=kv, use_cache=True, logits_to_keep=1)
+            model.generate(input_ids=full, past_key_values=kv, **gen)
+
+    result = _alternate(run, reps, warmup, device)
+    result.update(history_tokens=history_tokens, answer_tokens=answer_tokens, block_size=block_size,
+                  ratio=result["lstmem"]["median"] / result["plain"]["median"])
+    return result
+
+
+def bench_scan(lengths: list[int], batches: list[int], device: torch.device, reps: int = 5, naive_reps: int = 2) -> list[dict]:
+    """Forward and forward+backward time of the naive, vectorised and (CUDA) Triton scans."""
+    from lstmem_kernels import lstmem_scan, triton_available
+
+    backends = ["naive", "torch"] + (["triton"] if device.type == "cuda" and triton_available() else [])
+    rows = []
+    for B in batches:
+        for T in lengths:
+            for backend in backends:
+                for mode in ("forward", "forward+backward"):
+                    grad = mode != "forward"
+                    g = torch.Generator().manual_seed(0)
+                    x = {n: torch.randn(B, T, 4, 8, generator=g) for n in ("q", "k", "w")}
+                    x.update({n: torch.rand(B, T, 4, 8, generator=g) for n in ("f", "o")})
+                    x["depth"] = torch.randn(B, T, 4, 8, 8, generator=g)
+                    x = {n: t.to(device).requires_grad_(grad) for n, t in x.items()}
+                    times = []
+                    for i in range((naive_reps if backend == "naive" else reps) + 1):
+                        _sync(device)
+                        start = time.perf_counter()
+                        with torch.set_grad_enabled(grad):
+                            out = lstmem_scan(**x, backend=backend)
+                            if grad:
+                                sum(o.float().sum() for o in out).backward()
+                        _sync(device)
+                        if i:
+                            times.append(time.perf_counter() - start)
+                    rows.append(dict(batch=B, T=T, backend=backend, mode=mode, **_stats(times)))
+    for r in rows:
+        naive = next(x for x in rows if (x["batch"], x["T"], x["mode"], x["backend"]) == (r["batch"], r["T"], r["mode"], "naive"))
+        r["speedup_vs_naive"] = naive["median"] / r["median"]
+    return rows
+
+
+# ---------------------------------------------------------------------- records, report and plots
+def save_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = record["date"].replace(":", "").replace("-", "")[:15]
+    path = out / f"{name}-{record['device_kind']}-{stamp}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
+    """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json"))]
+    md = Path(results_md)
+    lines = ["# Benchmark results", "", "Generated by `lstmem bench report` from the JSON records in "
+             f"`{Path(out_dir).as_posix()}`. Every figure was measured on the device named beside it.", ""]
+    gpu_seen = any(r["device_kind"] == "cuda" for r in records)
+    if not gpu_seen:
+        lines += ["**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:", "",
+                  "```bash", "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+                  "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+                  "lstmem bench write --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+                  "lstmem bench scan --out benchmarks/results", "lstmem bench report benchmarks/results", "```", ""]
+    for r in records:
+        model = f" — {r['preset']}" if r.get("preset") else ""
+        head = f"## {r['benchmark']} — {r['device']}{model} ({r['date']}, torch {r['torch']})"
+        lines += [head, ""]
+        if r["benchmark"] == "decode":
+            lines += ["| KV length | LSTMem ms (min-max) | plain ms (min-max) | LSTMem tok/s | plain tok/s | ratio |",
+                      "| --- | --- | --- | --- | --- | --- |"]
+            for row in r["rows"]:
+                lm, pl = row["lstmem"], row["plain"]
+                lines.append(f"| {row['kv_length']} | {1e3 * lm['median']:.2f} ({1e3 * lm['min']:.2f}-{1e3 * lm['max']:.2f}) | "
+                             f"{1e3 * pl['median']:.2f} ({1e3 * pl['min']:.2f}-{1e3 * pl['max']:.2f}) | "
+                             f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['ratio']:.3f} |")
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ks = [row["kv_length"] for row in r["rows"]]
+            ax.plot(ks, [row["lstmem_tok_s"] for row in r["rows"]], "o-", label="LSTMem")
+            ax.plot(ks, [row["plain_tok_s"] for row in r["rows"]], "s--", label="plain backbone")
+            ax.set_xlabel("KV cache length (tokens)")
+            ax.set_ylabel("equivalent decode speed (tok/s)")
+            ax.set_title(f"decode, {r.get('preset', '')}, {r['device']}", fontsize=9)
+            ax.legend()
+            png = md.parent / f"decode-{r['device_kind']}-{r.get('preset', '')}.png"
+            fig.tight_layout()
+            fig.savefig(png, dpi=120)
+            plt.close(fig)
+            lines += ["", f"![decode speed]({png.name})"]
+        elif r["benchmark"] in ("e2e", "write"):
+            key = "history_tokens" if r["benchmark"] == "e2e" else "tokens"
+            lines += [f"| {key.replace('_', ' ')} | LSTMem s (min-max) | plain s (min-max) | ratio |", "| --- | --- | --- | --- |"]
+            for row in r["rows"]:
+                lm, pl = row["lstmem"], row["plain"]
+                lines.append(f"| {row[key]} | {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
+                             f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |")
+            if r["benchmark"] == "e2e":
+                fig, ax = plt.subplots(figsize=(6, 4))
+                xs = range(len(r["rows"]))
+                ax.bar([x - 0.2 for x in xs], [row["lstmem"]["median"] for row in r["rows"]], 0.4, label="LSTMem")
+                ax.bar([x + 0.2 for x in xs], [row["plain"]["median"] for row in r["rows"]], 0.4, label="plain backbone")
+                ax.set_xticks(list(xs), [str(row["history_tokens"]) for row in r["rows"]])
+                ax.set_xlabel("history tokens")
+                ax.set_ylabel(f"seconds (history + {r['rows'][0]['answer_tokens']}-token answer)")
+                ax.set_title(f"end to end, {r.get('preset', '')}, {r['device']}", fontsize=9)
+                ax.legend()
+                png = md.parent / f"e2e-{r['device_kind']}-{r.get('preset', '')}.png"
+                fig.tight_layout()
+                fig.savefig(png, dpi=120)
+                plt.close(fig)
+                lines += ["", f"![end to end]({png.name})"]
+        elif r["benchmark"] == "scan":
+            lines += ["| batch | T | backend | mode | median ms (min-max) | x naive |", "| --- | --- | --- | --- | --- | --- |"]
+            for row in r["rows"]:
+                lines.append(f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | "
+                             f"{1e3 * row['median']:.2f} ({1e3 * row['min']:.2f}-{1e3 * row['max']:.2f}) | {row['speedup_vs_naive']:.1f} |")
+        lines.append("")
+    md.write_text("\n".join(lines))
+    return md
+
+
+def run(kind: str, preset: str = "cpu-small", device: str | None = None, dtype: str = "float32", out: str = "benchmarks/results",
+        reps: int | None = None, **sizes) -> dict:
+    """What ``lstmem bench KIND`` does; returns the record written."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    defaults = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
+    record = dict(benchmark=kind, preset=None if kind == "scan" else preset, device_kind=dev.type, dtype=dtype,
+                  **environment(dev))
+    if kind == "scan":
+        record["rows"] = bench_scan(sizes.get("lengths") or [63, 2048], sizes.get("batches") or [1, 4], dev, reps=reps or 5)
+    else:
+        model = build_model(preset, dev, getattr(torch, dtype))
+        if kind == "decode":
+            record["rows"] = bench_decode(model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps or 10)
+        elif kind == "write":
+            record["rows"] = [bench_write(model, sizes.get("tokens") or defaults["write_tokens"], reps=reps or 3)]
+        elif kind == "e2e":
+            answer = sizes.get("answer_tokens") or defaults["answer_tokens"]
+            record["rows"] = [bench_e2e(model, n, answer, reps=reps or 3) for n in (sizes.get("histories") or defaults["histories"])]
+        else:
+            raise ValueError(f"unknown benchmark {kind!r}: decode, e2e, write or scan")
+    path = save_record(out, kind, record)
+    print(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return record
+
+
+if __name__ == "__main__":  # python -m lstmem_peft.bench decode --preset cpu-small ...
+    import sys
+
+    from .cli import main
+
+    raise SystemExit(main(["bench", *sys.argv[1:]]))

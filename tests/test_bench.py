@@ -1,0 +1,50 @@
+"""The benchmark pipeline on a tiny preset: records, report and plots (timings are not asserted)."""
+
+import json
+
+import pytest
+
+from lstmem_peft import bench
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("records")
+    made = {
+        "decode": bench.run("decode", preset="tiny", out=str(out), reps=1, kv_lengths=[16, 32]),
+        "write": bench.run("write", preset="tiny", out=str(out), reps=1, tokens=48),
+        "e2e": bench.run("e2e", preset="tiny", out=str(out), reps=1, histories=[32], answer_tokens=3),
+        "scan": bench.run("scan", out=str(out), reps=1, lengths=[5], batches=[1]),
+    }
+    return out, made
+
+
+def test_records_carry_device_versions_date_and_every_figure(records):
+    out, made = records
+    files = sorted(out.glob("*.json"))
+    assert len(files) == 4
+    for record in map(lambda p: json.loads(p.read_text()), files):
+        assert {"device", "torch", "transformers", "date", "rows", "benchmark"} <= set(record)
+    decode = made["decode"]["rows"]
+    assert [r["kv_length"] for r in decode] == [16, 32]
+    for r in decode:
+        assert r["lstmem"]["n"] == r["plain"]["n"] == 1 and r["ratio"] > 0 and r["lstmem_tok_s"] > 0
+    assert made["write"]["rows"][0]["tokens"] == 48 and made["e2e"]["rows"][0]["answer_tokens"] == 3
+    assert {r["backend"] for r in made["scan"]["rows"]} >= {"naive", "torch"}
+
+
+def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_path):
+    out, _ = records
+    md = bench.report(out, tmp_path / "RESULTS.md")
+    text = md.read_text()
+    assert "GPU: not yet measured" in text
+    for heading in ("## decode", "## write", "## e2e", "## scan"):
+        assert heading in text
+    assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (tmp_path / "e2e-cpu-tiny.png").stat().st_size > 0
+
+
+def test_unknown_preset_and_kind_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset"):
+        bench.run("decode", preset="gpt5", out=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        bench.run("latency", preset="tiny", out=str(tmp_path))
