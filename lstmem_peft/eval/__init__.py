@@ -1,0 +1,1 @@
+"""Evaluation: benchmark scorers (protocol runners arrive with the evaluation harness)."""
