@@ -13,8 +13,9 @@ input ``x_t`` (the backbone layer's attention input, after its input norm):
 
 ``n(.)`` is tanh followed by l2 normalisation within each head (denominator >= 1e-6). The stored
 parameters are the full matrices ``W_pred^full = [P_time | P_dep]`` and
-``W_gate^full = [G_z | G_time | G_dep | G_e]``; the forward uses the effective blocks
-``W~_pred = P_dep`` and ``W~_gate = [G_z | G_dep | G_e]`` (App. C.2).
+``W_gate^full = [G_z | G_time | G_dep | G_e]``; the forward applies the effective maps (App. C.2):
+``W~_pred = P_dep`` directly, and the gate as ``W_gate^full [z; 0; r_dep; e]``, which equals
+``W~_gate [z; r_dep; e]`` with ``W~_gate = [G_z | G_dep | G_e]`` (tested).
 
 The layer holds no state: states come in and go out, so one model serves any number of sessions.
 """
