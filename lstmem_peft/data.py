@@ -175,3 +175,17 @@ def tokenize_episode(
     if not answer:
         raise ValueError(f"episode has an empty answer: {episode!r}")
     return {"history_input_ids": history, "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+
+
+def left_pad(rows: list[list[int]], value: int):
+    """Left-pad token lists into ``(ids, mask)``, both ``(len(rows), longest)`` long tensors."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+    return ids, mask

@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from .cache import MemoryCache
 from .config import LSTMemConfig
 from .context import memory_options
-from .data import synthetic_recall_episodes, tokenize_episode
+from .data import left_pad, synthetic_recall_episodes, tokenize_episode
 from .history import memory_layers, write_history
 from .offline import tiny_qwen3
 
@@ -224,20 +224,10 @@ def train_adapter(backbone, overrides: dict | None = None, max_steps: int = 600,
     return model.eval(), trainer
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp_min(0)
-
-
 def _answers_correct(model, rows: list[list[int]], answer_lens: list[int], pad_id: int, cache=None) -> torch.Tensor:
     """Per row: is every answer token (the last ``answer_lens[i]`` tokens) the argmax given its prefix?"""
-    ids, mask, pos = _left_pad(rows, pad_id)
-    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=pos)
+    ids, mask = left_pad(rows, pad_id)
+    kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
     if cache is None:
         logits = model(**kwargs).logits
     else:
@@ -275,7 +265,7 @@ def evaluate(model, tokenizer=None, num_episodes: int = 512, seed: int = 12345, 
             hits["recall_in_context"] += _answers_correct(model, in_context, n_ans, pad).sum().item()
             hits["recall_no_history"] += _answers_correct(model, reads, n_ans, pad).sum().item()
         cache = MemoryCache()
-        hist_ids, hist_mask, _ = _left_pad(histories, pad)
+        hist_ids, hist_mask = left_pad(histories, pad)
         write_history(model, hist_ids, cache, attention_mask=hist_mask, progress=False)
         hits["recall_memory"] += _answers_correct(model, reads, n_ans, pad, cache).sum().item()
     result = {k: v / num_episodes for k, v in hits.items()}

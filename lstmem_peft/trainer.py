@@ -26,6 +26,7 @@ from . import constants as K
 from .cache import MemoryCache
 from .card import record_training
 from .context import memory_options
+from .data import left_pad
 from .history import find_tuner, write_history
 
 HISTORY_MODES = ("stage1", "stage2")
@@ -55,17 +56,6 @@ class EpisodeCollator:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    @staticmethod
-    def _left_pad(rows: list[list[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), value, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            if r:
-                ids[i, width - len(r) :] = torch.tensor(r)
-                mask[i, width - len(r) :] = 1
-        return ids, mask
-
     def read_sequence(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
         """Apply context dropout and the read-sequence limit to one episode's final turn."""
         n_prompt = next((i for i, y in enumerate(labels) if y != -100), len(labels))
@@ -76,10 +66,10 @@ class EpisodeCollator:
         return input_ids, labels
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        history, history_mask = self._left_pad([list(f["history_input_ids"]) for f in features], self.pad_token_id)
+        history, history_mask = left_pad([list(f["history_input_ids"]) for f in features], self.pad_token_id)
         reads = [self.read_sequence(list(f["input_ids"]), list(f["labels"])) for f in features]
-        input_ids, attention_mask = self._left_pad([r[0] for r in reads], self.pad_token_id)
-        labels, _ = self._left_pad([r[1] for r in reads], -100)
+        input_ids, attention_mask = left_pad([r[0] for r in reads], self.pad_token_id)
+        labels, _ = left_pad([r[1] for r in reads], -100)
         return {
             "history_input_ids": history,
             "history_attention_mask": history_mask,
