@@ -168,6 +168,15 @@ class LSTMemModel(BaseTuner):
 
     def _forget_layers(self) -> None:
         self.__dict__.pop("_lstmem_query_layers", None)
+        self.__dict__.pop("_lstmem_plans", None)
+
+    def _pass_plan(self, adapter_name: str) -> tuple[MemoryLayout, dict[int, int]]:
+        """The adapter's memory layout and decoder-layer -> depth index map (cached like the layers)."""
+        plans = self.__dict__.setdefault("_lstmem_plans", {})
+        if adapter_name not in plans:
+            depth_index = {q.layer_idx: i for i, q in enumerate(self._query_layers(adapter_name))}
+            plans[adapter_name] = (self.memory_layout(adapter_name), depth_index)
+        return plans[adapter_name]
 
     def _single_active_adapter(self) -> str:
         active = self.active_adapters
@@ -272,7 +281,8 @@ class LSTMemModel(BaseTuner):
             cache = MemoryCache()  # a fresh memory for this call only
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
-        cache.bind(self.memory_layout(adapter))
+        layout, depth_index = self._pass_plan(adapter)
+        cache.bind(layout)
         cache.ensure(batch, ref.device)
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length)
         options = current_options()
@@ -285,7 +295,6 @@ class LSTMemModel(BaseTuner):
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
         )
-        depth_index = {q.layer_idx: i for i, q in enumerate(self._query_layers(adapter))}
         model_pass = ModelPass(adapter, depth_index, memory_pass)
         model_pass.open()
         self._lstmem_opened.setdefault(id(module), []).append(model_pass)
