@@ -5,6 +5,7 @@
     lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
     lstmem bench decode|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
     lstmem bench report benchmarks/results                                   # RESULTS.md + plots
+    lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
 """
 
 from __future__ import annotations
@@ -36,7 +37,33 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tokens", type=int, default=None, help="write: history tokens")
     bench.add_argument("--lengths", type=int, nargs="+", default=None, help="scan: block lengths")
     bench.add_argument("--batches", type=int, nargs="+", default=None, help="scan: batch sizes")
+    ev = sub.add_parser("eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone")
+    ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
+    ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
+    ev.add_argument("--model", required=True, help="base model: Hub id or local folder")
+    ev.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)")
+    ev.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N histories (per family for mab)")
+    ev.add_argument("--memory-only", action="store_true", help="history in memory only, not in the prompt")
+    ev.add_argument("--greedy", action="store_true", help="greedy decoding instead of the paper's sampling")
+    ev.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
+    ev.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
+    ev.add_argument("--block-size", type=int, default=None, help="history block length (default: the adapter's)")
+    ev.add_argument("--max-new-tokens", type=int, default=None,
+                    help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)")
+    ev.add_argument("--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt")
+    ev.add_argument("--families", nargs="+", default=None, help="mab: families to run (AR TTL LRU SF)")
+    ev.add_argument("--max-questions", type=int, default=None, help="mab: at most N questions per history")
+    ev.add_argument("--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)")
+    ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
+    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ev.add_argument("--no-chat-template", action="store_true", help="plain text prompts even if the tokenizer has a template")
+    ev.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)")
     args = parser.parse_args(argv)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "bench":
         from . import bench as benchmarks
 
@@ -52,6 +79,61 @@ def main(argv: list[str] | None = None) -> int:
 
         run(train=args.train, model_id=args.model, num_episodes=args.episodes, ablations=not args.no_ablations,
             train_steps=args.steps)
+    return 0
+
+
+def _template_kwargs(pairs: list[str]) -> dict:
+    import json
+
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--template-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+def _eval(args) -> int:
+    from .eval import runner
+
+    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    if args.split:
+        if args.benchmark == "mab":
+            raise SystemExit("--split does not apply to mab: its four splits are the families (use --families)")
+        options["split"] = args.split
+    if args.benchmark != "mab" and args.max_new_tokens is None:
+        del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
+    if args.benchmark != "mab" and (args.max_questions is not None or args.entity_map is not None):
+        raise SystemExit("--max-questions and --entity-map apply to mab only")
+    if args.benchmark == "locomo":
+        from .eval.locomo import LoCoMo as make
+    elif args.benchmark == "hotpotqa":
+        from .eval.hotpotqa import HotpotQA as make
+
+        options["passages"] = args.passages
+    else:
+        from .eval.mab import MemoryAgentBench as make
+
+        options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
+    benchmark = make(args.data, **options)
+    model, tokenizer = runner.load_model(args.model, args.adapter, args.dtype, args.device)
+    decoding = runner.Decoding(greedy=args.greedy)
+    if args.seed is not None:
+        decoding.seed = args.seed
+    out = args.out or f"eval-results/{args.benchmark}"
+    summary = runner.evaluate(
+        model, tokenizer, benchmark, out,
+        memory_only=args.memory_only, decoding=decoding, block_size=args.block_size,
+        compare_base=not args.no_base, chat_template=False if args.no_chat_template else None,
+        template_kwargs=_template_kwargs(args.template_arg),
+        run_info={"model": args.model, "adapter": args.adapter, "data": args.data},
+    )
+    print(runner.markdown_table(summary))
+    print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
     return 0
 
 

@@ -19,6 +19,15 @@ ACCEPT_TOLERANCE = 1e-7  # slack in the acceptance rule RMS(dC) / s <= rho + 1e-
 # History processing (App. B, C.4).
 BLOCK_SIZE = 2048  # tokens per history block
 
+# Evaluation decoding and answer limits (App. B; MemoryAgentBench's per-source limits live in its
+# source table, lstmem_peft/eval/mab.py).
+EVAL_TEMPERATURE = 0.4
+EVAL_TOP_P = 0.9
+EVAL_TOP_K = 10
+EVAL_SEED = 42
+LOCOMO_MAX_NEW_TOKENS = 50
+HOTPOTQA_MAX_NEW_TOKENS = 32
+
 # Initialisation (App. C.4 "Initialization").
 GATE_BIAS = {"i": -1.0, "f": 2.0, "o": 0.0, "g": -1.0}  # b_gate blocks, in this order
 CORRECTION_INIT_COLUMNS = 8  # W_dq, W_do start from the first 8 backbone columns ...

@@ -11,8 +11,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 
-def char_tokenizer(alphabet: str = string.printable[:95]) -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer: one id per character of ``alphabet`` plus pad/bos/eos."""
+def char_tokenizer(alphabet: str = string.printable[:95] + "\n") -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: one id per character of ``alphabet`` (default: printable
+    ASCII and newline) plus pad/bos/eos; other characters map to ``<pad>``."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab.setdefault(ch, len(vocab))

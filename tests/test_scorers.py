@@ -37,9 +37,13 @@ def test_locomo_score_answer(prediction, answer, category, expected):
 def test_locomo_category_5_is_not_scored_and_aggregation_is_question_weighted():
     with pytest.raises(ValueError, match="category 5"):
         locomo.score_answer("x", "y", 5)
-    summary = locomo.aggregate([(1, 1.0), (1, 0.0), (4, 1.0)])
-    assert summary["multi-hop"] == {"score": 0.5, "questions": 2}
-    assert summary["overall"] == {"score": pytest.approx(2 / 3), "questions": 3}
+    bench = locomo.LoCoMo.__new__(locomo.LoCoMo)  # summarize needs no data
+    records = [{"group": "single-hop", "scores": {"f1": 1.0}}, {"group": "multi-hop", "scores": {"f1": 1.0}},
+               {"group": "multi-hop", "scores": {"f1": 0.0}}]
+    summary = bench.summarize(records)
+    assert list(summary["groups"]) == ["multi-hop", "single-hop"]  # category order
+    assert summary["groups"]["multi-hop"] == {"f1": 0.5, "questions": 2}
+    assert summary["overall"] == {"f1": pytest.approx(2 / 3), "questions": 3}
 
 
 @pytest.mark.parametrize(

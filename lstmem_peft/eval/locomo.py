@@ -1,4 +1,26 @@
-"""LoCoMo scoring, following the official LoCoMo scorer's rules.
+"""LoCoMo: the evaluation protocol and the official scorer's rules.
+
+Protocol (paper App. B): categories 1-4 (1,540 questions in LoCoMo-10; category 5 is excluded);
+each conversation is one history, its sessions replayed in chronological order (session number
+order) with their dates, in the official single-prompt format::
+
+    Below is a conversation between two people: A and B. The conversation takes place over ...
+    DATE: 1:56 pm on 8 May, 2023
+    CONVERSATION:
+    A said, "..."
+    B said, "..." and shared a photo of ...
+    ...
+    Based on the above context, write an answer in the form of a short phrase for the following
+    question. Answer with exact words from the context whenever possible.
+
+    Question: ... Short answer:
+
+Category-2 (temporal) questions carry the official suffix asking for the date form ("Use DATE of
+CONVERSATION to answer with an approximate date."). Answers are limited to 50 new tokens. Data: the
+official ``locomo10.json`` (a list of samples with ``conversation`` and ``qa``), or a Hub dataset id
+with the same fields.
+
+Scoring follows the official LoCoMo scorer:
 
 * normalisation: commas removed, lower-cased, punctuation removed, the words ``a``, ``an``,
   ``the`` and ``and`` removed, whitespace folded;
@@ -12,10 +34,15 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from functools import lru_cache
+from typing import Any
 
 from nltk.stem import PorterStemmer
 
+from .. import constants as K
+from .protocol import Benchmark, History, Question, question_weighted, require_fields
 from .text import squad_normalize, token_f1, tokens
 
 SCORED_CATEGORIES = (1, 2, 3, 4)
@@ -52,14 +79,103 @@ def score_answer(prediction: str, answer: str, category: int) -> float:
     return f1(prediction, answer)
 
 
-def aggregate(scores: list[tuple[int, float]]) -> dict:
-    """Question-weighted means per category and overall from ``(category, score)`` pairs."""
-    by_category: dict[int, list[float]] = {}
-    for category, score in scores:
-        by_category.setdefault(category, []).append(score)
-    result = {
-        CATEGORY_NAMES[c]: {"score": sum(v) / len(v), "questions": len(v)} for c, v in sorted(by_category.items())
-    }
-    total = sum(len(v) for v in by_category.values())
-    result["overall"] = {"score": sum(s for _, s in scores) / total if total else 0.0, "questions": total}
-    return result
+# ---------------------------------------------------------------------- protocol
+# The official prompt texts (LoCoMo's evaluation scripts), kept verbatim, their spelling included,
+# so scores compare with published numbers.
+CONVERSATION_START = (
+    "Below is a conversation between two people: {} and {}. The conversation takes place over multiple days "
+    "and the date of each conversation is wriiten at the beginning of the conversation.\n\n"
+)
+QA_PROMPT = (
+    "Based on the above context, write an answer in the form of a short phrase for the following question. "
+    "Answer with exact words from the context whenever possible.\n\nQuestion: {} Short answer:"
+)
+TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date."
+
+_SESSION = re.compile(r"^session_(\d+)$")
+
+
+def session_text(date: str, turns: list[dict[str, Any]]) -> str:
+    """One session in the official format: its date, then each turn (and any shared image caption)."""
+    lines = [f"DATE: {date}\nCONVERSATION:\n"]
+    for turn in turns:
+        line = f'{turn["speaker"]} said, "{turn["text"]}"'
+        if turn.get("blip_caption"):
+            line += f" and shared {turn['blip_caption']}."
+        lines.append(line + "\n")
+    return "".join(lines) + "\n"
+
+
+def conversation_sessions(conversation: dict[str, Any]) -> list[str]:
+    """The sessions' texts in chronological (session number) order; the first opens the conversation."""
+    numbers = sorted(int(m.group(1)) for key in conversation if (m := _SESSION.match(key)))
+    if not numbers:
+        raise ValueError("a LoCoMo conversation needs session_<n> lists (the official locomo10.json schema)")
+    sessions = []
+    for n in numbers:
+        date = conversation.get(f"session_{n}_date_time")
+        if date is None:
+            raise ValueError(f"LoCoMo conversation has session_{n} but no session_{n}_date_time")
+        if conversation[f"session_{n}"]:
+            sessions.append(session_text(date, conversation[f"session_{n}"]))
+    speakers = (conversation.get("speaker_a"), conversation.get("speaker_b"))
+    sessions[0] = CONVERSATION_START.format(*speakers) + sessions[0]
+    return sessions
+
+
+def question_prompt(question: str, category: int) -> str:
+    """What follows the conversation for one question (category 2 asks for the date form)."""
+    if category == 2:
+        question = question + TEMPORAL_SUFFIX
+    return "\n" + QA_PROMPT.format(question)
+
+
+class LoCoMo(Benchmark):
+    """The LoCoMo protocol over the official ``locomo10.json`` (or a Hub dataset id in its schema).
+
+    Args:
+        source: path of ``locomo10.json`` (or a ``.jsonl`` of samples), or a Hub dataset id.
+        limit: evaluate only the first ``limit`` conversations (smoke runs).
+        max_new_tokens: answer limit (the paper: 50).
+        split: dataset split when ``source`` is a Hub id.
+    """
+
+    name = "locomo"
+    metrics = ("f1",)
+
+    def __init__(self, source: str, limit: int | None = None, max_new_tokens: int = K.LOCOMO_MAX_NEW_TOKENS,
+                 split: str = "train") -> None:
+        from ..data import read_records
+
+        self.samples = list(read_records(source, split))[:limit]
+        self.max_new_tokens = max_new_tokens
+        require_fields(self.samples, ("conversation", "qa"), source, "the official locomo10.json schema")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def histories(self) -> Iterator[History]:
+        for n, sample in enumerate(self.samples):
+            sample_id = str(sample.get("sample_id", n))
+            sessions = conversation_sessions(sample["conversation"])
+            questions = [
+                Question(
+                    id=f"{sample_id}/{i}",
+                    prompt=question_prompt(qa["question"], int(qa["category"])),
+                    answer=str(qa["answer"]),
+                    max_new_tokens=self.max_new_tokens,
+                    group=CATEGORY_NAMES[int(qa["category"])],
+                    meta={"category": int(qa["category"]), "question": qa["question"]},
+                )
+                for i, qa in enumerate(sample["qa"])
+                if int(qa["category"]) in SCORED_CATEGORIES
+            ]
+            yield History(id=sample_id, text="".join(sessions), questions=questions, segments=sessions)
+
+    def score(self, question: Question, prediction: str) -> dict[str, float]:
+        return {"f1": score_answer(prediction, question.answer, question.meta["category"])}
+
+    def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Question-weighted F1 per category (in category order) and overall."""
+        order = {name: c for c, name in CATEGORY_NAMES.items()}
+        return question_weighted(sorted(records, key=lambda r: order[r["group"]]), self.metrics)

@@ -1,0 +1,106 @@
+"""Tiny benchmark files in the official schemas (written by the tests; no downloads)."""
+
+import json
+
+
+def locomo_samples() -> list[dict]:
+    """Two LoCoMo-10 style samples: sessions with dates, an image turn, QA of categories 1-5."""
+    return [
+        {
+            "sample_id": "conv-a",
+            "conversation": {
+                "speaker_a": "Ann",
+                "speaker_b": "Bo",
+                "session_2_date_time": "4:10 pm on 9 May, 2023",
+                "session_2": [
+                    {"speaker": "Bo", "dia_id": "D2:1", "text": "I ran a race in Oslo."},
+                    {"speaker": "Ann", "dia_id": "D2:2", "text": "Well done!", "img_url": ["x"],
+                     "blip_caption": "a photo of a medal"},
+                ],
+                "session_1_date_time": "1:56 pm on 8 May, 2023",
+                "session_1": [
+                    {"speaker": "Ann", "dia_id": "D1:1", "text": "I adopted a cat named Tom."},
+                    {"speaker": "Bo", "dia_id": "D1:2", "text": "I paint and I hike."},
+                ],
+            },
+            "qa": [
+                {"question": "What are Bo's hobbies?", "answer": "painting, hiking", "evidence": ["D1:2"], "category": 1},
+                {"question": "When did Bo run a race?", "answer": "9 May, 2023", "evidence": ["D2:1"], "category": 2},
+                {"question": "Would Ann like dogs?", "answer": "maybe; she has a cat", "evidence": ["D1:1"], "category": 3},
+                {"question": "What is Ann's cat called?", "answer": "Tom", "evidence": ["D1:1"], "category": 4},
+                {"question": "What is Bo's cat called?", "adversarial_answer": "Tom", "evidence": [], "category": 5},
+            ],
+        },
+        {
+            "sample_id": "conv-b",
+            "conversation": {
+                "speaker_a": "Cy",
+                "speaker_b": "Di",
+                "session_1_date_time": "9:00 am on 1 June, 2023",
+                "session_1": [
+                    {"speaker": "Cy", "dia_id": "D1:1", "text": "My sister lives in Lima."},
+                    {"speaker": "Di", "dia_id": "D1:2", "text": "I moved to Rome in 2020."},
+                ],
+            },
+            "qa": [
+                {"question": "Where does Cy's sister live?", "answer": "Lima", "evidence": ["D1:1"], "category": 4},
+                {"question": "When did Di move to Rome?", "answer": 2020, "evidence": ["D1:2"], "category": 2},
+            ],
+        },
+    ]
+
+
+def write_locomo(path) -> str:
+    path.write_text(json.dumps(locomo_samples()))
+    return str(path)
+
+
+def hotpot_examples() -> list[dict]:
+    """Two examples of ``hotpot_dev_distractor_v1.json`` (context as [title, sentences] pairs)."""
+    return [
+        {
+            "_id": "5a8b57f25542995d1e6f1371",
+            "question": "Which city hosts the museum founded by Ada?",
+            "answer": "Turin",
+            "type": "bridge",
+            "level": "hard",
+            "supporting_facts": [["Ada Lind", 0], ["Lind Museum", 1]],
+            "context": [
+                ["Ada Lind", ["Ada Lind founded the Lind Museum.", " She was a painter."]],
+                ["River Po", ["The Po is a river.", " It is long."]],
+                ["Lind Museum", ["The Lind Museum opened in 1901.", " It is in Turin."]],
+            ],
+        },
+        {
+            "_id": "5a8c7595554299585d9e36b6",
+            "question": "Are the Po and the Tiber both rivers?",
+            "answer": "yes",
+            "type": "comparison",
+            "level": "medium",
+            "supporting_facts": [["River Po", 0], ["Tiber", 0]],
+            "context": [
+                ["River Po", ["The Po is a river in Italy."]],
+                ["Tiber", ["The Tiber is a river in Rome."]],
+            ],
+        },
+    ]
+
+
+def write_hotpot(path) -> str:
+    path.write_text(json.dumps(hotpot_examples()))
+    return str(path)
+
+
+def write_hotpot_hf_jsonl(path) -> str:
+    """The same examples in the Hugging Face ``hotpot_qa`` row layout, one per line."""
+    rows = []
+    for ex in hotpot_examples():
+        rows.append({
+            "id": ex["_id"], "question": ex["question"], "answer": ex["answer"], "type": ex["type"],
+            "level": ex["level"],
+            "supporting_facts": {"title": [t for t, _ in ex["supporting_facts"]],
+                                 "sent_id": [i for _, i in ex["supporting_facts"]]},
+            "context": {"title": [t for t, _ in ex["context"]], "sentences": [s for _, s in ex["context"]]},
+        })
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -1,0 +1,288 @@
+"""The evaluation harness end to end on a tiny random model: protocols, snapshots, outputs, CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from eval_fixtures import write_hotpot, write_hotpot_hf_jsonl, write_locomo
+from peft import get_peft_model
+
+import lstmem_peft.engine
+from lstmem_peft import LSTMemConfig
+from lstmem_peft.eval import Benchmark, Decoding, History, HotpotQA, LoCoMo, PromptBuilder, evaluate
+from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    return get_peft_model(tiny_qwen3(len(tok), hidden_size=64), LSTMemConfig()).eval()
+
+
+@pytest.fixture
+def locomo(tmp_path):
+    return LoCoMo(write_locomo(tmp_path / "locomo10.json"), max_new_tokens=5)
+
+
+class Reordered(Benchmark):
+    """A benchmark with its questions (and optionally its histories) in another order."""
+
+    def __init__(self, inner, reverse_histories=False, keep=None):
+        self.inner, self.reverse_histories, self.keep = inner, reverse_histories, keep
+        self.name, self.metrics = inner.name, inner.metrics
+
+    def histories(self):
+        items = [h for h in self.inner.histories() if self.keep is None or h.id in self.keep]
+        for h in reversed(items) if self.reverse_histories else items:
+            yield History(h.id, h.text, list(reversed(h.questions)), h.segments)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def score(self, question, prediction):
+        return self.inner.score(question, prediction)
+
+    def summarize(self, records):
+        return self.inner.summarize(records)
+
+
+def predictions(path):
+    rows = [json.loads(line) for line in open(path / "predictions.jsonl")]
+    return {(r["system"], r["id"]): r["prediction"] for r in rows}, rows
+
+
+# ---------------------------------------------------------------------- LoCoMo and HotpotQA protocols
+def test_locomo_replays_sessions_in_order_with_dates_and_the_official_prompt(locomo):
+    first, second = list(locomo.histories())
+    assert len(first.segments) == 2 and "".join(first.segments) == first.text
+    assert first.segments[0].startswith("Below is a conversation between two people: Ann and Bo.")
+    assert first.text.index("DATE: 1:56 pm on 8 May, 2023") < first.text.index("DATE: 4:10 pm on 9 May, 2023")
+    assert 'Ann said, "Well done!" and shared a photo of a medal.' in first.text
+    categories = [q.meta["category"] for q in first.questions]
+    assert categories == [1, 2, 3, 4]  # category 5 excluded
+    temporal = first.questions[1]
+    assert temporal.prompt.endswith(
+        "Question: When did Bo run a race? Use DATE of CONVERSATION to answer with an approximate date. Short answer:"
+    )
+    assert "Use DATE" not in first.questions[3].prompt
+    assert all(q.max_new_tokens == 5 for q in first.questions)
+    assert second.questions[1].answer == "2020"  # integer answers scored as text
+
+
+def test_locomo_default_answer_limit_is_the_papers(tmp_path):
+    bench = LoCoMo(write_locomo(tmp_path / "l.json"), limit=1)
+    assert len(bench) == 1 and {q.max_new_tokens for h in bench.histories() for q in h.questions} == {50}
+
+
+def test_locomo_rejects_files_in_another_schema(tmp_path):
+    (tmp_path / "bad.json").write_text(json.dumps([{"sample_id": "x", "qa": []}]))
+    with pytest.raises(ValueError, match="conversation"):
+        LoCoMo(str(tmp_path / "bad.json"))
+
+
+def test_hotpotqa_reads_both_layouts_and_can_keep_only_supporting_passages(tmp_path):
+    official = list(HotpotQA(write_hotpot(tmp_path / "dev.json")).histories())
+    hub_layout = list(HotpotQA(write_hotpot_hf_jsonl(tmp_path / "dev.jsonl")).histories())
+    assert [(h.id, h.text, h.questions[0].prompt) for h in official] == [
+        (h.id, h.text, h.questions[0].prompt) for h in hub_layout
+    ]
+    first = official[0]
+    assert first.text.startswith("Ada Lind: Ada Lind founded the Lind Museum. She was a painter.\n\n")
+    assert "River Po" in first.text and first.questions[0].max_new_tokens == 32
+    assert first.questions[0].group == "bridge" and first.questions[0].answer == "Turin"
+    supporting = next(HotpotQA(write_hotpot(tmp_path / "d2.json"), passages="supporting").histories())
+    assert "River Po" not in supporting.text and "Lind Museum:" in supporting.text
+
+
+# ---------------------------------------------------------------------- prompts
+@pytest.mark.parametrize("template", [TEMPLATE, TEMPLATE.replace("m['content']", "m['content'] | trim")])
+def test_prompt_builder_splits_the_chat_prompt_into_history_and_question(locomo, template):
+    tok = char_tokenizer()
+    tok.chat_template = template
+    history = next(locomo.histories())
+    question = history.questions[0]
+    builder = PromptBuilder(tok)
+    pieces = builder.history_ids(history)
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": history.text + question.prompt}], tokenize=False, add_generation_prompt=True
+    )
+    joined = sum(pieces, []) + builder.question_ids(history, question)
+    assert joined == tok(full, add_special_tokens=False)["input_ids"]
+    assert len(pieces) == 2 and tok.decode(pieces[1]) == history.segments[1]
+    alone = builder.question_ids(history, question, in_prompt=False)  # memory-only: the question alone
+    assert tok.decode(alone).startswith("[user] Based on the above context") and tok.decode(alone).endswith("[assistant] ")
+
+
+def test_prompt_builder_refuses_a_template_that_rewrites_the_history(locomo):
+    tok = char_tokenizer()
+    tok.chat_template = TEMPLATE.replace("m['content']", "m['content'] | upper")
+    with pytest.raises(ValueError, match="chat_template=False"):
+        PromptBuilder(tok).history_ids(next(locomo.histories()))
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptBuilder(char_tokenizer(), chat_template=True)
+
+
+def test_decoding_defaults_are_the_papers():
+    assert Decoding().generate_kwargs() == {"do_sample": True, "temperature": 0.4, "top_p": 0.9, "top_k": 10}
+    assert Decoding().seed == 42
+    assert Decoding(greedy=True).generate_kwargs()["do_sample"] is False
+
+
+# ---------------------------------------------------------------------- the runner's memory protocol
+def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_feedback(model, tok, locomo, monkeypatch):
+    calls, feedbacks = [], []
+    real_feedback = lstmem_peft.engine.block_feedback
+
+    def counting_feedback(*args, **kwargs):
+        feedbacks.append(1)
+        return real_feedback(*args, **kwargs)
+
+    real_generate = model.generate
+
+    def spy(**kwargs):
+        memory = kwargs.get("memory_cache")
+        kv = kwargs.get("past_key_values")
+        calls.append({
+            "memory": None if memory is None else [(s.cell.clone(), s.hidden.clone()) for s in memory.layers],
+            "memory_object": memory,  # kept alive, so ids below are distinct objects
+            "written": None if memory is None else int(memory.tokens_written.sum()),
+            "kv": None if kv is None else kv.get_seq_length(),
+            "input": kwargs["input_ids"].shape[1],
+        })
+        return real_generate(**kwargs)
+
+    monkeypatch.setattr(lstmem_peft.engine, "block_feedback", counting_feedback)
+    monkeypatch.setattr(model, "generate", spy)
+    block = 64
+    history = next(locomo.histories())
+    pieces = PromptBuilder(tok).history_ids(history)
+    history_tokens = sum(map(len, pieces))
+    single = Reordered(locomo, keep={history.id})
+    evaluate(model, tok, single, None, block_size=block, progress=False)
+
+    n = len(history.questions)
+    lstmem, base = calls[n:], calls[:n]  # the backbone runs first
+    # history written block by block, sessions one after another, feedback after every block
+    assert len(feedbacks) == sum(math.ceil(len(p) / block) for p in pieces)
+    assert all(c["kv"] == history_tokens and c["input"] > history_tokens for c in calls)
+    assert all(c["memory"] is None for c in base)
+    assert len({id(c["memory_object"]) for c in lstmem}) == n  # a fresh copy per question
+    assert all(c["written"] == history_tokens for c in lstmem)
+    reference = lstmem[0]["memory"]
+    assert any(h.abs().sum() > 0 for _, h in reference)
+    for c in lstmem[1:]:
+        for (cell, hidden), (cell0, hidden0) in zip(c["memory"], reference):
+            assert torch.equal(cell, cell0) and torch.equal(hidden, hidden0)
+
+
+def test_scores_do_not_depend_on_question_or_history_order(model, tok, locomo, tmp_path):
+    evaluate(model, tok, locomo, tmp_path / "a", block_size=64, progress=False)
+    evaluate(model, tok, Reordered(locomo, reverse_histories=True), tmp_path / "b", block_size=64, progress=False)
+    evaluate(model, tok, Reordered(locomo, keep={"conv-b"}), tmp_path / "c", block_size=64, progress=False)
+    a, rows = predictions(tmp_path / "a")
+    b, _ = predictions(tmp_path / "b")
+    c, _ = predictions(tmp_path / "c")
+    assert a == b
+    assert {k: v for k, v in a.items() if k[1].startswith("conv-b")} == c  # memory reset per history
+    assert len(rows) == 2 * 6 and {r["system"] for r in rows} == {"base", "lstmem"}
+
+
+def test_memory_only_mode_keeps_the_history_out_of_the_prompt(model, tok, tmp_path, monkeypatch):
+    bench = HotpotQA(write_hotpot(tmp_path / "dev.json"), max_new_tokens=4)
+    seen = []
+    real_generate = model.generate
+
+    def spy(**kwargs):
+        seen.append((kwargs["input_ids"].shape[1], "past_key_values" in kwargs, kwargs.get("memory_cache")))
+        return real_generate(**kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    summary = evaluate(model, tok, bench, tmp_path / "out", memory_only=True, decoding=Decoding(greedy=True),
+                       progress=False)
+    assert summary["mode"] == "memory-only"
+    question_len = len(tok(next(bench.histories()).questions[0].prompt.lstrip())["input_ids"])
+    base, lstmem = seen[0], seen[1]
+    assert base[0] == question_len and not base[1] and base[2] is None
+    assert lstmem[0] == question_len and not lstmem[1] and lstmem[2].tokens_written is not None
+
+
+def test_outputs_put_the_backbone_and_the_adapter_side_by_side(model, tok, tmp_path):
+    bench = HotpotQA(write_hotpot(tmp_path / "dev.json"), max_new_tokens=3)
+    summary = evaluate(model, tok, bench, tmp_path / "out", progress=False, run_info={"model": "tiny"})
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["systems"].keys() == {"base", "lstmem"} and saved["model"] == "tiny"
+    assert saved["decoding"] == {"greedy": False, "temperature": 0.4, "top_p": 0.9, "top_k": 10, "seed": 42}
+    assert saved["questions"] == 2 and saved["block_size"] == 2048
+    assert summary["systems"]["lstmem"]["overall"]["questions"] == 2
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| backbone em | LSTMem em | Δ em | backbone f1 | LSTMem f1 | Δ f1 |" in table
+    assert "| bridge | 1 |" in table and "**overall**" in table
+    _, rows = predictions(tmp_path / "out")
+    record = rows[0]
+    assert set(record) >= {"system", "history", "id", "group", "prediction", "gold", "scores"}
+    assert record["scores"] == bench.score(next(bench.histories()).questions[0], record["prediction"])
+
+
+def test_a_plain_model_is_evaluated_as_the_backbone_only(tok, tmp_path):
+    plain = tiny_qwen3(len(tok), hidden_size=64)
+    bench = HotpotQA(write_hotpot(tmp_path / "dev.json"), max_new_tokens=2, limit=1)
+    summary = evaluate(plain, tok, bench, None, progress=False)
+    assert list(summary["systems"]) == ["base"]
+
+
+# ---------------------------------------------------------------------- command line
+def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
+    model.get_base_model().save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "adapter")
+    data = write_locomo(tmp_path / "locomo10.json")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lstmem_peft.cli", "eval", "locomo", data, "--model", str(tmp_path / "base"),
+         "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "out"), "--max-new-tokens", "3",
+         "--block-size", "128", "--greedy", "--limit", "1"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| **overall** | 4 |" in result.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["adapter"] == str(tmp_path / "adapter") and summary["decoding"]["greedy"] is True
+    assert list(summary["systems"]["lstmem"]["groups"]) == ["multi-hop", "temporal", "open-domain", "single-hop"]
+    assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == 8
+
+
+def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
+    from test_mab import ROWS, write_snapshot
+
+    from lstmem_peft import cli
+
+    model.get_base_model().save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "adapter")
+    snapshot = write_snapshot(tmp_path / "mab", ROWS)
+    out = tmp_path / "out"
+    code = cli.main(["eval", "mab", str(snapshot), "--model", str(tmp_path / "base"), "--adapter",
+                     str(tmp_path / "adapter"), "--out", str(out), "--max-new-tokens", "3", "--limit", "1"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    families = summary["systems"]["lstmem"]["families"]
+    assert list(families) == ["AR", "TTL", "LRU", "SF"]
+    assert sum(f["questions"] for f in families.values()) == summary["questions"] == 2 + 2 + 1 + 2
+    table = (out / "results.md").read_text()
+    assert "| *AR* | 2 |" in table and "| ruler_qa1_197K | 2 |" in table
+    with pytest.raises(SystemExit, match="--split does not apply"):
+        cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
