@@ -45,6 +45,7 @@ from ..history import find_tuner, write_history
 from .protocol import Benchmark, History, Question
 
 SYSTEMS = ("base", "lstmem")
+LONG_HISTORY_BLOCKS = 8  # histories longer than this many blocks get their own progress bar
 SYSTEM_NAMES = {"base": "backbone", "lstmem": "LSTMem"}
 
 
@@ -177,6 +178,7 @@ class _Run:
     device: torch.device
     pad_token_id: int | None
     has_adapter: bool
+    progress: bool = False
     config: Any = field(default=None)
 
 
@@ -200,8 +202,10 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
         for piece in pieces:
             if piece.shape[1] == 0:
                 continue
-            if with_memory:
-                write_history(run.model, piece, memory, block_size=run.block_size, past_key_values=kv, progress=False)
+            if with_memory:  # a bar of its own for long histories (MemoryAgentBench contexts)
+                long = piece.shape[1] > LONG_HISTORY_BLOCKS * run.block_size
+                write_history(run.model, piece, memory, block_size=run.block_size, past_key_values=kv,
+                              progress=run.progress and long)
             elif kv is not None:
                 _prefill_plain(run, piece, kv)
         snapshot = _KVSnapshot(kv) if kv is not None else None
@@ -344,7 +348,7 @@ def evaluate(
     run = _Run(
         model=model, tokenizer=tokenizer, builder=PromptBuilder(tokenizer, chat_template, template_kwargs),
         decoding=decoding, block_size=block_size, memory_only=memory_only,
-        device=next(model.parameters()).device, pad_token_id=pad, has_adapter=tuner is not None,
+        device=next(model.parameters()).device, pad_token_id=pad, has_adapter=tuner is not None, progress=progress,
         config=getattr(model, "config", None),
     )
     out_dir = None if out_dir is None else os.fspath(out_dir)
