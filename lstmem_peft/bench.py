@@ -7,7 +7,7 @@ versions and date. ``report`` renders every JSON record under a folder into ``RE
 plots. Weights are random: timing needs a model's dimensions, not its training.
 
     lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
-    lstmem bench e2e | write | scan ...
+    lstmem bench generate | e2e | write | scan ...
     lstmem bench report benchmarks/results              # RESULTS.md + plots from the JSON records
 """
 
@@ -38,9 +38,10 @@ PRESETS = {
     "qwen3-4b": json.loads((Path(__file__).parent / "assets" / "configs" / "qwen3-4b.json").read_text()),
 }
 DEFAULTS = {
-    "cpu": dict(kv_lengths=[256, 1024, 2048], histories=[2048, 4096], answer_tokens=32, write_tokens=4096),
+    "cpu": dict(kv_lengths=[256, 1024, 2048], histories=[2048, 4096], answer_tokens=32, write_tokens=4096,
+                prompt_tokens=256, generate_tokens=32),
     "cuda": dict(kv_lengths=[8192 * i for i in (1, 2, 4, 8, 16)], histories=[8192, 32768, 131072], answer_tokens=2048,
-                 write_tokens=32768),
+                 write_tokens=32768, prompt_tokens=2048, generate_tokens=256),
 }
 
 
@@ -202,6 +203,28 @@ def bench_e2e(model, history_tokens: int, answer_tokens: int, question_tokens: i
     return result
 
 
+@torch.no_grad()
+def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, warmup: int = 1) -> dict:
+    """``generate`` from an empty memory: prefill a prompt, then ``new_tokens`` greedy tokens (min = max)."""
+    from .cache import MemoryCache
+
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens), device=device)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def run(with_memory, _):
+        if with_memory:
+            model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)
+            return
+        with model.disable_adapter():
+            model.generate(input_ids=prompt, **gen)
+
+    result = _alternate(run, reps, warmup, device)
+    result.update(prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                  ratio=result["lstmem"]["median"] / result["plain"]["median"])
+    return result
+
+
 def bench_scan(lengths: list[int], batches: list[int], device: torch.device, reps: int = 5, naive_reps: int = 2) -> list[dict]:
     """Forward and forward+backward time of the naive, vectorised and (CUDA) Triton scans."""
     from lstmem_kernels import lstmem_scan, triton_available
@@ -274,6 +297,7 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
     if not gpu_seen:
         lines += ["**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:", "",
                   "```bash", "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+                  "lstmem bench generate --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
                   "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
                   "lstmem bench write --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
                   "lstmem bench scan --out benchmarks/results", "lstmem bench report benchmarks/results", "```", ""]
@@ -297,12 +321,15 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
                 ax.set_ylabel("equivalent decode speed (tok/s)")
 
             lines += ["", _plot(md.parent, r, "decode", "decode speed", draw)]
-        elif r["benchmark"] in ("e2e", "write"):
-            key = "history_tokens" if r["benchmark"] == "e2e" else "tokens"
-            lines += [f"| {key.replace('_', ' ')} | LSTMem s (min-max) | plain s (min-max) | ratio |", "| --- | --- | --- | --- |"]
+        elif r["benchmark"] in ("e2e", "write", "generate"):
+            key = {"e2e": "history_tokens", "write": "tokens", "generate": "prompt_tokens"}[r["benchmark"]]
+            extra = " new tokens |" if r["benchmark"] == "generate" else ""
+            lines += [f"| {key.replace('_', ' ')} |{extra} LSTMem s (min-max) | plain s (min-max) | ratio |",
+                      "| --- |" + " --- |" * (4 if extra else 3)]
             for row in r["rows"]:
                 lm, pl = row["lstmem"], row["plain"]
-                lines.append(f"| {row[key]} | {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
+                new_tokens = f" {row['new_tokens']} |" if extra else ""
+                lines.append(f"| {row[key]} |{new_tokens} {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
                              f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |")
             if r["benchmark"] == "e2e":
                 def draw(ax, rows=r["rows"]):
@@ -339,11 +366,15 @@ def run(kind: str, preset: str = "cpu-small", device: str | None = None, dtype: 
             record["rows"] = bench_decode(model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps or 10)
         elif kind == "write":
             record["rows"] = [bench_write(model, sizes.get("tokens") or defaults["write_tokens"], reps=reps or 3)]
+        elif kind == "generate":
+            prompt = sizes.get("prompt_tokens") or defaults["prompt_tokens"]
+            new_tokens = sizes.get("answer_tokens") or defaults["generate_tokens"]
+            record["rows"] = [bench_generate(model, prompt, new_tokens, reps=reps or 6)]
         elif kind == "e2e":
             answer = sizes.get("answer_tokens") or defaults["answer_tokens"]
             record["rows"] = [bench_e2e(model, n, answer, reps=reps or 3) for n in (sizes.get("histories") or defaults["histories"])]
         else:
-            raise ValueError(f"unknown benchmark {kind!r}: decode, e2e, write or scan")
+            raise ValueError(f"unknown benchmark {kind!r}: decode, generate, e2e, write or scan")
     path = save_record(out, kind, record)
     print(json.dumps(record, indent=2))
     print(f"wrote {path}")

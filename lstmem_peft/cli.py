@@ -3,7 +3,7 @@
     lstmem demo                 # offline recall demo on the embedded backbone and adapters
     lstmem demo --train         # retrain the adapters from scratch first (reports the time)
     lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
-    lstmem bench decode|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
+    lstmem bench decode|generate|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
     lstmem bench report benchmarks/results                                   # RESULTS.md + plots
     lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
 """
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=600, help="training steps per adapter with --train")
     demo.add_argument("--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations")
     bench = sub.add_parser("bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)")
-    bench.add_argument("kind", choices=["decode", "e2e", "write", "scan", "report"])
+    bench.add_argument("kind", choices=["decode", "generate", "e2e", "write", "scan", "report"])
     bench.add_argument("folder", nargs="?", default="benchmarks/results", help="records folder (report)")
     bench.add_argument("--preset", default="cpu-small", help="model dimensions: cpu-small or qwen3-4b")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--reps", type=int, default=None)
     bench.add_argument("--kv-lengths", type=int, nargs="+", default=None, help="decode: KV cache lengths")
     bench.add_argument("--histories", type=int, nargs="+", default=None, help="e2e: history lengths")
-    bench.add_argument("--answer-tokens", type=int, default=None, help="e2e: generated tokens")
+    bench.add_argument("--answer-tokens", type=int, default=None, help="e2e, generate: generated tokens")
+    bench.add_argument("--prompt-tokens", type=int, default=None, help="generate: prompt length")
     bench.add_argument("--tokens", type=int, default=None, help="write: history tokens")
     bench.add_argument("--lengths", type=int, nargs="+", default=None, help="scan: block lengths")
     bench.add_argument("--batches", type=int, nargs="+", default=None, help="scan: batch sizes")
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         benchmarks.run(args.kind, preset=args.preset, device=args.device, dtype=args.dtype, out=args.out, reps=args.reps,
                        kv_lengths=args.kv_lengths, histories=args.histories, answer_tokens=args.answer_tokens,
+                       prompt_tokens=args.prompt_tokens,
                        tokens=args.tokens, lengths=args.lengths, batches=args.batches)
         return 0
     if args.command == "demo":

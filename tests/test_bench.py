@@ -14,6 +14,7 @@ def records(tmp_path_factory):
         "decode": bench.run("decode", preset="tiny", out=str(out), reps=1, kv_lengths=[16, 32]),
         "write": bench.run("write", preset="tiny", out=str(out), reps=1, tokens=48),
         "e2e": bench.run("e2e", preset="tiny", out=str(out), reps=1, histories=[32], answer_tokens=3),
+        "generate": bench.run("generate", preset="tiny", out=str(out), reps=1, prompt_tokens=16, answer_tokens=4),
         "scan": bench.run("scan", out=str(out), reps=1, lengths=[5], batches=[1]),
     }
     return out, made
@@ -22,7 +23,7 @@ def records(tmp_path_factory):
 def test_records_carry_device_versions_date_and_every_figure(records):
     out, made = records
     files = sorted(out.glob("*.json"))
-    assert len(files) == 4
+    assert len(files) == 5
     for record in map(lambda p: json.loads(p.read_text()), files):
         assert {"device", "torch", "transformers", "date", "rows", "benchmark"} <= set(record)
     decode = made["decode"]["rows"]
@@ -30,6 +31,8 @@ def test_records_carry_device_versions_date_and_every_figure(records):
     for r in decode:
         assert r["lstmem"]["n"] == r["plain"]["n"] == 1 and r["ratio"] > 0 and r["lstmem_tok_s"] > 0
     assert made["write"]["rows"][0]["tokens"] == 48 and made["e2e"]["rows"][0]["answer_tokens"] == 3
+    generate = made["generate"]["rows"][0]
+    assert (generate["prompt_tokens"], generate["new_tokens"]) == (16, 4) and generate["ratio"] > 0
     assert {r["backend"] for r in made["scan"]["rows"]} >= {"naive", "torch"}
 
 
@@ -38,7 +41,7 @@ def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_pa
     md = bench.report(out, tmp_path / "RESULTS.md")
     text = md.read_text()
     assert "GPU: not yet measured" in text
-    for heading in ("## decode", "## write", "## e2e", "## scan"):
+    for heading in ("## decode", "## generate", "## write", "## e2e", "## scan"):
         assert heading in text
     assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (tmp_path / "e2e-cpu-tiny.png").stat().st_size > 0
 
