@@ -19,8 +19,8 @@ Formats:
   [{"question": str, "answer": str}, ...]}``, one episode per question;
 * synthetic key-value recall (:func:`synthetic_recall_episodes`) for tests and the demo.
 
-Each loader reads a local file (``.json``/``.jsonl``) or, given a Hub dataset id, goes through
-``datasets.load_dataset``.
+Each loader reads a local file (``.json``/``.jsonl``/``.parquet``), a folder of them, or a Hub dataset
+id (downloaded through ``huggingface_hub``, so the Hub cache serves it offline).
 """
 
 from __future__ import annotations
@@ -37,32 +37,79 @@ Episode = dict[str, str]
 
 
 # ---------------------------------------------------------------------- reading records
-def read_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
-    """Records from a local ``.jsonl``/``.json`` file, or a Hub dataset id through ``datasets``."""
-    if os.path.exists(source):
-        with open(source, encoding="utf-8") as fh:
-            if source.endswith(".jsonl"):
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            yield json.loads(line)
-                        except json.JSONDecodeError as err:
-                            raise ValueError(f"{source}:{n}: not valid JSON ({err.msg})") from err
-                return
-            data = json.load(fh)
-        if isinstance(data, dict):  # QASPER's official files map paper ids to papers
-            for key, value in data.items():
-                yield {"id": key, **value} if isinstance(value, dict) else value
-        else:
-            yield from data
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def hub_dataset_folder(source: str, patterns: tuple[str, ...] = ("*.parquet", "*.jsonl", "*.json")) -> str:
+    """The local folder of a Hub dataset ``owner/name`` (or ``owner/name/sub/folder``), downloaded once.
+
+    Goes through ``huggingface_hub.snapshot_download`` (data files only), so it works offline from
+    the Hub cache (``HF_HUB_OFFLINE=1``) once the dataset has been downloaded.
+    """
+    from huggingface_hub import snapshot_download
+
+    parts = source.strip("/").split("/")
+    if len(parts) < 2:
+        raise FileNotFoundError(f"{source!r} is neither a local path nor a Hub dataset id (owner/name[/folder])")
+    repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+    allow = [f"{sub}/{p}" if sub else p for p in patterns]  # fnmatch: '*' also crosses folders
+    root = snapshot_download(repo, repo_type="dataset", allow_patterns=allow)
+    folder = os.path.join(root, sub) if sub else root
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"Hub dataset {repo} has no folder {sub!r}")
+    return folder
+
+
+def data_files(folder: str, split: str) -> list[str]:
+    """The data files of ``split`` in a folder: its only data file, or those named after the split."""
+    paths = sorted(
+        os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(DATA_SUFFIXES)
+    )
+    if len(paths) == 1:
+        return paths
+    chosen = [p for p in paths if os.path.basename(p).lower().startswith(split.lower())]
+    if not chosen:
+        names = ", ".join(os.path.relpath(p, folder) for p in paths) or "none"
+        raise FileNotFoundError(f"{folder}: no data file named after split {split!r} (data files: {names})")
+    return chosen
+
+
+def read_file(path: str) -> Iterator[dict[str, Any]]:
+    """Records of one ``.parquet``, ``.jsonl`` or ``.json`` file (a JSON object maps ids to records)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path).to_pylist()
         return
-    if "/" not in source:
-        raise FileNotFoundError(f"{source!r} is neither a local file nor a Hub dataset id (owner/name)")
-    try:
-        import datasets
-    except ImportError as err:  # pragma: no cover - datasets is optional
-        raise ImportError("loading from the Hub needs `pip install datasets`") from err
-    yield from datasets.load_dataset(source, split=split)
+    with open(path, encoding="utf-8") as fh:
+        if path.endswith(".jsonl"):
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from err
+            return
+        data = json.load(fh)
+    if isinstance(data, dict):  # QASPER's official files map paper ids to papers
+        for key, value in data.items():
+            yield {"id": key, **value} if isinstance(value, dict) else value
+    else:
+        yield from data
+
+
+def read_records(source: str, split: str = "train") -> Iterator[dict[str, Any]]:
+    """Records from a local data file, a local folder, or a Hub dataset id (``owner/name[/folder]``).
+
+    A folder (or a downloaded Hub dataset) contributes its only data file, or the files whose names
+    start with ``split`` (``validation-00000-of-00001.parquet``, ``train.jsonl``).
+    """
+    if os.path.isfile(source):
+        yield from read_file(source)
+        return
+    folder = source if os.path.isdir(source) else hub_dataset_folder(source)
+    for path in data_files(folder, split):
+        yield from read_file(path)
 
 
 # ---------------------------------------------------------------------- builders

@@ -104,3 +104,15 @@ def write_hotpot_hf_jsonl(path) -> str:
         })
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def hub_dataset(cache, repo_id: str, files: dict) -> None:
+    """Put a dataset repo into a Hub cache folder, as ``snapshot_download`` leaves it (for offline runs)."""
+    sha = "0" * 40
+    root = cache / ("datasets--" + repo_id.replace("/", "--"))
+    for relpath, data in files.items():
+        target = root / "snapshots" / sha / relpath
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data if isinstance(data, bytes) else data.encode())
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(sha)

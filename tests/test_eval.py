@@ -286,3 +286,56 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
     assert "| *AR* | 2 |" in table and "| ruler_qa1_197K | 2 |" in table
     with pytest.raises(SystemExit, match="--split does not apply"):
         cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
+
+
+# ---------------------------------------------------------------------- Hub dataset ids (offline cache)
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, tmp_path):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from eval_fixtures import hotpot_examples, hub_dataset, locomo_samples
+    from test_mab import ENTITIES, ROWS
+
+    from lstmem_peft.eval import MemoryAgentBench
+
+    def parquet(rows):
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        return buffer.getvalue()
+
+    hub_dataset(offline_hub, "snap/locomo", {"data/locomo10.json": json.dumps(locomo_samples()), "README.md": "card"})
+    assert [h.id for h in LoCoMo("snap/locomo").histories()] == ["conv-a", "conv-b"]
+
+    hf_rows = [json.loads(line) for line in open(write_hotpot_hf_jsonl(tmp_path / "h.jsonl"))]
+    hub_dataset(offline_hub, "hotpotqa/hotpot_qa", {
+        "distractor/validation-00000-of-00001.parquet": parquet(hf_rows),
+        "distractor/train-00000-of-00001.parquet": parquet(hf_rows[:1]),
+        "fullwiki/validation-00000-of-00001.parquet": parquet(hf_rows[:1]),
+    })
+    bench = HotpotQA("hotpotqa/hotpot_qa/distractor")  # split "validation" by default
+    assert [h.id for h in bench.histories()] == [e["_id"] for e in hotpot_examples()]
+    with pytest.raises(FileNotFoundError, match="no data file named after split 'test'"):
+        HotpotQA("hotpotqa/hotpot_qa/distractor", split="test")
+
+    files = {f"data/{split}-00000-of-00001.parquet": parquet(rows) for split, rows in ROWS.items()}
+    hub_dataset(offline_hub, "ai-hyz/MemoryAgentBench", {**files, "entity2id.json": json.dumps(ENTITIES)})
+    mab = MemoryAgentBench("ai-hyz/MemoryAgentBench", families=("TTL",))
+    redial = [q for h in mab.histories() for q in h.questions if q.group == "recsys_redial_full"]
+    assert redial and redial[0].answer == ["Spider-Man", "Up"]  # entity ids mapped through entity2id.json
+
+
+def test_a_hub_id_missing_from_the_offline_cache_fails_clearly(offline_hub):
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    with pytest.raises(LocalEntryNotFoundError):
+        LoCoMo("nobody/nothing")

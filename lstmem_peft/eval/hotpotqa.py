@@ -7,7 +7,8 @@ evaluation, a yes/no/noanswer answer gets F1 0 unless the prediction normalises 
 
 Data: the official ``hotpot_dev_distractor_v1.json`` (a list of examples whose ``context`` is a list
 of ``[title, [sentence, ...]]``), or rows in the Hugging Face ``hotpot_qa`` layout (``context`` as
-``{"title": [...], "sentences": [[...], ...]}``) from a ``.json``/``.jsonl`` file or a Hub dataset id.
+``{"title": [...], "sentences": [[...], ...]}``) from a ``.json``/``.jsonl``/``.parquet`` file or the
+Hub dataset (``hotpotqa/hotpot_qa/distractor``, split ``validation``).
 ``passages="all"`` (default) puts every passage of the example in the prompt (the two supporting
 ones and the eight distractors); ``passages="supporting"`` only those named by ``supporting_facts``.
 """
@@ -74,11 +75,12 @@ class HotpotQA(Benchmark):
     """The HotpotQA distractor protocol.
 
     Args:
-        source: ``hotpot_dev_distractor_v1.json`` (or a ``.jsonl``), or a Hub dataset id.
+        source: ``hotpot_dev_distractor_v1.json`` (or a ``.jsonl``/``.parquet``, or a folder), or a Hub
+            dataset id ``owner/name[/folder]``, e.g. ``hotpotqa/hotpot_qa/distractor``.
         limit: evaluate only the first ``limit`` questions.
         passages: ``"all"`` passages of each example in the prompt, or only the ``"supporting"`` ones.
         max_new_tokens: answer limit (the paper: 32).
-        split: dataset split when ``source`` is a Hub id (``"validation"``).
+        split: which data file to read from a folder or Hub id (files named after the split).
     """
 
     name = "hotpotqa"

@@ -134,10 +134,12 @@ class LoCoMo(Benchmark):
     """The LoCoMo protocol over the official ``locomo10.json`` (or a Hub dataset id in its schema).
 
     Args:
-        source: path of ``locomo10.json`` (or a ``.jsonl`` of samples), or a Hub dataset id.
+        source: path of ``locomo10.json`` (or a ``.jsonl``/``.parquet`` of samples, or a folder holding
+            one), or a Hub dataset id ``owner/name[/folder]`` (downloaded once, then read from the cache).
         limit: evaluate only the first ``limit`` conversations (smoke runs).
         max_new_tokens: answer limit (the paper: 50).
-        split: dataset split when ``source`` is a Hub id.
+        split: which data file to read when ``source`` is a folder or Hub id holding several (files
+            named after the split).
     """
 
     name = "locomo"

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from ..data import read_records
+from ..data import hub_dataset_folder, read_file
 from .protocol import Benchmark, History, Question, question_weighted
 from .text import squad_normalize, token_f1
 
@@ -224,10 +224,9 @@ def _read_file(path: str) -> list[dict[str, Any]]:
         missing = [c for c in COLUMNS if c not in pq.read_schema(path).names]
         if missing:
             raise ValueError(f"{path}: missing column(s) {', '.join(missing)} of {', '.join(COLUMNS)}")
-        return pq.read_table(path, columns=list(COLUMNS)).to_pylist()
-    if path.endswith((".jsonl", ".json")):
-        return list(read_records(path))
-    raise ValueError(f"{path}: not a .parquet, .jsonl or .json file")
+    elif not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"{path}: not a .parquet, .jsonl or .json file")
+    return list(read_file(path))
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -261,7 +260,8 @@ class MemoryAgentBench(Benchmark):
 
     Args:
         source: a folder holding the snapshot's data files (``.parquet``/``.jsonl``/``.json`` named after
-            their split, searched recursively), one such file, or a Hub dataset id (needs network).
+            their split, searched recursively), one such file, or a Hub dataset id (its snapshot is
+            downloaded once; offline it is read from the Hub cache).
         families: evaluate only these families (subset of :data:`FAMILIES`).
         limit: at most this many histories per family (smoke runs).
         max_questions: at most this many questions per history.
@@ -285,6 +285,8 @@ class MemoryAgentBench(Benchmark):
         chosen = set(FAMILIES if families is None else families)
         if unknown := sorted(chosen - set(FAMILIES)):
             raise ValueError(f"unknown MemoryAgentBench families {unknown}; known families: {FAMILIES}")
+        if not os.path.exists(source):  # a Hub dataset id: its snapshot folder (the Hub cache offline)
+            source = hub_dataset_folder(source)
         self.source, self.limit, self.max_questions = source, limit, max_questions
         self.families = tuple(f for f in FAMILIES if f in chosen)
         self.entity_map = entity_map
@@ -312,12 +314,6 @@ class MemoryAgentBench(Benchmark):
                     yield path, _split_of(path), _read_file(path)
         elif os.path.isfile(src):
             yield src, _split_of(src), _read_file(src)
-        elif "/" in src:
-            import datasets
-
-            for split, family in SPLITS.items():
-                if family in self.families:
-                    yield f"{src}[{split}]", split, datasets.load_dataset(src, split=split)
         else:
             raise FileNotFoundError(f"{src!r} is neither a local folder or file nor a Hub dataset id")
 
@@ -385,18 +381,14 @@ class MemoryAgentBench(Benchmark):
     def _entity_path(self) -> str:
         if self.entity_map is not None:
             return self.entity_map
-        if os.path.exists(self.source):
-            src = os.path.abspath(self.source)
-            folder = src if os.path.isdir(src) else os.path.dirname(src)
-            candidates = [os.path.join(d, ENTITY_FILE) for d in (folder, os.path.dirname(folder))]
-            found = next((c for c in candidates if os.path.isfile(c)), None)
-            if found is None:
-                raise FileNotFoundError(f"ReDial answers are entity ids: put the snapshot's {ENTITY_FILE} at "
-                                        f"{' or '.join(candidates)}, or pass entity_map=")
-            return found
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(self.source, ENTITY_FILE, repo_type="dataset")
+        src = os.path.abspath(self.source)  # a local path (Hub ids were resolved to their snapshot folder)
+        folder = src if os.path.isdir(src) else os.path.dirname(src)
+        candidates = [os.path.join(d, ENTITY_FILE) for d in (folder, os.path.dirname(folder))]
+        found = next((c for c in candidates if os.path.isfile(c)), None)
+        if found is None:
+            raise FileNotFoundError(f"ReDial answers are entity ids: put the snapshot's {ENTITY_FILE} at "
+                                    f"{' or '.join(candidates)}, or pass entity_map=")
+        return found
 
     def histories(self) -> Iterator[History]:
         return iter(self._histories)
