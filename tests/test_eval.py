@@ -339,3 +339,12 @@ def test_a_hub_id_missing_from_the_offline_cache_fails_clearly(offline_hub):
 
     with pytest.raises(LocalEntryNotFoundError):
         LoCoMo("nobody/nothing")
+
+
+def test_a_ten_conversation_file_is_checked_against_locomo10s_question_count(tmp_path):
+    from eval_fixtures import locomo_samples
+
+    samples = [dict(s, sample_id=f"c{i}") for i in range(5) for s in locomo_samples()]
+    (tmp_path / "l.json").write_text(json.dumps(samples))
+    with pytest.warns(UserWarning, match="30 category 1-4 questions, not LoCoMo-10's 1540"):
+        LoCoMo(str(tmp_path / "l.json"))

@@ -35,6 +35,7 @@ Scoring follows the official LoCoMo scorer:
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
@@ -46,6 +47,7 @@ from .protocol import Benchmark, History, Question, question_weighted, require_f
 from .text import squad_normalize, token_f1, tokens
 
 SCORED_CATEGORIES = (1, 2, 3, 4)
+LOCOMO10_QUESTIONS = 1540  # category 1-4 questions of the 10 LoCoMo-10 conversations (paper App. B)
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _STEMMER = PorterStemmer()
 
@@ -152,6 +154,10 @@ class LoCoMo(Benchmark):
         self.samples = list(read_records(source, split))[:limit]
         self.max_new_tokens = max_new_tokens
         require_fields(self.samples, ("conversation", "qa"), source, "the official locomo10.json schema")
+        scored = sum(int(qa["category"]) in SCORED_CATEGORIES for sample in self.samples for qa in sample["qa"])
+        if limit is None and len(self.samples) == 10 and scored != LOCOMO10_QUESTIONS:
+            warnings.warn(f"{source}: {scored} category 1-4 questions, not LoCoMo-10's {LOCOMO10_QUESTIONS}; "
+                          "is this the official locomo10.json?", stacklevel=2)
 
     def __len__(self) -> int:
         return len(self.samples)
