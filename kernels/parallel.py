@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK = 32
+DEFAULT_CHUNK = 16  # 8-16 measured fastest on CPU for T = 256 and 2048 (fewer full-size levels)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,7 +39,7 @@ def _inclusive_scan(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     L = a.shape[2]
     d = 1
     while d < L:
-        b = torch.cat([b[:, :, :d], a[:, :, d:, ..., None] * b[:, :, :-d] + b[:, :, d:]], dim=2)
+        b = torch.cat([b[:, :, :d], torch.addcmul(b[:, :, d:], a[:, :, d:, ..., None], b[:, :, :-d])], dim=2)
         a = torch.cat([a[:, :, :d], a[:, :, d:] * a[:, :, :-d]], dim=2)
         d *= 2
     return a, b
@@ -90,19 +90,23 @@ def scan_parallel(
     # 2. Cumulative maps over chunk ends give the state entering each chunk.
     a_end, b_end = _inclusive_scan(a[:, None, :, -1], b[:, None, :, -1])
     a_end, b_end = a_end[:, 0, :-1, ..., None], b_end[:, 0, :-1]
-    start = torch.cat([C0[:, None], a_end * C0[:, None] + b_end], dim=1)  # (B, n, H, R, R)
-    C = (a[..., None] * start[:, :, None] + b).view(B, n * L, H, R, R)[:, :T]
+    start = torch.cat([C0[:, None], torch.addcmul(b_end, a_end, C0[:, None])], dim=1)  # (B, n, H, R, R)
+    C = torch.addcmul(b, a[..., None], start[:, :, None]).view(B, n * L, H, R, R)[:, :T]
 
-    D = o[..., None] * torch.tanh(C)
-    if depth is not None:
-        D = D + depth.to(cd)
+    tanh_c = torch.tanh(C)
+    D = o[..., None] * tanh_c if depth is None else torch.addcmul(_cast(depth, cd), o[..., None], tanh_c)
     if valid is not None:
         last = _last_valid_index(valid)  # (B, T)
         D_ext = torch.cat([D0[:, None], D], dim=1)
         D = D_ext.gather(1, (last + 1).view(B, T, 1, 1, 1).expand(B, T, H, R, R))
     D_prev = torch.cat([D0[:, None], D[:, :-1]], dim=1)
-    read = torch.einsum("bthac,bthc->btha", D_prev, q)
+    read = torch.matmul(D_prev, q[..., None])[..., 0]
     return read.to(out_dtype), D.to(out_dtype), C[:, -1].to(out_dtype), D[:, -1].to(out_dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it already has that dtype (the decode hot path)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def step_torch(
@@ -122,15 +126,44 @@ def step_torch(
     Returns ``(read (B, H, R), new_cell, new_hidden)``; states keep their dtype, math in float32+.
     """
     cd = _compute_dtype(q.dtype if q.dtype == torch.float64 else cell.dtype)
-    C = cell.to(cd)
-    D = hidden.to(cd)
-    read = torch.einsum("bhac,bhc->bha", D, q.to(cd))
-    C_new = f.to(cd)[..., None] * C + w.to(cd)[..., None] * k.to(cd)[..., None, :]
-    D_new = o.to(cd)[..., None] * torch.tanh(C_new)
-    if depth is not None:
-        D_new = D_new + depth.to(cd)
-    if valid is not None:
-        keep = valid.view(-1, 1, 1, 1)
+    read, C_new, D_new = step_shaped(
+        _cast(q, cd)[..., None], _cast(k, cd)[..., None, :], _cast(w, cd)[..., None],
+        _cast(f, cd)[..., None], _cast(o, cd)[..., None], _cast(cell, cd), _cast(hidden, cd),
+        None if depth is None else _cast(depth, cd),
+        None if valid is None else valid.view(-1, 1, 1, 1),
+    )
+    return _cast(read[..., 0], q.dtype), _cast(C_new, cell.dtype), _cast(D_new, hidden.dtype)
+
+
+def step_shaped(
+    q_col: torch.Tensor,
+    k_row: torch.Tensor,
+    w_col: torch.Tensor,
+    f_col: torch.Tensor,
+    o_col: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode step on pre-shaped operands, one dtype throughout (the fewest ops; autograd-safe).
+
+    ``read = D q``, ``C' = diag(f) C + w k^T``, ``D' = diag(o) tanh(C') + depth``, and where
+    ``keep`` is ``False`` the states are carried over.
+
+    Args:
+        q_col, w_col, f_col, o_col: ``(B, H, R, 1)``; ``k_row``: ``(B, H, 1, R)``.
+        C, D: ``(B, H, R, R)`` states before the step.
+        depth: ``(B, H, R, R)`` depth term ``diag(g) D^{(l-1)}``, or ``None``.
+        keep: ``(B, 1, 1, 1)`` bool (``False`` at padding), or ``None``.
+    Returns:
+        ``(read (B, H, R, 1), C', D')``.
+    """
+    read = torch.matmul(D, q_col)
+    C_new = torch.addcmul(f_col * C, w_col, k_row)
+    tanh_c = torch.tanh(C_new)
+    D_new = o_col * tanh_c if depth is None else torch.addcmul(depth, o_col, tanh_c)
+    if keep is not None:
         C_new = torch.where(keep, C_new, C)
         D_new = torch.where(keep, D_new, D)
-    return read.to(q.dtype), C_new.to(cell.dtype), D_new.to(hidden.dtype)
+    return read, C_new, D_new

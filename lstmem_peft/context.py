@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .engine import MemoryPass
-from .memory import LSTMemLayer
+from .memory import LayerOutput, LSTMemLayer
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,22 @@ class ModelPass:
         self.adapter_name = adapter_name
         self.depth_index = depth_index
         self.memory_pass = memory_pass
-        self._delta_o: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, LayerOutput] = {}
         self._token: contextvars.Token | None = None
 
-    def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> torch.Tensor:
-        """Run the memory of decoder layer ``wrapper.layer_idx``; returns ``Δq``, keeps ``Δo``."""
+    def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
+        """Run the memory of decoder layer ``wrapper.layer_idx``; keeps its output for ``Δo``."""
         out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
-        self._delta_o[wrapper.layer_idx] = out.delta_o
-        return out.delta_q
+        self._outputs[wrapper.layer_idx] = out
+        return out
+
+    def pop_output(self, layer_idx: int) -> LayerOutput | None:
+        """The output of decoder layer ``layer_idx``'s memory (its ``Δo``), once."""
+        return self._outputs.pop(layer_idx, None)
 
     def pop_delta_o(self, layer_idx: int) -> torch.Tensor | None:
-        return self._delta_o.pop(layer_idx, None)
+        out = self._outputs.pop(layer_idx, None)
+        return None if out is None else out.delta_o
 
     def open(self) -> None:
         self._token = _CURRENT.set(self)
@@ -90,6 +95,6 @@ class ModelPass:
     def close(self, completed: bool) -> None:
         """Leave the context; when the forward completed, finish the pass (feedback)."""
         _CURRENT.reset(self._token)
-        self._delta_o.clear()
+        self._outputs.clear()
         if completed:
             self.memory_pass.finish()

@@ -39,6 +39,8 @@ class MemoryPass:
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
         backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
+        plans: optional per-layer :class:`~lstmem_peft.memory.DecodePlan` (depth order) fetched
+            by the caller for this pass (``LSTMemLayer.cached_plan``), handed to each layer.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class MemoryPass:
         depth_coupling: bool = True,
         feedback_positions: int = K.FEEDBACK_POSITIONS,
         backend: str = "auto",
+        plans: list | None = None,
     ) -> None:
         if feedback and not write:
             raise ValueError("block feedback needs a writing pass (write=True)")
@@ -61,6 +64,7 @@ class MemoryPass:
         self.depth_coupling = depth_coupling
         self.backend = backend
         self.feedback_positions = feedback_positions
+        self.plans = plans
         self.feedback_result: FeedbackResult | None = None
         self._next = 0
         self._depth: torch.Tensor | None = None
@@ -88,10 +92,13 @@ class MemoryPass:
                 "once each, shallow to deep, within one forward"
             )
         state = self.cache.layers[index]
-        out = layer(x, state.cell, state.hidden, depth=self._depth, valid=self.valid, write=self.write, backend=self.backend)
+        out = layer(  # positional: this runs once per memory layer and token while decoding
+            x, state.cell, state.hidden, self._depth, self.valid, self.write, self.backend, self.feedback,
+            None if self.plans is None else self.plans[index],
+        )
         if self.write:
             state.cell, state.hidden = out.cell, out.hidden
-            self._depth = out.hidden_seq if self.depth_coupling else None
+            self._depth = out.next_depth if self.depth_coupling else None
             if index == 0:
                 n = x.shape[1] if self.valid is None else self.valid.sum(dim=1)
                 self.cache.tokens_written = self.cache.tokens_written + n

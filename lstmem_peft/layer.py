@@ -12,11 +12,16 @@ with adapters disabled, both are the plain base layers.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.nn.modules import module as _module
 
 from . import context
-from .memory import LSTMemLayer
+from .memory import LayerOutput, LSTMemLayer
+
+# context.current_pass without its Python frame: the wrappers ask it in every projection call
+_current_pass = context._CURRENT.get
 
 
 class LSTMemTunerLayer(BaseTunerLayer):
@@ -69,15 +74,13 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self.base_layer(x, *args, **kwargs)
-        active = context.current_pass()
-        if active is None or self.disable_adapters:
-            return result
-        adapter = active.adapter_name
-        if adapter not in self.lstmem_memory:
-            return result
-        delta_q = active.run_layer(self, self.lstmem_memory[adapter], x)
-        return result + delta_q.to(result.dtype)
+        # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
+        active = _current_pass()
+        base = self._modules["base_layer"]
+        memory = None if active is None or self._disable_adapters else self.lstmem_memory._modules.get(active.adapter_name)
+        if memory is None:
+            return base(x, *args, **kwargs)
+        return _base_plus(base, x, active.run_layer(self, memory, x), 0, args, kwargs)
 
 
 class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
@@ -95,9 +98,52 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
         self.kwargs = {}
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        result = self.base_layer(x, *args, **kwargs)
-        active = context.current_pass()
-        if active is None or self.disable_adapters:
-            return result
-        delta_o = active.pop_delta_o(self.layer_idx)
-        return result if delta_o is None else result + delta_o.to(result.dtype)
+        active = _current_pass()
+        base = self._modules["base_layer"]
+        out = None if active is None or self._disable_adapters else active.pop_output(self.layer_idx)
+        if out is None:
+            return base(x, *args, **kwargs)
+        return _base_plus(base, x, out, 1, args, kwargs)
+
+
+def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``base(x)`` is exactly ``F.linear(x, base.weight)``: a bias-free ``nn.Linear`` of
+    ``x``'s dtype without hooks or a patched forward (then the correction can enter its product)."""
+    params = base._parameters
+    return (
+        type(base) is nn.Linear
+        and params["bias"] is None
+        and not args
+        and not kwargs
+        and x.dtype == params["weight"].dtype
+        and not (base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks)
+        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
+                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+        and "forward" not in base.__dict__
+    )
+
+
+def _base_plus(base: nn.Module, x: torch.Tensor, out: LayerOutput, which: int, args, kwargs) -> torch.Tensor:
+    """``base(x)`` plus the memory correction ``which`` (0: ``Δq``, 1: ``Δo``) of ``out``.
+
+    For a plain projection (:func:`_plain_linear`) the correction enters the matrix product: a
+    factored one (``out.read``, no autograd) is accumulated into the fresh output in place,
+    ``y += u C``, so ``Δ`` is never formed; a tensor one is the bias (one token) or the accumulator.
+    Otherwise ``base`` runs as it is and the correction is added.
+    """
+    if _plain_linear(base, x, args, kwargs):
+        weight = base._parameters["weight"]
+        n = weight.shape[0]
+        read = out.read
+        if read is not None and read.dtype == x.dtype and not torch.is_grad_enabled():
+            y = F.linear(x, weight)
+            y.view(-1, n).addmm_(read, out.corr[which])
+            return y
+        delta = out.delta_q if which == 0 else out.delta_o
+        if delta.dtype == x.dtype:
+            if delta.numel() == n:  # one token of one sequence: the correction is the bias
+                return F.linear(x, weight, delta.view(n))
+            return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], n)
+    delta = out.delta_q if which == 0 else out.delta_o
+    result = base(x, *args, **kwargs)
+    return result + (delta if delta.dtype == result.dtype else delta.to(result.dtype))

@@ -9,6 +9,7 @@ the backbone instance so that ``memory_cache=`` reaches every step. ``unload()``
 
 from __future__ import annotations
 
+import contextvars
 import re
 
 import torch
@@ -23,6 +24,10 @@ from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
+# Within one ``generate`` call the weights do not change: the memory layers' derived weights
+# (``LSTMemLayer.cached_plan``) are checked on its first forward and reused by the later ones.
+_GENERATE_PLANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lstmem_generate_plans", default=None)
+
 
 def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | None:
     """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
@@ -32,7 +37,10 @@ def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | N
             current tokens); 4-D ``(B, 1, T, S)`` boolean (``True`` = attend) or float (0 = attend),
             where a token is valid when it may attend to itself; or a dict of such masks.
     Returns:
-        ``(B, length)`` bool, or ``None`` when every token is valid.
+        ``(B, length)`` bool, or ``None`` when every token is valid. On CPU tensors the "every
+        token" check is a cheap host read; on accelerators it would synchronise the device on every
+        forward, so the mask is returned as it is (padding is applied with ``torch.where``, which
+        is exact for an all-valid mask too).
     """
     if mask is None:
         return None
@@ -41,7 +49,12 @@ def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | N
             return None
         mask = next(iter(mask.values()))
     if mask.dim() == 2:
-        valid = mask[:, -length:].bool()
+        valid = mask[:, -length:]
+        host = valid.shape == (batch, length) and valid.device.type == "cpu" and not valid.is_floating_point()
+        if host and valid.numpy().all():  # the common case, read on the host: no tensor ops
+            return None
+        if valid.dtype != torch.bool:
+            valid = valid != 0
     elif mask.dim() == 4:
         S = mask.shape[-1]
         t = torch.arange(length, device=mask.device)
@@ -51,6 +64,8 @@ def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | N
         raise ValueError(f"cannot read token validity from an attention mask of shape {tuple(mask.shape)}")
     if valid.shape != (batch, length):
         raise ValueError(f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}")
+    if valid.device.type != "cpu":
+        return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
     return None if bool(valid.all()) else valid
 
 
@@ -170,12 +185,15 @@ class LSTMemModel(BaseTuner):
         self.__dict__.pop("_lstmem_query_layers", None)
         self.__dict__.pop("_lstmem_plans", None)
 
-    def _pass_plan(self, adapter_name: str) -> tuple[MemoryLayout, dict[int, int]]:
-        """The adapter's memory layout and decoder-layer -> depth index map (cached like the layers)."""
+    def _pass_plan(self, adapter_name: str) -> tuple[MemoryLayout, dict[int, int], list]:
+        """The adapter's memory layout, decoder-layer -> depth index map and memory layers in depth
+        order (cached like the layers: a forward does no model walk and no layout building)."""
         plans = self.__dict__.setdefault("_lstmem_plans", {})
         if adapter_name not in plans:
-            depth_index = {q.layer_idx: i for i, q in enumerate(self._query_layers(adapter_name))}
-            plans[adapter_name] = (self.memory_layout(adapter_name), depth_index)
+            queries = self._query_layers(adapter_name)
+            depth_index = {q.layer_idx: i for i, q in enumerate(queries)}
+            layers = [q.lstmem_memory[adapter_name] for q in queries]
+            plans[adapter_name] = (self.memory_layout(adapter_name), depth_index, layers)
         return plans[adapter_name]
 
     def _single_active_adapter(self) -> str:
@@ -281,7 +299,7 @@ class LSTMemModel(BaseTuner):
             cache = MemoryCache()  # a fresh memory for this call only
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
-        layout, depth_index = self._pass_plan(adapter)
+        layout, depth_index, layers = self._pass_plan(adapter)
         cache.bind(layout)
         cache.ensure(batch, ref.device)
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length)
@@ -294,11 +312,25 @@ class LSTMemModel(BaseTuner):
             depth_coupling=config.depth_coupling,
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
+            plans=self._layer_plans(adapter, layers),
         )
         model_pass = ModelPass(adapter, depth_index, memory_pass)
         model_pass.open()
         self._lstmem_opened.setdefault(id(module), []).append(model_pass)
         return args, kwargs
+
+    @staticmethod
+    def _layer_plans(adapter: str, layers: list) -> list:
+        """Each memory layer's derived weights for this forward (``None`` where a gradient is needed),
+        checked against the parameters here, all together (cheaper than a check in every layer
+        mid-forward), and once per ``generate`` call."""
+        session = _GENERATE_PLANS.get()
+        if session is not None and adapter in session:
+            return session[adapter]
+        plans = [layer.cached_plan() if layer.fast_path else None for layer in layers]
+        if session is not None:
+            session[adapter] = plans
+        return plans
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):
         stack = self._lstmem_opened.get(id(module))
@@ -327,8 +359,12 @@ class LSTMemModel(BaseTuner):
             if repeats > 1 and cache.tokens_written is not None:
                 cache.batch_repeat_interleave(repeats)
             config = tuner.peft_config[tuner._single_active_adapter()]
-            with memory_options(write=config.update_during_generation, feedback=False):
-                return generate(*args, memory_cache=cache, **kwargs)
+            token = _GENERATE_PLANS.set({})
+            try:
+                with memory_options(write=config.update_during_generation, feedback=False):
+                    return generate(*args, memory_cache=cache, **kwargs)
+            finally:
+                _GENERATE_PLANS.reset(token)
 
         lstmem_generate.__doc__ = generate.__doc__
         return lstmem_generate

@@ -140,3 +140,29 @@ def test_dispatch_validates_arguments():
         lstmem_scan(**{**args, "k": args["k"][:, :2]})
     with pytest.raises(ValueError, match="valid must have"):
         lstmem_scan(**{**args, "valid": torch.ones(1, 3, dtype=torch.bool)})
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64])
+def test_parallel_is_exact_for_every_chunk_length(chunk):
+    args = make_inputs(2, 37, dtype=torch.float64, padding="left")
+    for a, b in zip(scan_parallel(**args, chunk=chunk), scan_naive(**args)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_step_torch_keeps_autograd_and_dtypes():
+    args = make_inputs(2, 1, dtype=torch.float64)
+    x = {k: args[k][:, 0].clone().requires_grad_() for k in ("q", "k", "w", "f", "o")}
+    cell, hidden = args["initial_cell"].clone().requires_grad_(), args["initial_hidden"].clone().requires_grad_()
+    depth = args["depth"][:, 0].clone().requires_grad_()
+    read, c, h = step_torch(**x, cell=cell, hidden=hidden, depth=depth)
+    ref_read, _, ref_c, ref_h = scan_naive(
+        *(t[:, None] for t in x.values()), depth[:, None], None, cell, hidden
+    )
+    for a, b in ((read, ref_read[:, 0]), (c, ref_c), (h, ref_h)):
+        torch.testing.assert_close(a, b)
+    g = torch.autograd.grad((read.sum() + c.square().sum() + h.sin().sum()), [*x.values(), cell, hidden, depth])
+    g_ref = torch.autograd.grad(
+        (ref_read.sum() + ref_c.square().sum() + ref_h.sin().sum()), [*x.values(), cell, hidden, depth]
+    )
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)

@@ -389,3 +389,71 @@ def test_write_history_peak_memory_does_not_grow_with_history_length():
         assert out.returncode == 0, out.stderr[-2000:]
         peak[n] = int(out.stdout.strip().splitlines()[-1])  # KiB
     assert peak[16384] - peak[1024] < 16 * 1024, peak
+
+
+# ---------------------------------------------------------------------- fast paths inside the model
+def test_validity_from_masks_needs_no_host_read_off_cpu():
+    from lstmem_peft.tuner import valid_from_attention_mask
+
+    ones = torch.ones(2, 6, dtype=torch.long)
+    assert valid_from_attention_mask(ones, 2, 3) is None  # CPU, no padding: nothing to mask
+    padded = ones.clone()
+    padded[1, :4] = 0
+    assert valid_from_attention_mask(padded, 2, 3).tolist() == [[True] * 3, [False, True, True]]
+    assert valid_from_attention_mask(padded.bool(), 2, 3).tolist() == [[True] * 3, [False, True, True]]
+    # off the CPU the mask is never read back (no device synchronisation): it is returned as is
+    meta = valid_from_attention_mask(torch.ones(2, 6, dtype=torch.long, device="meta"), 2, 3)
+    assert meta is not None and meta.device.type == "meta" and meta.shape == (2, 3) and meta.dtype == torch.bool
+
+
+def test_generate_sees_weights_changed_between_calls():
+    model = make()
+    prompt = ids(1, 6)
+    with torch.no_grad():
+        before = model(input_ids=prompt, memory_cache=MemoryCache()).logits
+        model.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=3, do_sample=False)
+        randomize_memory(model, scale=0.5, seed=7)  # in place, like an optimiser step
+        after = model(input_ids=prompt, memory_cache=MemoryCache()).logits
+        assert not torch.allclose(before, after)
+        fresh = copy.deepcopy(model)  # no cached plans
+        out = model.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
+        ref = fresh.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
+        torch.testing.assert_close(after, fresh(input_ids=prompt, memory_cache=MemoryCache()).logits)
+    assert torch.equal(out, ref)
+
+
+def test_hooked_projections_take_the_unfused_path_with_the_same_result():
+    """With a hook on the wrapped projection the correction is added after it (the hook sees the
+    plain projection); the logits equal those of the fused path."""
+    model = make()
+    x = ids(2, 5)
+    seen = []
+    with torch.no_grad():
+        fused_prefill = model(input_ids=x, memory_cache=MemoryCache()).logits
+        q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        handle = q_proj.register_forward_hook(lambda m, a, o: seen.append((a[0].clone(), o.clone())))
+        hooked = model(input_ids=x, memory_cache=MemoryCache()).logits
+        handle.remove()
+    torch.testing.assert_close(hooked, fused_prefill, atol=1e-5, rtol=1e-5)
+    assert len(seen) == 1
+    inputs, output = seen[0]
+    torch.testing.assert_close(output, torch.nn.functional.linear(inputs, q_proj.weight))  # no correction inside
+
+
+def test_memory_grads_in_training_mode_take_the_general_path():
+    """Autograd through the model: no cached plans, gradients reach every memory parameter."""
+    model = make().train()
+    cache = MemoryCache()
+    out = model(input_ids=ids(2, 6), memory_cache=cache, labels=ids(2, 6))
+    out.loss.backward()
+    layers = memory_layers(model)
+    assert all(layer.w_in.grad is not None and layer.w_in.grad.abs().sum() > 0 for layer in layers)
+    with torch.no_grad():  # and the no-grad fast paths agree with the general path on the same weights
+        ref = copy.deepcopy(model).eval()
+        for layer in memory_layers(ref):
+            layer.fast_path = False
+        x = ids(2, 6)
+        torch.testing.assert_close(
+            model.eval()(input_ids=x, memory_cache=MemoryCache()).logits,
+            ref(input_ids=x, memory_cache=MemoryCache()).logits, atol=2e-5, rtol=2e-5,
+        )
