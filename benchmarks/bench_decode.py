@@ -5,8 +5,10 @@
 
 Times ``generate`` (prompt prefill plus ``--new`` greedy tokens, min_new_tokens = new) from an empty
 memory, with memory on every layer (n_h 4, r 8), alternating the order of the two models in each
-repetition after one warm-up each; reports medians and min-max. Weights are random: timing does
-not need trained weights.
+repetition after one warm-up each; reports medians and min-max, and the median of the per-repetition
+ratios (both models timed back to back: robust to slow changes of the machine's load). Weights are
+random: timing does not need trained weights. Other processes on the machine (a test run, another
+benchmark) distort the figures: run it alone.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main() -> None:
         for with_memory in (True, False) if i % 2 else (False, True):
             times[with_memory].append(run(with_memory))
     med = {k: statistics.median(v) for k, v in times.items()}
+    # each repetition times both models back to back: its ratio is robust to slow load changes
+    paired = statistics.median(a / b for a, b in zip(times[True], times[False]))
     record = dict(
         benchmark="decode",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -70,8 +74,9 @@ def main() -> None:
         lstmem_s=dict(median=med[True], min=min(times[True]), max=max(times[True])),
         plain_s=dict(median=med[False], min=min(times[False]), max=max(times[False])),
         ratio=med[True] / med[False],
+        ratio_paired_median=paired,
     )
-    print(f"lstmem {med[True]:.3f} s  plain {med[False]:.3f} s  ratio {record['ratio']:.3f}")
+    print(f"lstmem {med[True]:.3f} s  plain {med[False]:.3f} s  ratio {record['ratio']:.3f}  (paired {paired:.3f})")
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as fh:
