@@ -9,7 +9,6 @@ from peft import mapping as _peft_mapping
 from . import card as _card
 from .cache import LayerState, MemoryCache, MemoryLayout
 from .config import LSTMemConfig, LSTMemPeftType
-from .context import memory_options
 from .engine import MemoryPass
 from .feedback import block_feedback, feedback_gradients, sample_feedback_positions
 from .history import memory_layers, memory_layout, write_history
@@ -45,7 +44,6 @@ __all__ = [
     "feedback_gradients",
     "memory_layers",
     "memory_layout",
-    "memory_options",
     "sample_feedback_positions",
     "write_history",
 ]

@@ -29,8 +29,9 @@ class MemoryLayout:
         num_heads: ``n_h``.
         head_dim: ``r``.
         state_dtype: ``"float32"`` or ``"bfloat16"``.
-        identity: free text that names the adapter (base model, adapter config), part of the
-            fingerprint so that a cache from another adapter is refused.
+        identity: free text that names the adapter (base model, adapter config and the adapter's
+            ``memory_id``), part of the fingerprint so that a cache from another adapter is refused,
+            even one with the same shapes.
     """
 
     layer_indices: tuple[int, ...]
@@ -121,16 +122,26 @@ class MemoryCache:
     # ------------------------------------------------------------------ layout and allocation
     def bind(self, layout: MemoryLayout) -> None:
         """Attach the cache to an adapter layout; a cache bound to another layout is refused."""
+        self.check_layout(layout)
         if self.layout is None:
             self.layout = layout
             self.layers = [LayerState() for _ in range(layout.num_layers)]
-            return
-        if self.layout != layout:
+
+    def check_layout(self, layout: MemoryLayout) -> None:
+        """Raise unless the cache is unbound or bound to ``layout`` (changes nothing)."""
+        if self.layout is not None and self.layout != layout:
             raise ValueError(
                 "this MemoryCache belongs to another adapter layout "
                 f"({self._describe(self.layout)}) but the model expects {self._describe(layout)}; "
                 "create a new MemoryCache() for this model or adapter"
             )
+
+    def adopt(self, other: MemoryCache) -> None:
+        """Take over ``other``'s layout, states and counts (this object stays the one the caller holds)."""
+        self.check_layout(other.layout)
+        self.layout = other.layout
+        self.layers = other.layers
+        self.tokens_written = other.tokens_written
 
     @staticmethod
     def _describe(layout: MemoryLayout) -> str:

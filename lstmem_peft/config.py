@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -60,6 +61,10 @@ class LSTMemConfig(PeftConfig):
         scan_backend (`str`, *optional*, defaults to `"auto"`):
             ``"auto"`` (Triton on CUDA, vectorised PyTorch otherwise), ``"torch"``, ``"triton"`` or
             ``"naive"``.
+        memory_id (`str`, *optional*):
+            Identity of this adapter's memory: a random id drawn when the config is created and saved
+            with the adapter. Memory caches carry it, and an adapter with another id refuses them
+            even when every shape matches. Leave it unset.
     """
 
     r: int = field(default=K.HEAD_DIM, metadata={"help": "Width r of a memory head."})
@@ -81,9 +86,16 @@ class LSTMemConfig(PeftConfig):
         default=True, metadata={"help": "Write prompt and generated tokens into memory during generate."}
     )
     scan_backend: str = field(default="auto", metadata={"help": "'auto', 'torch', 'triton' or 'naive'."})
+    memory_id: Optional[str] = field(
+        default=None, metadata={"help": "Identity of the adapter's memory (drawn at creation, saved with it)."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.memory_id is None:
+            self.memory_id = uuid.uuid4().hex
+        elif not isinstance(self.memory_id, str) or not self.memory_id:
+            raise ValueError(f"memory_id must be a non-empty string (or unset), got {self.memory_id!r}")
         self.peft_type = LSTMemPeftType.LSTMEM
         if self.task_type is None:
             self.task_type = "CAUSAL_LM"

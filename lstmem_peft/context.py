@@ -1,62 +1,60 @@
-"""The memory pass of the forward in progress, and the options that shape it.
+"""What carries memory through one forward: a single context variable.
 
-A forward pre-hook on the backbone opens a :class:`ModelPass` (it pops ``memory_cache`` from the
-forward's keyword arguments) and a forward hook closes it, so the pass follows the call through
-PEFT, TRL's trainers, DDP and ``generate`` without wrapping ``forward``. The pass lives in a
-``ContextVar``: no memory state is ever stored on modules, and concurrent sessions (threads,
-interleaved calls) never see each other's pass.
+A forward, drawn::
+
+    model(input_ids, memory_cache=cache, memory_write=True, memory_feedback=False, past_key_values=kv)
+      pre-hook (outermost hooked module): pop the memory_* kwargs, open a ModelPass over a staged copy
+          of the cache's states and set ACTIVE = Active(owner=tuner, module, pass, session)
+      q_proj wrapper of decoder layer l:  x -> pass.run_layer(l, x): memory layer l reads, writes -> Δq, Δo
+          (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
+      o_proj wrapper of decoder layer l:  adds Δo
+      post-hook (same module, also on error): commit the pass (feedback at block ends) or drop it,
+          reset ACTIVE
+
+``generate`` sets ``ACTIVE`` to an ``Active`` with a :class:`~lstmem_peft.generation.GenerateSession`
+and no pass; each forward of the call then opens its pass against that session. Context variables are
+per thread (and per asyncio task), so two threads running one model with their own caches never see
+each other's pass, and nothing about a forward is ever stored on a module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .engine import MemoryPass
 from .memory import LayerOutput, LSTMemLayer
 
+if TYPE_CHECKING:
+    from .generation import GenerateSession
 
-@dataclass(frozen=True)
-class PassOptions:
-    """How the next forwards use memory.
+
+class Active(NamedTuple):
+    """The memory context of the running call.
 
     Attributes:
-        write: update the states token by token (``False``: read the fixed states only).
-        feedback: apply block-end feedback when the forward ends (history blocks).
+        owner: the :class:`~lstmem_peft.tuner.LSTMemModel` whose memory runs (a forward of another
+            model, e.g. an assistant, ignores it).
+        module: the hooked module whose forward opened ``model_pass`` (only it closes the pass).
+        model_pass: the open :class:`ModelPass`, or ``None`` between the forwards of a ``generate``.
+        session: the ``generate`` call in progress, or ``None``.
     """
 
-    write: bool = True
-    feedback: bool = False
+    owner: object
+    module: object | None
+    model_pass: ModelPass | None
+    session: GenerateSession | None
 
 
-_OPTIONS: contextvars.ContextVar[PassOptions] = contextvars.ContextVar("lstmem_options", default=PassOptions())
-_CURRENT: contextvars.ContextVar[ModelPass | None] = contextvars.ContextVar("lstmem_pass", default=None)
-
-
-@contextlib.contextmanager
-def memory_options(**changes):
-    """Set :class:`PassOptions` fields for the forwards run inside the block.
-
-    >>> with memory_options(write=False):   # e.g. the answer pass of training
-    ...     pass
-    """
-    token = _OPTIONS.set(replace(_OPTIONS.get(), **changes))
-    try:
-        yield
-    finally:
-        _OPTIONS.reset(token)
-
-
-def current_options() -> PassOptions:
-    return _OPTIONS.get()
+ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("lstmem_active", default=None)
 
 
 def current_pass() -> ModelPass | None:
-    """The memory pass of the forward in progress, or ``None``."""
-    return _CURRENT.get()
+    """The memory pass of the forward in progress in this thread or task, or ``None``."""
+    active = ACTIVE.get()
+    return None if active is None else active.model_pass
 
 
 class ModelPass:
@@ -66,18 +64,25 @@ class ModelPass:
         adapter_name: the adapter whose memory runs.
         depth_index: decoder layer index -> memory layer index (depth order).
         memory_pass: the engine pass over the cache.
+        record_inputs: keep each memory layer's input ``x`` (``(B, T, d)``) after the forward, so
+            that states at any position of this forward can be recomputed (generation that may crop
+            its KV cache back into this forward).
     """
 
-    def __init__(self, adapter_name: str, depth_index: dict[int, int], memory_pass: MemoryPass) -> None:
+    def __init__(
+        self, adapter_name: str, depth_index: dict[int, int], memory_pass: MemoryPass, record_inputs: bool = False
+    ) -> None:
         self.adapter_name = adapter_name
         self.depth_index = depth_index
         self.memory_pass = memory_pass
+        self.inputs: list[torch.Tensor] | None = [] if record_inputs else None
         self._outputs: dict[int, LayerOutput] = {}
-        self._token: contextvars.Token | None = None
 
     def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
         """Run the memory of decoder layer ``wrapper.layer_idx``; keeps its output for ``Δo``."""
         out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
+        if self.inputs is not None:
+            self.inputs.append(x.detach())
         self._outputs[wrapper.layer_idx] = out
         return out
 
@@ -85,16 +90,9 @@ class ModelPass:
         """The output of decoder layer ``layer_idx``'s memory (its ``Δo``), once."""
         return self._outputs.pop(layer_idx, None)
 
-    def pop_delta_o(self, layer_idx: int) -> torch.Tensor | None:
-        out = self._outputs.pop(layer_idx, None)
-        return None if out is None else out.delta_o
-
-    def open(self) -> None:
-        self._token = _CURRENT.set(self)
-
     def close(self, completed: bool) -> None:
-        """Leave the context; when the forward completed, finish the pass (feedback)."""
-        _CURRENT.reset(self._token)
+        """Finish the pass when the forward completed (feedback, then commit to the cache); otherwise
+        drop everything it computed: the cache keeps the states it had before the forward."""
         self._outputs.clear()
         if completed:
             self.memory_pass.finish()

@@ -39,7 +39,6 @@ from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from .cache import MemoryCache
 from .config import LSTMemConfig
-from .context import memory_options
 from .data import left_pad, synthetic_recall_episodes, tokenize_episode
 from .history import memory_layers, write_history
 from .offline import tiny_qwen3
@@ -101,8 +100,7 @@ def answer_logits(model, ids: torch.Tensor, cache: MemoryCache | None = None) ->
     """Logits of the next token after ``ids`` (read-only memory when a cache is given)."""
     if cache is None:
         return model(input_ids=ids).logits[:, -1]
-    with memory_options(write=False):
-        return model(input_ids=ids, memory_cache=cache).logits[:, -1]
+    return model(input_ids=ids, memory_cache=cache, memory_write=False).logits[:, -1]
 
 
 def memory_answer_logits(model, batch: Batch) -> torch.Tensor:
@@ -231,8 +229,7 @@ def _answers_correct(model, rows: list[list[int]], answer_lens: list[int], pad_i
     if cache is None:
         logits = model(**kwargs).logits
     else:
-        with memory_options(write=False):
-            logits = model(**kwargs, memory_cache=cache).logits
+        logits = model(**kwargs, memory_cache=cache, memory_write=False).logits
     pred = logits[:, :-1].argmax(-1)
     target = ids[:, 1:]
     correct = torch.ones(len(rows), dtype=torch.bool)

@@ -69,6 +69,8 @@ class MemoryPass:
         self._next = 0
         self._depth: torch.Tensor | None = None
         self._terminals: list[LayerTerminal] = []
+        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # new (C, D) per layer, committed by finish()
+        self._tokens: torch.Tensor | None = None
 
     @property
     def layers_run(self) -> int:
@@ -97,11 +99,11 @@ class MemoryPass:
             None if self.plans is None else self.plans[index],
         )
         if self.write:
-            state.cell, state.hidden = out.cell, out.hidden
+            self._staged.append((out.cell, out.hidden))
             self._depth = out.next_depth if self.depth_coupling else None
             if index == 0:
                 n = x.shape[1] if self.valid is None else self.valid.sum(dim=1)
-                self.cache.tokens_written = self.cache.tokens_written + n
+                self._tokens = self.cache.tokens_written + n
         else:
             self._depth = state.hidden if self.depth_coupling else None
         if self.feedback:
@@ -121,7 +123,9 @@ class MemoryPass:
         return out
 
     def finish(self) -> FeedbackResult | None:
-        """Close the pass; for history blocks, apply feedback and store the corrected states.
+        """Close the pass: apply feedback (history blocks), then commit every layer's new states and
+        ``tokens_written`` to the cache at once. Until this returns the cache holds exactly what it held
+        before the pass, so a forward that raises (or is interrupted) leaves it untouched.
 
         Returns the :class:`~lstmem_peft.feedback.FeedbackResult` when feedback ran.
         """
@@ -131,10 +135,16 @@ class MemoryPass:
                 "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"
             )
         self._depth = None
+        if not self.write:
+            return None
+        staged = self._staged
         if self.feedback and self._terminals:
             result = block_feedback(self._terminals, self._mask, self.depth_coupling)
-            for state, cell, hidden in zip(self.cache.layers, result.cells, result.hiddens):
-                state.cell, state.hidden = cell, hidden
+            staged = list(zip(result.cells, result.hiddens))
             self.feedback_result = result
             self._terminals = []
+        for state, (cell, hidden) in zip(self.cache.layers, staged):
+            state.cell, state.hidden = cell, hidden
+        self.cache.tokens_written = self._tokens
+        self._staged = []
         return self.feedback_result

@@ -9,7 +9,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cache import MemoryCache, MemoryLayout
-from .context import memory_options
 from .memory import LSTMemLayer
 from .tuner import LSTMemModel
 
@@ -108,22 +107,23 @@ def write_history(
     extra = {"logits_to_keep": 1} if _accepts(tuner.model, "logits_to_keep") else {}
     starts = range(0, T, block)
     show = len(starts) > 1 if progress is None else progress
-    with memory_options(write=True, feedback=True):
-        for start in tqdm(starts, desc="writing history", unit="block", disable=not show):
-            end = min(start + block, T)
-            if past_key_values is not None:
-                mask = full_mask[:, : past + end]
-                pos = positions[:, past + start : past + end]
-            else:
-                mask = full_mask[:, past + start : past + end]
-                pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
-            model(
-                input_ids=input_ids[:, start:end],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=past_key_values,
-                use_cache=past_key_values is not None,
-                memory_cache=memory_cache,
-                **extra,
-            )
+    for start in tqdm(starts, desc="writing history", unit="block", disable=not show):
+        end = min(start + block, T)
+        if past_key_values is not None:
+            mask = full_mask[:, : past + end]
+            pos = positions[:, past + start : past + end]
+        else:
+            mask = full_mask[:, past + start : past + end]
+            pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        model(
+            input_ids=input_ids[:, start:end],
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            memory_cache=memory_cache,
+            memory_write=True,
+            memory_feedback=True,
+            **extra,
+        )
     return memory_cache

@@ -20,8 +20,8 @@ from torch.nn.modules import module as _module
 from . import context
 from .memory import LayerOutput, LSTMemLayer
 
-# context.current_pass without its Python frame: the wrappers ask it in every projection call
-_current_pass = context._CURRENT.get
+# the context variable's getter without a Python frame: the wrappers ask it in every projection call
+_active = context.ACTIVE.get
 
 
 class LSTMemTunerLayer(BaseTunerLayer):
@@ -75,7 +75,8 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
-        active = _current_pass()
+        active = _active()
+        active = None if active is None else active.model_pass
         base = self._modules["base_layer"]
         memory = None if active is None or self._disable_adapters else self.lstmem_memory._modules.get(active.adapter_name)
         if memory is None:
@@ -98,7 +99,8 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
         self.kwargs = {}
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        active = _current_pass()
+        active = _active()
+        active = None if active is None else active.model_pass
         base = self._modules["base_layer"]
         out = None if active is None or self._disable_adapters else active.pop_output(self.layer_idx)
         if out is None:

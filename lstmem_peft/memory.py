@@ -479,7 +479,7 @@ class LSTMemLayer(nn.Module):
 
         if T == 1:  # half-precision states enter the step in float32, so D_t reaches the next layer unrounded
             r_time, new_cell, new_hidden = lstmem_step(
-                q[:, 0], k[:, 0], w[:, 0], f[:, 0], o[:, 0], _widen(cell), _widen(hidden),
+                q[:, 0], k[:, 0], w[:, 0], f[:, 0], o[:, 0], _fresh(cell), _fresh(hidden),
                 None if depth_term is None else depth_term[:, 0],
                 None if valid is None else valid[:, 0],
                 backend=backend,
@@ -584,7 +584,7 @@ class LSTMemLayer(nn.Module):
         else:  # Triton (in place, after the reads above), naive, or a half-precision adapter
             _, new_c, new_h = lstmem_step(
                 qk.view(B, H, 2, R).select(2, 0), k_row.reshape(B, H, R), w.reshape(B, H, R), f.reshape(B, H, R),
-                o.reshape(B, H, R), _widen(cell), _widen(hidden), None if depth is None else g * dep,
+                o.reshape(B, H, R), _fresh(cell), _fresh(hidden), None if depth is None else g * dep,
                 None if valid is None else valid.reshape(B), backend=backend,
             )
             step_hidden = _cast(new_h, wdtype)
@@ -600,9 +600,10 @@ class LSTMemLayer(nn.Module):
         return out
 
 
-def _widen(state: torch.Tensor) -> torch.Tensor:
-    """A half-precision state as float32 (the step computes in float32 anyway); others as they are."""
-    return state if state.dtype in (torch.float32, torch.float64) else state.float()
+def _fresh(state: torch.Tensor) -> torch.Tensor:
+    """A float32 (or float64) copy of a state that the step may update in place (the Triton step
+    does): the caller's state, which may be a cache's or a checkpoint's, is never written."""
+    return state.clone() if state.dtype in (torch.float32, torch.float64) else state.float()
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

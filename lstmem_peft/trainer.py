@@ -25,7 +25,6 @@ from trl import SFTConfig, SFTTrainer
 from . import constants as K
 from .cache import MemoryCache
 from .card import record_training
-from .context import memory_options
 from .data import left_pad
 from .history import find_tuner, write_history
 
@@ -213,10 +212,10 @@ class LSTMemTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         cache = self.write_episode_history(model, inputs["history_input_ids"], inputs["history_attention_mask"])
-        with memory_options(write=False, feedback=False):
-            outputs = model(
-                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], memory_cache=cache, use_cache=False
-            )
+        outputs = model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], memory_cache=cache, memory_write=False,
+            use_cache=False,
+        )
         logits = outputs.logits[:, :-1].float()
         targets = inputs["labels"][:, 1:]
         mask = targets != -100

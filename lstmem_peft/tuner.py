@@ -9,7 +9,6 @@ the backbone instance so that ``memory_cache=`` reaches every step. ``unload()``
 
 from __future__ import annotations
 
-import contextvars
 import re
 
 import torch
@@ -18,36 +17,35 @@ from torch import nn
 
 from .cache import MemoryCache, MemoryLayout
 from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
-from .context import ModelPass, current_options, current_pass, memory_options
+from .context import ACTIVE, Active, ModelPass
 from .engine import MemoryPass
+from .generation import GenerateSession, refuse_inexact_modes, resolve_generation_config
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
-# Within one ``generate`` call the weights do not change: the memory layers' derived weights
-# (``LSTMemLayer.cached_plan``) are checked on its first forward and reused by the later ones.
-_GENERATE_PLANS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("lstmem_generate_plans", default=None)
 
-
-def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | None:
+def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> torch.Tensor | None:
     """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
 
     Args:
         mask: ``None``; 2-D ``(B, S)`` with 1 for tokens (the last ``length`` columns are the
             current tokens); 4-D ``(B, 1, T, S)`` boolean (``True`` = attend) or float (0 = attend),
-            where a token is valid when it may attend to itself; or a dict of such masks.
+            where a token is valid when it may attend to itself; or a dict of such masks (``None``
+            values: no padding).
+        past: tokens already in the KV cache. In a 4-D mask token ``t``'s own column is ``past + t``
+            (static caches have ``S`` = their capacity), or ``S - length + t`` when the mask is
+            narrower than that (sliding windows keep only the last columns).
     Returns:
         ``(B, length)`` bool, or ``None`` when every token is valid. On CPU tensors the "every
         token" check is a cheap host read; on accelerators it would synchronise the device on every
         forward, so the mask is returned as it is (padding is applied with ``torch.where``, which
         is exact for an all-valid mask too).
     """
+    if isinstance(mask, dict):
+        mask = next((m for m in mask.values() if m is not None), None)
     if mask is None:
         return None
-    if isinstance(mask, dict):
-        if not mask:
-            return None
-        mask = next(iter(mask.values()))
     if mask.dim() == 2:
         valid = mask[:, -length:]
         host = valid.shape == (batch, length) and valid.device.type == "cpu" and not valid.is_floating_point()
@@ -58,8 +56,11 @@ def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | N
     elif mask.dim() == 4:
         S = mask.shape[-1]
         t = torch.arange(length, device=mask.device)
-        diag = mask[:, 0, -length:, :][:, t, S - length + t]
+        own = past + t if S >= past + length else S - length + t
+        diag = mask[:, 0, -length:, :][:, t, own]
         valid = diag if diag.dtype == torch.bool else diag == 0
+        if valid.shape[0] == 1 and batch > 1:
+            valid = valid.expand(batch, length)
     else:
         raise ValueError(f"cannot read token validity from an attention mask of shape {tuple(mask.shape)}")
     if valid.shape != (batch, length):
@@ -67,6 +68,29 @@ def valid_from_attention_mask(mask, batch: int, length: int) -> torch.Tensor | N
     if valid.device.type != "cpu":
         return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
     return None if bool(valid.all()) else valid
+
+
+def _refuse_packed(kwargs: dict, length: int) -> None:
+    """Packed (padding-free) batches restart positions inside a row; memory would carry one example
+    into the next. Refuse them clearly (one host read per multi-token forward with ``position_ids``
+    and no attention mask; decode steps and padded batches are never packed)."""
+    packed = any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"))
+    position_ids = kwargs.get("position_ids")
+    if not packed and length > 1 and position_ids is not None and kwargs.get("attention_mask") is None:
+        pos = position_ids.reshape(-1, position_ids.shape[-1])
+        packed = bool((pos[:, 1:] <= pos[:, :-1]).any())
+    if packed:
+        raise ValueError(
+            "LSTMem memory got a packed batch (positions restart inside a row): memory would carry one example into "
+            "the next. Train without packing (TRL: SFTConfig(packing=False, padding_free=False)) or write each "
+            "example with its own MemoryCache"
+        )
+
+
+def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a & b.to(a.device)
 
 
 class LSTMemModel(BaseTuner):
@@ -215,6 +239,7 @@ class LSTMemModel(BaseTuner):
                 getattr(config, "base_model_name_or_path", "") or "",
                 f"alpha={config.alpha}",
                 f"depth_coupling={config.depth_coupling}",
+                f"memory_id={getattr(config, 'memory_id', None) or ''}",
             )
         )
         return MemoryLayout(
@@ -252,19 +277,11 @@ class LSTMemModel(BaseTuner):
             handles.append(target.register_forward_pre_hook(self._open_pass, with_kwargs=True))
             handles.append(target.register_forward_hook(self._close_pass, with_kwargs=True, always_call=True))
         self._lstmem_handles = handles
-        self._lstmem_opened: dict[int, list] = {}
-        model = self.model
-        if hasattr(model, "generate"):
-            model.generate = self._wrap_generate(model.generate)
-        if hasattr(model, "prepare_inputs_for_generation"):
-            model.prepare_inputs_for_generation = self._wrap_prepare(model.prepare_inputs_for_generation)
 
     def _remove_hooks(self) -> None:
         for handle in getattr(self, "_lstmem_handles", []):
             handle.remove()
         self._lstmem_handles = []
-        for name in ("generate", "prepare_inputs_for_generation"):
-            self.model.__dict__.pop(name, None)
         self._forget_layers()
 
     def _checkpointing(self) -> bool:
@@ -274,11 +291,21 @@ class LSTMemModel(BaseTuner):
         return False
 
     def _open_pass(self, module: nn.Module, args, kwargs):
+        """Forward pre-hook: pop ``memory_cache`` / ``memory_write`` / ``memory_feedback`` and open the pass."""
         cache = kwargs.pop("memory_cache", None)
-        if current_pass() is not None:
-            if cache is not None:
-                raise RuntimeError("memory_cache was passed to a nested forward of a model whose memory pass is already open")
-            return args, kwargs
+        write = kwargs.pop("memory_write", None)
+        feedback = kwargs.pop("memory_feedback", None)
+        active = ACTIVE.get()
+        if active is not None and active.owner is self and active.model_pass is not None:
+            if active.module is not module:  # the inner decoder of the forward that opened the pass
+                if cache is not None:
+                    raise RuntimeError(
+                        "memory_cache was passed to a nested forward of a model whose memory pass is already open"
+                    )
+                return args, kwargs
+            # the same module opens again: its last forward was interrupted (KeyboardInterrupt skips the
+            # closing hook). That pass never committed, so its cache is as it was; drop it.
+            active = Active(self, None, None, active.session)
         if self._adapters_disabled():
             return args, kwargs
         adapter = self._single_active_adapter()
@@ -295,90 +322,116 @@ class LSTMemModel(BaseTuner):
         if ref is None:
             raise ValueError("LSTMem needs input_ids or inputs_embeds to size the memory pass")
         batch, length = ref.shape[0], ref.shape[1]
-        if cache is None:
-            cache = MemoryCache()  # a fresh memory for this call only
-        if not isinstance(cache, MemoryCache):
-            raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+        _refuse_packed(kwargs, length)
+        kv = kwargs.get("past_key_values")
+        past = 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
         layout, depth_index, layers = self._pass_plan(adapter)
-        cache.bind(layout)
-        cache.ensure(batch, ref.device)
-        valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length)
-        options = current_options()
+        session = active.session if active is not None and active.owner is self and cache is None else None
+        if session is not None:
+            memory = session.memory_for(layout, kwargs, batch, length, ref.device)
+            write = session.write if write is None else write
+        else:
+            if cache is None:
+                if past:
+                    raise ValueError(
+                        f"past_key_values holds {past} tokens but no memory_cache was passed: LSTMem memory would start "
+                        "empty while attention sees that context. Pass the MemoryCache that was written with those "
+                        "tokens (memory_cache=...), or no past_key_values"
+                    )
+                cache = MemoryCache()  # a fresh memory for this call only
+            if not isinstance(cache, MemoryCache):
+                raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+            cache.bind(layout)
+            cache.ensure(batch, ref.device)
+            memory = cache
+        write = True if write is None else bool(write)
+        feedback = bool(feedback) and config.block_feedback
+        if feedback and not write:
+            raise ValueError("memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)")
+        valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
+        if session is not None:
+            valid = _and(valid, session.extra_valid(length, ref.device))
         memory_pass = MemoryPass(
-            cache,
+            memory,
             valid,
-            write=options.write,
-            feedback=options.feedback and options.write and config.block_feedback,
+            write=write,
+            feedback=feedback,
             depth_coupling=config.depth_coupling,
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
-            plans=self._layer_plans(adapter, layers),
+            plans=self._layer_plans(layers, session),
         )
-        model_pass = ModelPass(adapter, depth_index, memory_pass)
-        model_pass.open()
-        self._lstmem_opened.setdefault(id(module), []).append(model_pass)
+        model_pass = ModelPass(
+            adapter, depth_index, memory_pass, record_inputs=session is not None and session.record_inputs
+        )
+        model_pass.length = length
+        model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
         return args, kwargs
 
     @staticmethod
-    def _layer_plans(adapter: str, layers: list) -> list:
+    def _layer_plans(layers: list, session: GenerateSession | None) -> list:
         """Each memory layer's derived weights for this forward (``None`` where a gradient is needed),
         checked against the parameters here, all together (cheaper than a check in every layer
-        mid-forward), and once per ``generate`` call."""
-        session = _GENERATE_PLANS.get()
-        if session is not None and adapter in session:
-            return session[adapter]
+        mid-forward), and once per ``generate`` call (weights do not change within one)."""
+        if session is not None and session.plans is not None:
+            return session.plans
         plans = [layer.cached_plan() if layer.fast_path else None for layer in layers]
         if session is not None:
-            session[adapter] = plans
+            session.plans = plans
         return plans
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):
-        stack = self._lstmem_opened.get(id(module))
-        if not stack:
+        """Forward hook (also called when the forward raised): commit the pass, or drop it."""
+        active = ACTIVE.get()
+        if active is None or active.owner is not self or active.module is not module or active.model_pass is None:
             return output
-        model_pass = stack.pop()
-        model_pass.close(completed=output is not None and model_pass.memory_pass.layers_run > 0)
+        model_pass = active.model_pass
+        ACTIVE.reset(model_pass.token)
+        completed = output is not None and model_pass.memory_pass.layers_run > 0
+        model_pass.close(completed)
+        if completed and active.session is not None:
+            active.session.forward_done(model_pass.length, model_pass.inputs, model_pass.memory_pass.valid)
         return output
 
     # ------------------------------------------------------------------ generate
-    def _wrap_generate(self, generate):
-        tuner = self
+    def generate(self, *args, memory_cache: MemoryCache | None = None, **kwargs):
+        """``generate`` of the backbone with LSTMem memory (see :mod:`lstmem_peft.generation`).
 
-        def lstmem_generate(*args, memory_cache: MemoryCache | None = None, **kwargs):
-            if tuner._adapters_disabled():
-                return generate(*args, **kwargs)
-            gen_config = kwargs.get("generation_config") or getattr(tuner.model, "generation_config", None)
-            num_beams = kwargs.get("num_beams", getattr(gen_config, "num_beams", 1) or 1)
-            if num_beams > 1:
-                raise NotImplementedError(
-                    "beam search (num_beams > 1) is not supported with LSTMem memory yet: beams would need their "
-                    "memory reordered with the KV cache. Use sampling or greedy decoding"
-                )
-            cache = MemoryCache() if memory_cache is None else memory_cache
-            repeats = kwargs.get("num_return_sequences", getattr(gen_config, "num_return_sequences", 1) or 1)
-            if repeats > 1 and cache.tokens_written is not None:
-                cache.batch_repeat_interleave(repeats)
-            config = tuner.peft_config[tuner._single_active_adapter()]
-            token = _GENERATE_PLANS.set({})
-            try:
-                with memory_options(write=config.update_during_generation, feedback=False):
-                    return generate(*args, memory_cache=cache, **kwargs)
-            finally:
-                _GENERATE_PLANS.reset(token)
-
-        lstmem_generate.__doc__ = generate.__doc__
-        return lstmem_generate
-
-    @staticmethod
-    def _wrap_prepare(prepare):
-        def prepare_inputs_for_generation(*args, memory_cache: MemoryCache | None = None, **kwargs):
-            inputs = prepare(*args, **kwargs)
-            if memory_cache is not None:
-                inputs["memory_cache"] = memory_cache
-            return inputs
-
-        # no __wrapped__: transformers reads this signature to accept memory_cache
-        return prepare_inputs_for_generation
+        Args:
+            memory_cache: the sessions' memory; updated in place when the call succeeds (with
+                ``update_during_generation``), untouched when it raises. Without it the call uses a
+                fresh memory.
+            *args, **kwargs: as for ``transformers.GenerationMixin.generate``.
+        """
+        generate = self.model.generate
+        if self._adapters_disabled():
+            return generate(*args, **kwargs)
+        if args:  # generate(inputs, ...): the prompt is the first positional argument
+            kwargs["inputs"], args = args[0], args[1:]
+        adapter = self._single_active_adapter()
+        config = resolve_generation_config(self.model, kwargs)
+        refuse_inexact_modes(config, kwargs)
+        cache = MemoryCache() if memory_cache is None else memory_cache
+        if not isinstance(cache, MemoryCache):
+            raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+        cache.check_layout(self._pass_plan(adapter)[0])
+        croppable = (
+            kwargs.get("assistant_model") is not None
+            or config.prompt_lookup_num_tokens is not None
+            or self.model.device.type == "mps"  # transformers' deferred stop check crops one step there
+        )
+        session = GenerateSession(self, adapter, cache, config, record_inputs=croppable, kwargs=kwargs)
+        criteria = session.stopping_criteria(config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer"))
+        if criteria is not None:
+            kwargs["stopping_criteria"] = criteria
+        token = ACTIVE.set(Active(self, None, None, session))
+        try:
+            output = generate(*args, **kwargs)
+        finally:
+            ACTIVE.reset(token)
+            session.unbind()
+        session.commit(output)
+        return output
 
     # ------------------------------------------------------------------ merging and unloading
     def merge_and_unload(self, *args, **kwargs):

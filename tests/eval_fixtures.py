@@ -1,6 +1,10 @@
 """Tiny benchmark files in the official schemas (written by the tests; no downloads)."""
 
 import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def locomo_samples() -> list[dict]:
@@ -116,3 +120,105 @@ def hub_dataset(cache, repo_id: str, files: dict) -> None:
         target.write_bytes(data if isinstance(data, bytes) else data.encode())
     (root / "refs").mkdir(parents=True, exist_ok=True)
     (root / "refs" / "main").write_text(sha)
+
+
+# ---------------------------------------------------------------------- a tiny MemoryAgentBench snapshot
+def mab_row(source, context, questions, answers, **meta):
+    metadata = {"source": source, "qa_pair_ids": [f"{source}_no{i}" for i in range(len(questions))]}
+    metadata.update({k: meta.get(k) for k in ("question_ids", "question_types")})
+    return {"context": context, "questions": questions, "answers": answers, "metadata": metadata}
+
+
+ROWS = {
+    "Accurate_Retrieval": [
+        mab_row(
+            "ruler_qa1_197K",
+            "Document 1: Paris is the capital of France. Document 2: Shakespeare wrote Hamlet.",
+            ["What is the capital of France?", "Who wrote Hamlet?"],
+            [["Paris"], ["William Shakespeare", "Shakespeare"]],
+        ),
+        mab_row(
+            "longmemeval_s*",
+            "User: My cat is called Tom. My car is red.",
+            ["What is my cat called?", "What colour is my car?", "What is my dog called?"],
+            [["Tom"], ["red"], ["You did not mention a dog."]],
+            question_ids=["a1", "a2", "a3_abs"],
+            question_types=["single-session-user"] * 3,
+        ),
+    ],
+    "Test_Time_Learning": [
+        mab_row(
+            "icl_banking77_5900shot_balance",
+            "I lost my card\nlabel: 12\nWhere is my money?\nlabel: 3",
+            ["My card is gone", "My money has not arrived"],
+            [["12"], ["3"]],
+        ),
+        mab_row(
+            "recsys_redial_full",
+            "User: I like animated films. System: Try Up.",
+            ["User: I want a superhero movie."],
+            [["2", "1"]],
+        ),
+    ],
+    "Long_Range_Understanding": [
+        mab_row("infbench_sum_eng_shots2", "A long book about a dog.", [""], [["A dog finds its way home."]]),
+        mab_row(
+            "detective_qa",
+            "The butler did it, in the kitchen.",
+            ["Who is the murderer? A. The butler B. The cook", "Where? A. Garden B. Kitchen"],
+            [["A. The butler"], ["B"]],
+        ),
+    ],
+    "Conflict_Resolution": [
+        mab_row(
+            "factconsolidation_sh_6k",
+            "1. The author of Dubliners is James Joyce. 2. The author of Dubliners is George Eliot.",
+            ["Who is the author of Dubliners?", "Who wrote Dubliners?"],
+            [["George Eliot"]] * 2,
+        ),
+    ],
+}
+ENTITIES = {
+    "<http://dbpedia.org/resource/Up_(2009_film)>": 1,
+    "<http://dbpedia.org/resource/Spider-Man_(2002_film)>": 2,
+    "<http://dbpedia.org/resource/Cars_(film)>": 3,
+}
+
+
+def write_snapshot(
+    root: Path, rows: dict[str, list[dict]], fmt: str = "parquet", entities: bool = True
+) -> Path:
+    """The HF snapshot layout: ``data/<Split>-00000-of-00001.parquet`` (or ``<Split>.jsonl``), entity map."""
+    (root / "data").mkdir(parents=True)
+    for split, split_rows in rows.items():
+        if fmt == "parquet":
+            pq.write_table(
+                pa.Table.from_pylist(split_rows), root / "data" / f"{split}-00000-of-00001.parquet"
+            )
+        else:
+            (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
+    if entities:
+        (root / "entity2id.json").write_text(json.dumps(ENTITIES))
+    return root
+
+
+# ---------------------------------------------------------------------- QASPER (training data)
+QASPER_OFFICIAL = {  # the official release: {paper_id: paper}, rows of records
+    "1909.00001": {
+        "title": "Tiny Paper",
+        "abstract": "We study tiny things.",
+        "full_text": [{"section_name": "Intro", "paragraphs": ["Tiny things matter.", "They are small."]}],
+        "qas": [
+            {"question": "What do they study?", "question_id": "q1",
+             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": None,
+                                     "free_form_answer": "tiny things", "evidence": [], "highlighted_evidence": []},
+                          "annotation_id": "a1"}]},
+            {"question": "Is it big?", "question_id": "q2",
+             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": False,
+                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
+            {"question": "Who funded it?", "question_id": "q3",
+             "answers": [{"answer": {"unanswerable": True, "extractive_spans": [], "yes_no": None,
+                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
+        ],
+    }
+}

@@ -266,7 +266,7 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
 
 
 def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
-    from test_mab import ROWS, write_snapshot
+    from eval_fixtures import ROWS, write_snapshot
 
     from lstmem_peft import cli
 
@@ -304,7 +304,7 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
     import pyarrow as pa
     import pyarrow.parquet as pq
     from eval_fixtures import hotpot_examples, hub_dataset, locomo_samples
-    from test_mab import ENTITIES, ROWS
+    from eval_fixtures import ENTITIES, ROWS
 
     from lstmem_peft.eval import MemoryAgentBench
 

@@ -20,7 +20,7 @@ def test_quickstart_runs_offline(tmp_path):
 def test_two_stage_recipe_smoke_run(tmp_path):
     import json
 
-    from test_training import QASPER_OFFICIAL
+    from eval_fixtures import QASPER_OFFICIAL
 
     (tmp_path / "qasper.json").write_text(json.dumps(QASPER_OFFICIAL))
     (tmp_path / "long.jsonl").write_text(

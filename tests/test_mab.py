@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eval_fixtures import ENTITIES, ROWS, mab_row, write_snapshot
 from lstmem_peft.eval import mab
 from lstmem_peft.eval.mab import ABSTAIN, MemoryAgentBench, alias_accuracy, recall_at_5, summary_f1
 
@@ -105,85 +105,6 @@ def test_unknown_source_names_the_known_prefixes():
 
 
 # ---------------------------------------------------------------------- a tiny snapshot
-def _row(source, context, questions, answers, **meta):
-    metadata = {"source": source, "qa_pair_ids": [f"{source}_no{i}" for i in range(len(questions))]}
-    metadata.update({k: meta.get(k) for k in ("question_ids", "question_types")})
-    return {"context": context, "questions": questions, "answers": answers, "metadata": metadata}
-
-
-ROWS = {
-    "Accurate_Retrieval": [
-        _row(
-            "ruler_qa1_197K",
-            "Document 1: Paris is the capital of France. Document 2: Shakespeare wrote Hamlet.",
-            ["What is the capital of France?", "Who wrote Hamlet?"],
-            [["Paris"], ["William Shakespeare", "Shakespeare"]],
-        ),
-        _row(
-            "longmemeval_s*",
-            "User: My cat is called Tom. My car is red.",
-            ["What is my cat called?", "What colour is my car?", "What is my dog called?"],
-            [["Tom"], ["red"], ["You did not mention a dog."]],
-            question_ids=["a1", "a2", "a3_abs"],
-            question_types=["single-session-user"] * 3,
-        ),
-    ],
-    "Test_Time_Learning": [
-        _row(
-            "icl_banking77_5900shot_balance",
-            "I lost my card\nlabel: 12\nWhere is my money?\nlabel: 3",
-            ["My card is gone", "My money has not arrived"],
-            [["12"], ["3"]],
-        ),
-        _row(
-            "recsys_redial_full",
-            "User: I like animated films. System: Try Up.",
-            ["User: I want a superhero movie."],
-            [["2", "1"]],
-        ),
-    ],
-    "Long_Range_Understanding": [
-        _row("infbench_sum_eng_shots2", "A long book about a dog.", [""], [["A dog finds its way home."]]),
-        _row(
-            "detective_qa",
-            "The butler did it, in the kitchen.",
-            ["Who is the murderer? A. The butler B. The cook", "Where? A. Garden B. Kitchen"],
-            [["A. The butler"], ["B"]],
-        ),
-    ],
-    "Conflict_Resolution": [
-        _row(
-            "factconsolidation_sh_6k",
-            "1. The author of Dubliners is James Joyce. 2. The author of Dubliners is George Eliot.",
-            ["Who is the author of Dubliners?", "Who wrote Dubliners?"],
-            [["George Eliot"]] * 2,
-        ),
-    ],
-}
-ENTITIES = {
-    "<http://dbpedia.org/resource/Up_(2009_film)>": 1,
-    "<http://dbpedia.org/resource/Spider-Man_(2002_film)>": 2,
-    "<http://dbpedia.org/resource/Cars_(film)>": 3,
-}
-
-
-def write_snapshot(
-    root: Path, rows: dict[str, list[dict]], fmt: str = "parquet", entities: bool = True
-) -> Path:
-    """The HF snapshot layout: ``data/<Split>-00000-of-00001.parquet`` (or ``<Split>.jsonl``), entity map."""
-    (root / "data").mkdir(parents=True)
-    for split, split_rows in rows.items():
-        if fmt == "parquet":
-            pq.write_table(
-                pa.Table.from_pylist(split_rows), root / "data" / f"{split}-00000-of-00001.parquet"
-            )
-        else:
-            (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split_rows))
-    if entities:
-        (root / "entity2id.json").write_text(json.dumps(ENTITIES))
-    return root
-
-
 @pytest.fixture
 def snapshot(tmp_path):
     return write_snapshot(tmp_path / "mab", ROWS)
@@ -305,13 +226,13 @@ def test_summarize_weights_families_by_question_count(snapshot):
 
 # ---------------------------------------------------------------------- bad data fails loudly
 def test_unknown_source_in_data_fails(tmp_path):
-    rows = {"Accurate_Retrieval": [_row("niah_single_1", "c", ["q"], [["a"]])]}
+    rows = {"Accurate_Retrieval": [mab_row("niah_single_1", "c", ["q"], [["a"]])]}
     with pytest.raises(ValueError, match="row 0.*known source prefixes"):
         _bench(write_snapshot(tmp_path / "s", rows))
 
 
 def test_source_in_the_wrong_split_file_fails(tmp_path):
-    rows = {"Accurate_Retrieval": [_row("factconsolidation_sh_6k", "c", ["q"], [["a"]])]}
+    rows = {"Accurate_Retrieval": [mab_row("factconsolidation_sh_6k", "c", ["q"], [["a"]])]}
     with pytest.raises(ValueError, match="'factconsolidation_sh_6k' is SF, not Accurate_Retrieval"):
         _bench(write_snapshot(tmp_path / "s", rows))
 
@@ -332,7 +253,7 @@ def test_bad_files_name_the_file_and_what_is_missing(tmp_path):
     with pytest.raises(ValueError, match=r"rows\.jsonl: row 0: metadata has no 'source'"):
         _bench(bad)
 
-    bad.write_text(json.dumps(_row("eventqa_full", "c", ["q1", "q2"], [["a"]])) + "\n")
+    bad.write_text(json.dumps(mab_row("eventqa_full", "c", ["q1", "q2"], [["a"]])) + "\n")
     with pytest.raises(ValueError, match="2 questions but 1 answers"):
         _bench(bad)
 

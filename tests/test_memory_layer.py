@@ -1,4 +1,5 @@
-"""The memory layer against a token-by-token transcription of the paper's equations."""
+"""The memory layer against the token-by-token transcription of the paper's equations
+(:func:`lstmem_peft.reference.memory_layer_ref`)."""
 
 import copy
 import math
@@ -8,6 +9,7 @@ import torch
 
 from lstmem_peft import LSTMemLayer
 from lstmem_peft import constants as K
+from lstmem_peft.reference import memory_layer_ref
 
 D_MODEL, D_Q = 48, 64
 
@@ -23,44 +25,11 @@ def make_layer(seed=0, randomize=True, **kw):
     return layer
 
 
-def n(x, H):
-    x = torch.tanh(x).view(*x.shape[:-1], H, -1)
-    return x / torch.clamp(x.norm(dim=-1, keepdim=True), min=1e-6)
-
-
-def reference(layer, x, depth_seq, cell, hidden, valid=None):
-    """Paper Eqs. (projections)-(hidden) with the full matrices and zero blocks, token by token."""
-    P = {k: v.double() for k, v in layer.paper_parameters().items()}
-    H, r = layer.num_heads, layer.head_dim
-    ds = H * r
-    x = x.double()
-    C, D = cell.double().clone(), hidden.double().clone()
-    dqs, dos, hs = [], [], []
-    for t in range(x.shape[1]):
-        xt = x[:, t]
-        q, k = n(xt @ P["Wq"].T, H), n(xt @ P["Wk"].T, H)
-        v = (xt @ P["Wv"].T).view(-1, H, r)
-        z = xt @ P["Wx"].T + P["bx"]
-        Dl = depth_seq[:, t].double() if depth_seq is not None else torch.zeros_like(D)
-        r_time = torch.einsum("bjac,bjc->bja", D, q).flatten(1)
-        r_dep = torch.einsum("bjac,bjc->bja", Dl, q).flatten(1)
-        p_dep = torch.einsum("bjac,bjc->bja", Dl, k).flatten(1)
-        u = torch.cat([r_time, r_dep], -1) @ P["Wread"].T + P["bread"]
-        dqs.append(layer.alpha / r * u @ P["Wdq"].T)
-        dos.append(layer.alpha / r * u @ P["Wdo"].T)
-        zeros = torch.zeros_like(p_dep)
-        v_hat = torch.cat([zeros, p_dep], -1) @ P["Wpred_full"].T + P["bpred"]  # W_full [0; p_dep]
-        e = v.flatten(1) - v_hat
-        gates = torch.sigmoid(torch.cat([z, zeros, r_dep, e], -1) @ P["Wgate_full"].T + P["bgate"])
-        i, f, o, g = (a.view(-1, H, r) for a in gates.split(ds, -1))
-        C_new = f[..., None] * C + (i * e.view(-1, H, r))[..., None] * k[..., None, :]
-        D_new = o[..., None] * torch.tanh(C_new) + g[..., None] * Dl
-        if valid is not None:
-            keep = valid[:, t].view(-1, 1, 1, 1)
-            C_new, D_new = torch.where(keep, C_new, C), torch.where(keep, D_new, D)
-        C, D = C_new, D_new
-        hs.append(D)
-    return torch.stack(dqs, 1), torch.stack(dos, 1), C, D, torch.stack(hs, 1)
+def reference(layer, x, depth, cell, hidden, valid=None):
+    """The library's float64 transcription of the paper (:mod:`lstmem_peft.reference`)."""
+    return memory_layer_ref(
+        layer.paper_parameters(), x, cell, hidden, depth, valid, num_heads=layer.num_heads, alpha=layer.alpha
+    )
 
 
 def test_paper_parameters_keys_and_shapes():

@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from test_tuner import make
-from tiny_models import history_then_question_logits
+from tiny_models import history_then_question_logits, make
 
 TESTS = Path(__file__).parent
 

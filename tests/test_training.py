@@ -12,32 +12,13 @@ from datasets import Dataset
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
+from eval_fixtures import QASPER_OFFICIAL
 from lstmem_peft.data import load_episodes, synthetic_recall_episodes, tokenize_episode
 from lstmem_peft.demo import demo_tokenizer
 from lstmem_peft.offline import char_tokenizer, tiny_qwen3
 from lstmem_peft.trainer import EpisodeCollator, LSTMemTrainer, LSTMemTrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-
-QASPER_OFFICIAL = {  # the official release: {paper_id: paper}, rows of records
-    "1909.00001": {
-        "title": "Tiny Paper",
-        "abstract": "We study tiny things.",
-        "full_text": [{"section_name": "Intro", "paragraphs": ["Tiny things matter.", "They are small."]}],
-        "qas": [
-            {"question": "What do they study?", "question_id": "q1",
-             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": None,
-                                     "free_form_answer": "tiny things", "evidence": [], "highlighted_evidence": []},
-                          "annotation_id": "a1"}]},
-            {"question": "Is it big?", "question_id": "q2",
-             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": False,
-                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
-            {"question": "Who funded it?", "question_id": "q3",
-             "answers": [{"answer": {"unanswerable": True, "extractive_spans": [], "yes_no": None,
-                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
-        ],
-    }
-}
 
 QASPER_HUB_ROW = {  # the Hub dataset: columns of lists
     "id": "1909.00002", "title": "Other", "abstract": "Abstract.",

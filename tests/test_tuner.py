@@ -7,22 +7,7 @@ import torch
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig, LSTMemOutputLayer, LSTMemQueryLayer, MemoryCache, memory_layers, write_history
-from tiny_models import ARCHITECTURES, VOCAB, tiny_model
-
-
-def randomize_memory(model, scale=0.2, seed=1):
-    """Move the adapter off its initialisation so that every path carries signal."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in memory_layers(model):
-            for p in layer.parameters():
-                p.add_(scale * torch.randn(p.shape, generator=g))
-
-
-def make(arch="qwen3", seed=0, **config):
-    model = get_peft_model(tiny_model(arch, seed), LSTMemConfig(**config))
-    randomize_memory(model)
-    return model.eval()
+from tiny_models import ARCHITECTURES, VOCAB, make, randomize_memory, tiny_model
 
 
 def ids(batch=2, length=12, seed=0):
@@ -189,7 +174,7 @@ def test_read_only_generation_leaves_memory_unchanged():
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
 
 
-def test_num_return_sequences_expands_memory_and_beams_are_refused():
+def test_num_return_sequences_expands_memory():
     model = make(update_during_generation=False)  # read-only, so the expanded rows stay visible
     cache = MemoryCache()
     with torch.no_grad():
@@ -199,8 +184,6 @@ def test_num_return_sequences_expands_memory_and_beams_are_refused():
     assert cache.batch_size == 6
     for layer, ref in zip(cache.layers, before):
         assert torch.equal(layer.cell, ref.repeat_interleave(3, dim=0))
-    with pytest.raises(NotImplementedError, match="num_beams"):
-        model.generate(input_ids=ids(1, 4), max_new_tokens=3, num_beams=2)
 
 
 # ---------------------------------------------------------------------- padding and sessions

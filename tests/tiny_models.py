@@ -47,3 +47,25 @@ def history_then_question_logits(model):
     with torch.no_grad():
         write_history(model, history, cache, block_size=16, progress=False)
         return model(input_ids=question, memory_cache=cache).logits
+
+
+def randomize_memory(model, scale=0.2, seed=1):
+    """Move the adapter off its initialisation so that every path carries signal."""
+    from lstmem_peft import memory_layers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in memory_layers(model):
+            for p in layer.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def make(arch="qwen3", seed=0, **config):
+    """A tiny model of ``arch`` with an LSTMem adapter moved off its initialisation (eval mode)."""
+    from peft import get_peft_model
+
+    from lstmem_peft import LSTMemConfig
+
+    model = get_peft_model(tiny_model(arch, seed), LSTMemConfig(**config))
+    randomize_memory(model)
+    return model.eval()
