@@ -152,14 +152,15 @@ def step_shaped(
     ``keep`` is ``False`` the states are carried over.
 
     Args:
-        q_col, w_col, f_col, o_col: ``(B, H, R, 1)``; ``k_row``: ``(B, H, 1, R)``.
+        q_col, w_col, f_col, o_col: ``(B, H, R, 1)``; ``k_row``: ``(B, H, 1, R)``. ``q_col`` may be
+            ``None`` when the caller has the read already (then ``read`` is ``None``).
         C, D: ``(B, H, R, R)`` states before the step.
         depth: ``(B, H, R, R)`` depth term ``diag(g) D^{(l-1)}``, or ``None``.
         keep: ``(B, 1, 1, 1)`` bool (``False`` at padding), or ``None``.
     Returns:
         ``(read (B, H, R, 1), C', D')``.
     """
-    read = torch.matmul(D, q_col)
+    read = None if q_col is None else torch.matmul(D, q_col)
     C_new = torch.addcmul(f_col * C, w_col, k_row)
     tanh_c = torch.tanh(C_new)
     D_new = o_col * tanh_c if depth is None else torch.addcmul(depth, o_col, tanh_c)

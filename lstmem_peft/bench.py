@@ -7,7 +7,7 @@ versions and date. ``report`` renders every JSON record under a folder into ``RE
 plots. Weights are random: timing needs a model's dimensions, not its training.
 
     lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
-    lstmem bench generate | e2e | write | scan ...
+    lstmem bench generate | ops | e2e | write | scan ...
     lstmem bench report benchmarks/results              # RESULTS.md + plots from the JSON records
 """
 
@@ -225,6 +225,61 @@ def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, wa
     return result
 
 
+def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
+    """Operator calls per decode step of ``generate``, with memory and plain, and per memory layer.
+
+    Counts every aten operator the dispatcher runs (views included), between a call of
+    ``new_tokens + 1`` and one of ``1`` generated token, so that prefill and set-up cancel. On a GPU
+    each non-view operator is at least one kernel launch, which bounds decode speed at LSTMem's
+    state sizes; the count is deterministic, unlike a timing on a shared machine.
+    """
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .cache import MemoryCache
+    from .history import memory_layers
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens), device=device)
+
+    def count(with_memory: bool, n: int) -> Counter:
+        gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        with torch.no_grad(), Count() as counter:
+            if with_memory:
+                model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)
+            else:
+                with model.disable_adapter():
+                    model.generate(input_ids=prompt, **gen)
+        return counter.calls
+
+    per_step = {}
+    for name, memory in (("lstmem", True), ("plain", False)):
+        count(memory, 1)  # warm-up
+        per_step[name] = count(memory, new_tokens + 1) - count(memory, 1)
+    layers = len(memory_layers(model))
+    extra = per_step["lstmem"] - per_step["plain"]
+    views = {"view", "_unsafe_view", "unsqueeze", "slice", "select", "transpose", "t", "expand", "unbind", "split",
+             "split_with_sizes", "narrow", "as_strided", "squeeze", "permute"}
+    return dict(
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, memory_layers=layers,
+        lstmem_per_step=sum(per_step["lstmem"].values()) / new_tokens,
+        plain_per_step=sum(per_step["plain"].values()) / new_tokens,
+        extra_per_layer=sum(extra.values()) / new_tokens / layers,
+        extra_non_view_per_layer=sum(v for k, v in extra.items() if k not in views) / new_tokens / layers,
+        extra_by_op={k: v / new_tokens / layers for k, v in sorted(extra.items(), key=lambda kv: -kv[1])},
+    )
+
+
 def bench_scan(lengths: list[int], batches: list[int], device: torch.device, reps: int = 5, naive_reps: int = 2) -> list[dict]:
     """Forward and forward+backward time of the naive, vectorised and (CUDA) Triton scans."""
     from lstmem_kernels import lstmem_scan, triton_available
@@ -321,6 +376,13 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
                 ax.set_ylabel("equivalent decode speed (tok/s)")
 
             lines += ["", _plot(md.parent, r, "decode", "decode speed", draw)]
+        elif r["benchmark"] == "ops":
+            lines += ["| aten operators per decode step: LSTMem | plain | extra per memory layer | of which not views |"
+                      " top extra operators per layer |", "| --- | --- | --- | --- | --- |"]
+            for row in r["rows"]:
+                top = ", ".join(f"{k} {v:.1f}" for k, v in list(row["extra_by_op"].items())[:6])
+                lines.append(f"| {row['lstmem_per_step']:.1f} | {row['plain_per_step']:.1f} | {row['extra_per_layer']:.1f} | "
+                             f"{row['extra_non_view_per_layer']:.1f} | {top} |")
         elif r["benchmark"] in ("e2e", "write", "generate"):
             key = {"e2e": "history_tokens", "write": "tokens", "generate": "prompt_tokens"}[r["benchmark"]]
             extra = " new tokens |" if r["benchmark"] == "generate" else ""
@@ -370,11 +432,13 @@ def run(kind: str, preset: str = "cpu-small", device: str | None = None, dtype: 
             prompt = sizes.get("prompt_tokens") or defaults["prompt_tokens"]
             new_tokens = sizes.get("answer_tokens") or defaults["generate_tokens"]
             record["rows"] = [bench_generate(model, prompt, new_tokens, reps=reps or 6)]
+        elif kind == "ops":
+            record["rows"] = [bench_ops(model, new_tokens=sizes.get("answer_tokens") or 8)]
         elif kind == "e2e":
             answer = sizes.get("answer_tokens") or defaults["answer_tokens"]
             record["rows"] = [bench_e2e(model, n, answer, reps=reps or 3) for n in (sizes.get("histories") or defaults["histories"])]
         else:
-            raise ValueError(f"unknown benchmark {kind!r}: decode, generate, e2e, write or scan")
+            raise ValueError(f"unknown benchmark {kind!r}: decode, generate, ops, e2e, write or scan")
     path = save_record(out, kind, record)
     print(json.dumps(record, indent=2))
     print(f"wrote {path}")

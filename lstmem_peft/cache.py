@@ -53,6 +53,18 @@ class MemoryLayout:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def nonfinite_rows(states) -> list[int]:
+    """Batch rows whose states hold NaN or inf, from ``(cell, hidden)`` pairs ``(B, n_h, r, r)``
+    (one host read)."""
+    bad = None
+    for pair in states:
+        for t in pair:
+            row_bad = ~torch.isfinite(t).flatten(1).all(dim=1)
+            bad = row_bad if bad is None else bad | row_bad
+    return [] if bad is None else bad.nonzero().flatten().tolist()
+
+
+
 class LayerState:
     """Cell and hidden state of one memory layer: ``(batch, n_h, r, r)`` each, or ``None``."""
 
@@ -202,7 +214,19 @@ class MemoryCache:
         return self
 
     def to(self, *args, **kwargs) -> MemoryCache:
-        """Move states (``device`` and/or ``dtype``) in place; returns ``self``."""
+        """Move the states to another device in place; returns ``self``.
+
+        The states' dtype is the adapter's ``state_dtype`` (part of the layout every saved file and
+        model checks), so a dtype other than the layout's is refused rather than silently breaking
+        that agreement: choose the dtype with ``LSTMemConfig(state_dtype=...)``.
+        """
+        dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+        if dtype is not None and self.layout is not None and dtype != self.layout.torch_dtype:
+            raise ValueError(
+                f"MemoryCache.to({dtype}) would store states in another dtype than the adapter's state_dtype "
+                f"({self.layout.state_dtype}); set LSTMemConfig(state_dtype=...) to change it, and move caches "
+                "between devices only"
+            )
         for layer in self.layers:
             layer.to(*args, **kwargs)
         if self.tokens_written is not None:
@@ -213,7 +237,14 @@ class MemoryCache:
 
     # ------------------------------------------------------------------ batch / beam operations
     def _check_index(self, index: torch.Tensor) -> torch.Tensor:
-        index = torch.as_tensor(index, dtype=torch.long)
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:  # a mask, as transformers' caches take it
+            if index.shape != (self.batch_size,):
+                raise IndexError(
+                    f"boolean mask of shape {tuple(index.shape)} for a MemoryCache of batch size {self.batch_size}"
+                )
+            return index.nonzero().flatten()
+        index = index.long()
         if self.batch_size is not None and index.numel() and (index.min() < 0 or index.max() >= self.batch_size):
             raise IndexError(f"row index out of range for a MemoryCache of batch size {self.batch_size}")
         return index
@@ -223,13 +254,23 @@ class MemoryCache:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (and reorder to) the given rows."""
+        """Keep (and reorder to) the given rows: indices, or a boolean mask over the rows."""
         if self.tokens_written is None:
             return
         indices = self._check_index(indices)
         for layer in self.layers:
             layer.reorder(indices)
         self.tokens_written = self.tokens_written.index_select(0, indices.to(self.tokens_written.device))
+
+    def update_rows(self, index: torch.Tensor, rows: MemoryCache) -> None:
+        """Replace rows ``index`` with the rows of ``rows`` (same layout, ``len(index)`` rows), as
+        new tensors: a snapshot taken before stays as it was."""
+        self.check_layout(rows.layout)
+        index = self._check_index(index)
+        for state, new in zip(self.layers, rows.layers):
+            state.cell = state.cell.index_copy(0, index.to(state.cell.device), new.cell)
+            state.hidden = state.hidden.index_copy(0, index.to(state.hidden.device), new.hidden)
+        self.tokens_written = self.tokens_written.index_copy(0, index.to(self.tokens_written.device), rows.tokens_written)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (``num_return_sequences``, beam expansion)."""
@@ -267,6 +308,12 @@ class MemoryCache:
         """Write the states to a safetensors file with the layout and its fingerprint."""
         if self.layout is None or not self.is_initialized:
             raise ValueError("nothing to save: the MemoryCache has not been written yet")
+        rows = nonfinite_rows((layer.cell, layer.hidden) for layer in self.layers)
+        if rows:
+            raise FloatingPointError(
+                f"refusing to save {path}: the memory of batch row(s) {rows} holds NaN or inf; select the finite rows "
+                "first (cache.batch_select_indices(...)) or restore the rows from a snapshot"
+            )
         tensors = {"tokens_written": self.tokens_written.contiguous()}
         for i, layer in enumerate(self.layers):
             tensors[f"layers.{i}.cell"] = layer.cell.detach().contiguous()
@@ -300,9 +347,18 @@ class MemoryCache:
             raise ValueError(f"{path} is not a readable safetensors file: {err}") from err
         if metadata.get("format") != "lstmem-memory-cache":
             raise ValueError(f"{path} is not a MemoryCache file (written by MemoryCache.save)")
-        stored = json.loads(metadata["layout"])
+        try:
+            stored = json.loads(metadata.get("layout", ""))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: the layout metadata is not valid JSON ({err}); the file is damaged") from err
+        fields = set(MemoryLayout.__dataclass_fields__)
+        if not isinstance(stored, dict) or set(stored) != fields:
+            got = sorted(stored) if isinstance(stored, dict) else type(stored).__name__
+            raise ValueError(f"{path}: the layout metadata has fields {got}, expected {sorted(fields)}; the file is damaged")
         stored["layer_indices"] = tuple(stored["layer_indices"])
         stored_layout = MemoryLayout(**stored)
+        if stored_layout.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"{path}: unknown state_dtype {stored_layout.state_dtype!r} in the layout metadata")
         if stored_layout.fingerprint() != metadata.get("fingerprint"):
             raise ValueError(f"{path}: the layout fingerprint does not match its contents; the file is corrupt")
         if layout is not None and layout != stored_layout:
@@ -311,16 +367,32 @@ class MemoryCache:
                 f"{cls._describe(layout)}; load it with the adapter it was written by"
             )
         tensors = load_file(os.fspath(path), device=str(device))
+        expected = {"tokens_written"} | {
+            f"layers.{i}.{name}" for i in range(stored_layout.num_layers) for name in ("cell", "hidden")
+        }
+        for name in sorted(expected - set(tensors)):
+            raise ValueError(f"{path}: missing tensor {name!r}; the file is damaged")
+        for name in sorted(set(tensors) - expected):
+            raise ValueError(f"{path}: unexpected tensor {name!r} for a layout of {stored_layout.num_layers} layers")
+        tokens = tensors["tokens_written"]
+        rows = tensors["layers.0.cell"].shape[0] if tensors["layers.0.cell"].dim() else -1
+        if tokens.dim() != 1 or tokens.dtype != torch.long or tokens.shape[0] != rows:
+            raise ValueError(
+                f"{path}: tokens_written has {tokens.shape[0] if tokens.dim() else 0} rows ({tokens.dtype}) but the "
+                f"states have {rows}; the file is damaged"
+            )
         cache = cls(stored_layout)
-        expected = None
+        shape = (rows, stored_layout.num_heads, stored_layout.head_dim, stored_layout.head_dim)
         for i, layer in enumerate(cache.layers):
             layer.cell, layer.hidden = tensors[f"layers.{i}.cell"], tensors[f"layers.{i}.hidden"]
-            for t in (layer.cell, layer.hidden):
-                shape = (t.shape[0], stored_layout.num_heads, stored_layout.head_dim, stored_layout.head_dim)
-                expected = expected or shape
-                if tuple(t.shape) != expected or t.dtype != stored_layout.torch_dtype:
-                    raise ValueError(f"{path}: layer {i} has state {tuple(t.shape)} {t.dtype}, expected {expected}")
-                if not torch.isfinite(t.float()).all():
-                    raise ValueError(f"{path}: layer {i} holds nonfinite values")
-        cache.tokens_written = tensors["tokens_written"]
+            for name, t in (("cell", layer.cell), ("hidden", layer.hidden)):
+                if tuple(t.shape) != shape or t.dtype != stored_layout.torch_dtype:
+                    raise ValueError(
+                        f"{path}: layers.{i}.{name} is {tuple(t.shape)} {t.dtype}, expected {shape} "
+                        f"{stored_layout.torch_dtype}"
+                    )
+        bad = nonfinite_rows((layer.cell, layer.hidden) for layer in cache.layers)
+        if bad:
+            raise ValueError(f"{path}: the memory of row(s) {bad} holds NaN or inf")
+        cache.tokens_written = tokens
         return cache

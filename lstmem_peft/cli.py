@@ -3,7 +3,7 @@
     lstmem demo                 # offline recall demo on the embedded backbone and adapters
     lstmem demo --train         # retrain the adapters from scratch first (reports the time)
     lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
-    lstmem bench decode|generate|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
+    lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
     lstmem bench report benchmarks/results                                   # RESULTS.md + plots
     lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
 """
@@ -11,50 +11,84 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``lstmem`` command. A user error (missing path, wrong format, bad number) prints one line
+    and exits with 1 (argparse's own usage errors: 2); ``--debug`` shows the traceback instead."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:  # one line for the user; the traceback is one flag away
+        if args.debug:
+            raise
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"lstmem {args.command}: error: {message} ({type(err).__name__}; --debug shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lstmem", description="LSTMem online memory for frozen LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
+    demo.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     demo.add_argument("--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer")
     demo.add_argument("--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)")
-    demo.add_argument("--episodes", type=int, default=512, help="held-out episodes to score")
-    demo.add_argument("--steps", type=int, default=600, help="training steps per adapter with --train")
+    demo.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
+    demo.add_argument("--steps", type=positive_int, default=600, help="training steps per adapter with --train")
     demo.add_argument("--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations")
     bench = sub.add_parser("bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)")
-    bench.add_argument("kind", choices=["decode", "generate", "e2e", "write", "scan", "report"])
+    bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "report"])
     bench.add_argument("folder", nargs="?", default="benchmarks/results", help="records folder (report)")
     bench.add_argument("--preset", default="cpu-small", help="model dimensions: cpu-small or qwen3-4b")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--out", default="benchmarks/results", help="where JSON records go")
     bench.add_argument("--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write")
-    bench.add_argument("--reps", type=int, default=None)
-    bench.add_argument("--kv-lengths", type=int, nargs="+", default=None, help="decode: KV cache lengths")
-    bench.add_argument("--histories", type=int, nargs="+", default=None, help="e2e: history lengths")
-    bench.add_argument("--answer-tokens", type=int, default=None, help="e2e, generate: generated tokens")
-    bench.add_argument("--prompt-tokens", type=int, default=None, help="generate: prompt length")
-    bench.add_argument("--tokens", type=int, default=None, help="write: history tokens")
-    bench.add_argument("--lengths", type=int, nargs="+", default=None, help="scan: block lengths")
-    bench.add_argument("--batches", type=int, nargs="+", default=None, help="scan: batch sizes")
+    bench.add_argument("--reps", type=positive_int, default=None)
+    bench.add_argument("--kv-lengths", type=positive_int, nargs="+", default=None, help="decode: KV cache lengths")
+    bench.add_argument("--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths")
+    bench.add_argument("--answer-tokens", type=positive_int, default=None, help="e2e, generate: generated tokens")
+    bench.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
+    bench.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
+    bench.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="scan: block lengths")
+    bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan: batch sizes")
     ev = sub.add_parser("eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone")
+    ev.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
     ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
     ev.add_argument("--model", required=True, help="base model: Hub id or local folder")
     ev.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)")
     ev.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
-    ev.add_argument("--limit", type=int, default=None, help="only the first N histories (per family for mab)")
+    ev.add_argument("--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)")
     ev.add_argument("--memory-only", action="store_true", help="history in memory only, not in the prompt")
     ev.add_argument("--greedy", action="store_true", help="greedy decoding instead of the paper's sampling")
     ev.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
     ev.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
-    ev.add_argument("--block-size", type=int, default=None, help="history block length (default: the adapter's)")
-    ev.add_argument("--max-new-tokens", type=int, default=None,
+    ev.add_argument("--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)")
+    ev.add_argument("--max-new-tokens", type=positive_int, default=None,
                     help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)")
     ev.add_argument("--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt")
     ev.add_argument("--families", nargs="+", default=None, help="mab: families to run (AR TTL LRU SF)")
-    ev.add_argument("--max-questions", type=int, default=None, help="mab: at most N questions per history")
+    ev.add_argument("--max-questions", type=positive_int, default=None, help="mab: at most N questions per history")
     ev.add_argument("--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)")
     ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -62,7 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--no-chat-template", action="store_true", help="plain text prompts even if the tokenizer has a template")
     ev.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_paths(**named: str | None) -> None:
+    """A value that looks like a filesystem path (not a Hub id ``owner/name``) must exist."""
+    for option, value in named.items():
+        if value is None:
+            continue
+        looks_local = value.startswith(("/", "./", "../", "~")) or os.path.isabs(value) or value.count("/") > 2
+        if looks_local and not os.path.exists(os.path.expanduser(value)):
+            label = "DATA" if option == "data" else f"--{option}"
+            raise FileNotFoundError(f"{label} {value}: no such file or folder")
+
+
+def _dispatch(args) -> int:
+    if args.command in ("eval", "demo"):
+        _check_paths(model=args.model, **({"adapter": args.adapter, "data": args.data} if args.command == "eval" else {}))
     if args.command == "eval":
         return _eval(args)
     if args.command == "bench":

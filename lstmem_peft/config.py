@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -105,8 +106,16 @@ class LSTMemConfig(PeftConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ValueError(f"alpha must be a positive number, got {self.alpha!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+            math.isfinite(self.alpha) and self.alpha > 0
+        ):
+            raise ValueError(f"alpha must be a positive finite number, got {self.alpha!r}")
+        for name in ("depth_coupling", "block_feedback", "update_during_generation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true or false (a JSON boolean), got {getattr(self, name)!r}; a string such as "
+                    "'false' would count as true"
+                )
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
         if self.scan_backend not in ("auto", "torch", "triton", "naive"):
@@ -114,8 +123,13 @@ class LSTMemConfig(PeftConfig):
         if isinstance(self.layers_to_transform, int) and not isinstance(self.layers_to_transform, bool):
             self.layers_to_transform = [self.layers_to_transform]
         if self.layers_to_transform is not None:
+            if not isinstance(self.layers_to_transform, (list, tuple)):
+                raise ValueError(
+                    f"layers_to_transform must be None (all layers), a layer index or a list of them, got "
+                    f"{self.layers_to_transform!r}"
+                )
             layers = list(self.layers_to_transform)
-            if not layers or any(not isinstance(i, int) or i < 0 for i in layers):
+            if not layers or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
                 raise ValueError(
                     f"layers_to_transform must be None (all layers) or non-negative layer indices, got {self.layers_to_transform!r}"
                 )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import constants as K
-from .cache import MemoryCache
+from .cache import MemoryCache, nonfinite_rows
 from .feedback import FeedbackResult, LayerTerminal, block_feedback, sample_feedback_positions
 from .memory import LayerOutput, LSTMemLayer
 
@@ -39,8 +39,8 @@ class MemoryPass:
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
         backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
-        plans: optional per-layer :class:`~lstmem_peft.memory.DecodePlan` (depth order) fetched
-            by the caller for this pass (``LSTMemLayer.cached_plan``), handed to each layer.
+        weights: optional per-layer :class:`~lstmem_peft.memory.LayerWeights` (depth order) the
+            caller derived already (once per ``generate`` call); ``None``: each layer derives its own.
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class MemoryPass:
         depth_coupling: bool = True,
         feedback_positions: int = K.FEEDBACK_POSITIONS,
         backend: str = "auto",
-        plans: list | None = None,
+        weights: list | None = None,
     ) -> None:
         if feedback and not write:
             raise ValueError("block feedback needs a writing pass (write=True)")
@@ -64,13 +64,14 @@ class MemoryPass:
         self.depth_coupling = depth_coupling
         self.backend = backend
         self.feedback_positions = feedback_positions
-        self.plans = plans
+        self.weights = weights
         self.feedback_result: FeedbackResult | None = None
         self._next = 0
         self._depth: torch.Tensor | None = None
         self._terminals: list[LayerTerminal] = []
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # new (C, D) per layer, committed by finish()
         self._tokens: torch.Tensor | None = None
+        self._length = 0
 
     @property
     def layers_run(self) -> int:
@@ -95,15 +96,16 @@ class MemoryPass:
             )
         state = self.cache.layers[index]
         out = layer(  # positional: this runs once per memory layer and token while decoding
-            x, state.cell, state.hidden, self._depth, self.valid, self.write, self.backend, self.feedback,
-            None if self.plans is None else self.plans[index],
+            x, state.cell, state.hidden, self._depth, self.valid, self.write, self.backend,
+            None if self.weights is None else self.weights[index], self.feedback,
         )
         if self.write:
             self._staged.append((out.cell, out.hidden))
-            self._depth = out.next_depth if self.depth_coupling else None
+            self._depth = out.hidden_seq if self.depth_coupling else None
             if index == 0:
                 n = x.shape[1] if self.valid is None else self.valid.sum(dim=1)
                 self._tokens = self.cache.tokens_written + n
+                self._length = x.shape[1]
         else:
             self._depth = state.hidden if self.depth_coupling else None
         if self.feedback:
@@ -143,6 +145,14 @@ class MemoryPass:
             staged = list(zip(result.cells, result.hiddens))
             self.feedback_result = result
             self._terminals = []
+        if self._length > 1 or self.feedback:  # block ends; one-token steps: at the next block end or save
+            rows = nonfinite_rows(staged)
+            if rows:
+                raise FloatingPointError(
+                    f"the memory of batch row(s) {rows} became nonfinite (NaN or inf) in this forward: their inputs or "
+                    "the adapter's weights hold nonfinite values. Nothing was written to the MemoryCache; check those "
+                    "rows' inputs"
+                )
         for state, (cell, hidden) in zip(self.cache.layers, staged):
             state.cell, state.hidden = cell, hidden
         self.cache.tokens_written = self._tokens

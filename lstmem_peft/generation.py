@@ -202,7 +202,7 @@ class GenerateSession:
         if self.beams:
             ids = prompt_ids(kwargs)
             self.prompt = (ids, prompt_mask(tuner.model, ids, kwargs.get("attention_mask")))
-        self.plans: list | None = None  # the memory layers' derived weights, fetched once per call
+        self.weights: list | None = None  # the memory layers' LayerWeights, derived once per call
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
 
     # ------------------------------------------------------------------ set-up

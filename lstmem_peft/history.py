@@ -83,9 +83,9 @@ def write_history(
     """
     tuner = find_tuner(model)
     config = tuner.peft_config[tuner._single_active_adapter()]
-    block = block_size or config.block_size
-    if block < 1:
-        raise ValueError(f"block_size must be positive, got {block}")
+    block = config.block_size if block_size is None else block_size
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block_size must be a positive integer (or None for the adapter's), got {block!r}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
     if not isinstance(memory_cache, MemoryCache):
@@ -103,8 +103,23 @@ def write_history(
             f"attention_mask must have shape {(B, T)} (or {(B, past + T)} with the KV cache's {past} tokens), "
             f"got {tuple(attention_mask.shape)}"
         )
-    positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
     extra = {"logits_to_keep": 1} if _accepts(tuner.model, "logits_to_keep") else {}
+    valid = full_mask[:, past:].bool()
+    if not bool(valid.all()):  # padding: every row is cut into blocks of its own tokens
+        if past_key_values is not None:
+            first = valid.long().argmax(dim=1)
+            contiguous = valid.sum(dim=1) == valid.shape[1] - first
+            if not (bool(contiguous.all()) and bool((first == first[0]).all())):
+                raise ValueError(
+                    "write_history with past_key_values needs the rows' tokens to start at the same column: each "
+                    "row is cut into blocks of its own tokens, and one KV cache cannot hold blocks that end at "
+                    "different columns. Write each history with its own KV cache (batch size 1), or without "
+                    "past_key_values"
+                )
+        else:
+            _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show=progress)
+            return memory_cache
+    positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
     starts = range(0, T, block)
     show = len(starts) > 1 if progress is None else progress
     for start in tqdm(starts, desc="writing history", unit="block", disable=not show):
@@ -127,3 +142,33 @@ def write_history(
             **extra,
         )
     return memory_cache
+
+
+def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show) -> None:
+    """``write_history`` for a padded batch without a KV cache: block ``k`` of every row is that
+    row's tokens ``[k * block, (k + 1) * block)``, whatever padding the batch gave it, so each row's
+    memory equals its history written alone. A block forward runs on the rows that still have
+    tokens (the others keep their memory) and commits them all at once."""
+    B = input_ids.shape[0]
+    tokens = [input_ids[b][valid[b]] for b in range(B)]
+    count = max(-(-len(t) // block) for t in tokens)
+    memory_cache.bind(find_tuner(model).memory_layout())  # all rows exist before sub-batches are cut
+    memory_cache.ensure(B, input_ids.device)
+    for k in tqdm(range(count), desc="writing history", unit="block", disable=not (count > 1 if show is None else show)):
+        pieces = [t[k * block : (k + 1) * block] for t in tokens]
+        rows = [b for b in range(B) if len(pieces[b])]
+        width = max(len(pieces[b]) for b in rows)
+        ids = input_ids.new_zeros(len(rows), width)
+        mask = torch.zeros_like(ids)
+        for i, b in enumerate(rows):  # left-padded within the block
+            ids[i, width - len(pieces[b]) :] = pieces[b]
+            mask[i, width - len(pieces[b]) :] = 1
+        index = torch.tensor(rows, device=input_ids.device)
+        part = memory_cache.clone()
+        if len(rows) < B:
+            part.batch_select_indices(index)
+        model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
+            memory_cache=part, memory_write=True, memory_feedback=True, **extra,
+        )
+        memory_cache.update_rows(index, part)

@@ -128,24 +128,23 @@ def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
 def _base_plus(base: nn.Module, x: torch.Tensor, out: LayerOutput, which: int, args, kwargs) -> torch.Tensor:
     """``base(x)`` plus the memory correction ``which`` (0: ``Δq``, 1: ``Δo``) of ``out``.
 
-    For a plain projection (:func:`_plain_linear`) the correction enters the matrix product: a
-    factored one (``out.read``, no autograd) is accumulated into the fresh output in place,
+    For a plain projection (:func:`_plain_linear`) the correction enters its product: a factored
+    one (``out.read``, the fused one-token step) is accumulated into the fresh output in place,
     ``y += u C``, so ``Δ`` is never formed; a tensor one is the bias (one token) or the accumulator.
     Otherwise ``base`` runs as it is and the correction is added.
     """
-    if _plain_linear(base, x, args, kwargs):
+    plain = _plain_linear(base, x, args, kwargs)
+    if plain and out.read is not None and out.read.dtype == x.dtype and not torch.is_grad_enabled():
+        weight = base._parameters["weight"]
+        y = F.linear(x, weight)
+        y.view(-1, weight.shape[0]).addmm_(out.read, out.corr[which])
+        return y
+    delta = out.correction(which)
+    if plain and delta.dtype == x.dtype:
         weight = base._parameters["weight"]
         n = weight.shape[0]
-        read = out.read
-        if read is not None and read.dtype == x.dtype and not torch.is_grad_enabled():
-            y = F.linear(x, weight)
-            y.view(-1, n).addmm_(read, out.corr[which])
-            return y
-        delta = out.delta_q if which == 0 else out.delta_o
-        if delta.dtype == x.dtype:
-            if delta.numel() == n:  # one token of one sequence: the correction is the bias
-                return F.linear(x, weight, delta.view(n))
-            return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], n)
-    delta = out.delta_q if which == 0 else out.delta_o
+        if delta.numel() == n:  # one token of one sequence: the correction is the bias
+            return F.linear(x, weight, delta.view(n))
+        return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], n)
     result = base(x, *args, **kwargs)
     return result + (delta if delta.dtype == result.dtype else delta.to(result.dtype))

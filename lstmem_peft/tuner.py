@@ -359,7 +359,7 @@ class LSTMemModel(BaseTuner):
             depth_coupling=config.depth_coupling,
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
-            plans=self._layer_plans(layers, session),
+            weights=self._layer_weights(layers, session),
         )
         model_pass = ModelPass(
             adapter, depth_index, memory_pass, record_inputs=session is not None and session.record_inputs
@@ -369,16 +369,16 @@ class LSTMemModel(BaseTuner):
         return args, kwargs
 
     @staticmethod
-    def _layer_plans(layers: list, session: GenerateSession | None) -> list:
-        """Each memory layer's derived weights for this forward (``None`` where a gradient is needed),
-        checked against the parameters here, all together (cheaper than a check in every layer
-        mid-forward), and once per ``generate`` call (weights do not change within one)."""
-        if session is not None and session.plans is not None:
-            return session.plans
-        plans = [layer.cached_plan() if layer.fast_path else None for layer in layers]
-        if session is not None:
-            session.plans = plans
-        return plans
+    def _layer_weights(layers: list, session: GenerateSession | None) -> list | None:
+        """The memory layers' :class:`~lstmem_peft.memory.LayerWeights` for a forward of a
+        ``generate`` call, derived on its first forward (the parameters cannot change within a
+        call); ``None`` elsewhere (each layer derives its own, differentiably)."""
+        if session is None:
+            return None
+        if session.weights is None:
+            with torch.no_grad():
+                session.weights = [layer.weights(step=True) for layer in layers]
+        return session.weights
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):
         """Forward hook (also called when the forward raised): commit the pass, or drop it."""

@@ -16,6 +16,7 @@ def records(tmp_path_factory):
         "e2e": bench.run("e2e", preset="tiny", out=str(out), reps=1, histories=[32], answer_tokens=3),
         "generate": bench.run("generate", preset="tiny", out=str(out), reps=1, prompt_tokens=16, answer_tokens=4),
         "scan": bench.run("scan", out=str(out), reps=1, lengths=[5], batches=[1]),
+        "ops": bench.run("ops", preset="tiny", out=str(out), answer_tokens=3),
     }
     return out, made
 
@@ -23,7 +24,7 @@ def records(tmp_path_factory):
 def test_records_carry_device_versions_date_and_every_figure(records):
     out, made = records
     files = sorted(out.glob("*.json"))
-    assert len(files) == 5
+    assert len(files) == 6
     for record in map(lambda p: json.loads(p.read_text()), files):
         assert {"device", "torch", "transformers", "date", "rows", "benchmark"} <= set(record)
     decode = made["decode"]["rows"]
@@ -34,6 +35,9 @@ def test_records_carry_device_versions_date_and_every_figure(records):
     generate = made["generate"]["rows"][0]
     assert (generate["prompt_tokens"], generate["new_tokens"]) == (16, 4) and generate["ratio"] > 0
     assert {r["backend"] for r in made["scan"]["rows"]} >= {"naive", "torch"}
+    ops = made["ops"]["rows"][0]
+    assert ops["lstmem_per_step"] > ops["plain_per_step"] > 0 and ops["memory_layers"] > 0
+    assert 0 < ops["extra_non_view_per_layer"] <= ops["extra_per_layer"] == pytest.approx(sum(ops["extra_by_op"].values()))
 
 
 def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_path):
@@ -41,7 +45,7 @@ def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_pa
     md = bench.report(out, tmp_path / "RESULTS.md")
     text = md.read_text()
     assert "GPU: not yet measured" in text
-    for heading in ("## decode", "## generate", "## write", "## e2e", "## scan"):
+    for heading in ("## decode", "## generate", "## write", "## e2e", "## scan", "## ops"):
         assert heading in text
     assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (tmp_path / "e2e-cpu-tiny.png").stat().st_size > 0
 

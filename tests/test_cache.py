@@ -80,8 +80,10 @@ def test_reset_detach_and_to():
     cache.layers[0].cell.requires_grad_(True)
     cache.detach_()
     assert not cache.layers[0].cell.requires_grad
-    cache.to(dtype=torch.float64)
-    assert cache.layers[0].cell.dtype == torch.float64
+    with pytest.raises(ValueError, match="state_dtype"):
+        cache.to(dtype=torch.float64)  # the layout says float32: refused, nothing changed
+    assert cache.layers[0].cell.dtype == torch.float32
+    cache.to("cpu")
     cache.reset()
     assert not cache.is_initialized and cache.batch_size is None
     cache.ensure(5, torch.device("cpu"))  # a reset cache takes any batch size
@@ -113,10 +115,17 @@ def test_load_refuses_another_layout_and_bad_files(tmp_path):
 
 
 def test_load_refuses_nonfinite_states(tmp_path):
-    cache = filled(1)
-    cache.layers[1].hidden[0, 0, 0, 0] = float("inf")
-    cache.save(tmp_path / "bad.safetensors")
-    with pytest.raises(ValueError, match="nonfinite"):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cache = filled(2)
+    cache.save(tmp_path / "bad.safetensors")  # save() itself refuses nonfinite states: damage the file
+    with safe_open(str(tmp_path / "bad.safetensors"), framework="pt") as fh:
+        metadata = fh.metadata()
+    tensors = load_file(str(tmp_path / "bad.safetensors"))
+    tensors["layers.1.hidden"][1, 0, 0, 0] = float("inf")
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=metadata)
+    with pytest.raises(ValueError, match=r"row\(s\) \[1\] holds NaN or inf"):
         MemoryCache.load(tmp_path / "bad.safetensors")
 
 

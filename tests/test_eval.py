@@ -288,6 +288,57 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
         cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
 
 
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["demo", "--episodes", "0"], 2, "expected a positive integer, got 0"),
+        (["demo", "--episodes", "-1"], 2, "expected a positive integer, got -1"),
+        (["demo", "--model", "/nonexistent/model"], 1, "--model /nonexistent/model: no such file or folder"),
+        (["eval", "locomo", "/no/such/locomo10.json", "--model", "x/y"], 1, "DATA /no/such/locomo10.json: no such"),
+        (["eval", "hotpotqa", "{data}", "--model", "/nonexistent"], 1, "--model /nonexistent: no such"),
+        (["eval", "locomo", "{bad}", "--model", "x/y"], 1, "error: "),
+        (["bench", "generate", "--reps", "0"], 2, "expected a positive integer"),
+    ],
+)
+def test_cli_user_errors_are_one_line_and_nonzero(argv, code, message, tmp_path, capsys):
+    from lstmem_peft import cli
+
+    data = write_hotpot(tmp_path / "dev.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2, 3")
+    argv = [a.format(data=data, bad=bad) for a in argv]
+    try:
+        result = cli.main(argv)
+    except SystemExit as exit_:  # argparse's usage errors
+        result = exit_.code
+    err = capsys.readouterr().err
+    assert result == code and message in err.strip().splitlines()[-1]  # one line says what is wrong
+    assert "Traceback" not in err
+
+
+def test_a_failed_eval_run_leaves_the_previous_outputs_intact(model, tok, tmp_path, monkeypatch):
+    from lstmem_peft.eval import runner
+
+    bench = HotpotQA(write_hotpot(tmp_path / "dev.json"), max_new_tokens=2)
+    out = tmp_path / "out"
+    evaluate(model, tok, bench, out, progress=False, decoding=Decoding(greedy=True))
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    assert set(before) == {"predictions.jsonl", "summary.json", "results.md"}
+    calls = []
+    original = runner._answer
+
+    def failing(run, history, system):
+        calls.append(system)
+        if len(calls) > 1:
+            raise RuntimeError("out of memory")
+        yield from original(run, history, system)
+
+    monkeypatch.setattr(runner, "_answer", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluate(model, tok, bench, out, progress=False, decoding=Decoding(greedy=True))
+    assert {p.name: p.read_text() for p in out.iterdir()} == before  # nothing truncated or mixed
+
+
 # ---------------------------------------------------------------------- Hub dataset ids (offline cache)
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ def test_unsupported_model_and_bad_targets_explain_the_fix():
     [
         (dict(r=0), "r must be a positive integer"),
         (dict(num_heads=-1), "num_heads must be a positive integer"),
-        (dict(alpha=0), "alpha must be a positive number"),
+        (dict(alpha=0), "alpha must be a positive finite number"),
         (dict(state_dtype="float16"), "state_dtype must be one of"),
         (dict(layers_to_transform=[-1]), "non-negative layer indices"),
         (dict(layers_to_transform=[1, 1]), "duplicates"),
@@ -423,20 +423,14 @@ def test_hooked_projections_take_the_unfused_path_with_the_same_result():
     torch.testing.assert_close(output, torch.nn.functional.linear(inputs, q_proj.weight))  # no correction inside
 
 
-def test_memory_grads_in_training_mode_take_the_general_path():
-    """Autograd through the model: no cached plans, gradients reach every memory parameter."""
+def test_memory_grads_in_training_mode_reach_every_memory_parameter():
+    """Autograd through the model: gradients reach every memory parameter, and the forward gives
+    the same logits with and without gradients."""
     model = make().train()
-    cache = MemoryCache()
-    out = model(input_ids=ids(2, 6), memory_cache=cache, labels=ids(2, 6))
+    x = ids(2, 6)
+    out = model(input_ids=x, memory_cache=MemoryCache(), labels=x)
     out.loss.backward()
     layers = memory_layers(model)
     assert all(layer.w_in.grad is not None and layer.w_in.grad.abs().sum() > 0 for layer in layers)
-    with torch.no_grad():  # and the no-grad fast paths agree with the general path on the same weights
-        ref = copy.deepcopy(model).eval()
-        for layer in memory_layers(ref):
-            layer.fast_path = False
-        x = ids(2, 6)
-        torch.testing.assert_close(
-            model.eval()(input_ids=x, memory_cache=MemoryCache()).logits,
-            ref(input_ids=x, memory_cache=MemoryCache()).logits, atol=2e-5, rtol=2e-5,
-        )
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x, memory_cache=MemoryCache()).logits, out.logits)

@@ -22,7 +22,9 @@ question, so a question's answer does not depend on which questions came before 
 
 Outputs (``out_dir``): ``predictions.jsonl`` (one line per system and question: prediction, gold,
 scores), ``summary.json`` (per-group and overall scores per system, with the settings, versions and
-date) and ``results.md`` (the backbone and the adapter side by side).
+date) and ``results.md`` (the backbone and the adapter side by side). They are written into
+``<out_dir>.partial`` and moved over ``out_dir`` only when the run completes, so a run that fails
+never leaves a mix of two runs' files.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import copy
 import datetime
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -351,11 +354,13 @@ def evaluate(
         device=next(model.parameters()).device, pad_token_id=pad, has_adapter=tuner is not None, progress=progress,
         config=getattr(model, "config", None),
     )
-    out_dir = None if out_dir is None else os.fspath(out_dir)
-    sink = None
-    if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        sink = open(os.path.join(out_dir, "predictions.jsonl"), "w", encoding="utf-8")
+    out_dir = None if out_dir is None else os.fspath(out_dir).rstrip("/\\")
+    sink = stage = None
+    if out_dir is not None:  # written into <out>.partial, moved over <out> only when the run completes
+        stage = out_dir + ".partial"
+        shutil.rmtree(stage, ignore_errors=True)
+        os.makedirs(stage)
+        sink = open(os.path.join(stage, "predictions.jsonl"), "w", encoding="utf-8")
     records: dict[str, list[dict]] = {s: [] for s in systems}
     was_training = model.training
     model.eval()
@@ -394,8 +399,20 @@ def evaluate(
         "systems": {s: benchmark.summarize(records[s]) for s in systems},
     }
     if out_dir is not None:
-        with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        with open(os.path.join(stage, "summary.json"), "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2, ensure_ascii=False)
-        with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as fh:
+        with open(os.path.join(stage, "results.md"), "w", encoding="utf-8") as fh:
             fh.write(f"# {benchmark.name} ({summary['mode']})\n\n{markdown_table(summary)}")
+        _replace_folder(stage, out_dir)
     return summary
+
+
+def _replace_folder(new: str, target: str) -> None:
+    """Put folder ``new`` in place of ``target`` by renames: a run that fails before this point
+    leaves the previous run's files untouched, and at no point is either set lost."""
+    previous = target + ".previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    if os.path.exists(target):
+        os.replace(target, previous)
+    os.replace(new, target)
+    shutil.rmtree(previous, ignore_errors=True)
