@@ -19,8 +19,8 @@ How (one :class:`GenerateSession` per call):
   reached: a forward that starts at KV position ``P`` runs from the memory at ``P``. A crop
   (assisted decoding, the deferred stop check) or a re-forward of the whole sequence
   (``use_cache=False``) rolls memory back to its checkpoint at ``P``: the state at the start of the
-  call, or any position inside the last forward (recomputed from that forward's recorded memory
-  inputs, which are kept only in modes that can crop).
+  call, or any position inside the last forward (recomputed from that forward's memory inputs,
+  kept for forwards of at most :data:`RECORD_LIMIT` tokens).
 * **Row moves follow the KV cache.** For the call, ``reorder_cache``, ``batch_select_indices`` and
   ``batch_repeat_interleave`` of the KV cache object generate decodes with also move memory rows
   (beam search). After beam search the memory of each returned hypothesis is recomputed from the
@@ -54,6 +54,11 @@ from .engine import MemoryPass
 
 #: Larger than any position: "this row never stops writing".
 _NEVER = torch.iinfo(torch.long).max
+
+#: Forwards of at most this many tokens keep their memory inputs until the next forward, so that a
+#: crop of the KV cache back into them (draft tokens of assisted decoding, the deferred stop check's
+#: extra step) can be followed; longer ones (a prompt) are never cropped into by transformers.
+RECORD_LIMIT = 64
 
 
 def resolve_generation_config(model, kwargs: dict) -> GenerationConfig:
@@ -175,12 +180,10 @@ class GenerateSession:
         adapter: the active adapter's name.
         cache: the caller's :class:`MemoryCache` (written only by :meth:`commit`).
         config: the resolved generation config.
-        record_inputs: keep the memory inputs of the last forward (modes that crop the KV cache).
+        kwargs: the call's keyword arguments (the prompt, for beam search).
     """
 
-    def __init__(
-        self, tuner, adapter: str, cache: MemoryCache, config: GenerationConfig, record_inputs: bool, kwargs: dict
-    ) -> None:
+    def __init__(self, tuner, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict) -> None:
         self.tuner = tuner
         self.adapter = adapter
         self.user_cache = cache
@@ -188,7 +191,6 @@ class GenerateSession:
         self.beams = (config.num_beams or 1) > 1
         self.return_sequences = config.num_return_sequences or 1
         self.write = tuner.peft_config[adapter].update_during_generation
-        self.record_inputs = record_inputs
         self.work: MemoryCache | None = None
         self.kv = None
         self._kv_methods: dict[str, object] = {}
@@ -249,8 +251,7 @@ class GenerateSession:
     def forward_done(self, length: int, inputs: list[torch.Tensor] | None, valid: torch.Tensor | None) -> None:
         """The forward completed and its pass committed to the working memory."""
         self.position = self._forward_start + length
-        if self.record_inputs:
-            self.last = _LastForward(self._forward_start, self._forward_before, inputs or [], valid)
+        self.last = None if inputs is None else _LastForward(self._forward_start, self._forward_before, inputs, valid)
 
     def _begin(self, layout, kv, position, batch, device, kwargs) -> None:
         cache = self.user_cache
@@ -328,8 +329,9 @@ class GenerateSession:
     def rows_finished(self, done: torch.Tensor, length: int) -> None:
         """``done`` rows finished with the token just appended (``input_ids`` now ``length`` long):
         that token and everything after it are not written into their memory."""
-        if self._offset is None:
-            self._offset = self.position - (length - 1)
+        if self._offset is None:  # the KV cache holds every token but the one just appended
+            cached = length - 1 if self.kv is None else int(self.kv.get_seq_length())
+            self._offset = cached - (length - 1)
         position = length - 1 + self._offset
         if self.stop_at is None:
             self.stop_at = torch.full_like(done, _NEVER, dtype=torch.long)

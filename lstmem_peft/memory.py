@@ -224,6 +224,7 @@ class LSTMemLayer(nn.Module):
         self.w_dq = nn.Parameter(torch.empty(query_size, ds, **kw))
         self.w_do = nn.Parameter(torch.empty(hidden_size, ds, **kw))
         self.reset_parameters()
+        self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
 
     @property
     def state_size(self) -> int:
@@ -486,6 +487,16 @@ class LSTMemLayer(nn.Module):
         return out._replace(
             key=k_row.view(B, 1, H, R), value=(s[:, :ds] + self.b_pred).view(B, 1, H, R),
             out_gate=o.view(B, 1, H, R), depth_gate=g.view(B, 1, H, R),
+        )
+
+
+def _refuse_nonfinite_weights(layer: LSTMemLayer, incompatible_keys) -> None:
+    """After a state dict is loaded into ``layer`` (an adapter file, a checkpoint): every weight finite."""
+    bad = [name for name, p in layer.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(
+            f"the LSTMem weights loaded for decoder layer {layer.layer_idx} hold NaN or inf in {bad}: the adapter "
+            "file is damaged or was saved from a diverged run; load another checkpoint"
         )
 
 

@@ -19,7 +19,7 @@ from .cache import MemoryCache, MemoryLayout
 from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
 from .context import ACTIVE, Active, ModelPass
 from .engine import MemoryPass
-from .generation import GenerateSession, refuse_inexact_modes, resolve_generation_config
+from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, resolve_generation_config
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -362,7 +362,7 @@ class LSTMemModel(BaseTuner):
             weights=self._layer_weights(layers, session),
         )
         model_pass = ModelPass(
-            adapter, depth_index, memory_pass, record_inputs=session is not None and session.record_inputs
+            adapter, depth_index, memory_pass, record_inputs=session is not None and length <= RECORD_LIMIT
         )
         model_pass.length = length
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
@@ -415,12 +415,7 @@ class LSTMemModel(BaseTuner):
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
         cache.check_layout(self._pass_plan(adapter)[0])
-        croppable = (
-            kwargs.get("assistant_model") is not None
-            or config.prompt_lookup_num_tokens is not None
-            or self.model.device.type == "mps"  # transformers' deferred stop check crops one step there
-        )
-        session = GenerateSession(self, adapter, cache, config, record_inputs=croppable, kwargs=kwargs)
+        session = GenerateSession(self, adapter, cache, config, kwargs=kwargs)
         criteria = session.stopping_criteria(config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer"))
         if criteria is not None:
             kwargs["stopping_criteria"] = criteria

@@ -238,3 +238,19 @@ def test_a_kv_cache_with_rows_starting_at_different_columns_is_refused():
     with pytest.raises(ValueError, match="same column"):
         write_history(model, ids, cache, attention_mask=mask, block_size=8, past_key_values=DynamicCache())
     assert cache.tokens_written is None
+
+
+def test_adapter_weights_with_nan_are_refused_at_load(tmp_path):
+    from peft import PeftModel
+
+    from tiny_models import tiny_model
+
+    model = make()
+    model.save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(k for k in tensors if k.endswith("w_gate_full"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"NaN or inf in \['w_gate_full'\]"):
+        PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
