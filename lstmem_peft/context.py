@@ -9,7 +9,8 @@ A forward, drawn::
           (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
       o_proj wrapper of decoder layer l:  adds Δo
       post-hook (same module, also on error): commit the pass (feedback at block ends) or drop it,
-          reset ACTIVE
+          reset ACTIVE (a KeyboardInterrupt skips the post-hook: the module's next forward drops the
+          uncommitted pass)
 
 ``generate`` sets ``ACTIVE`` to an ``Active`` with a :class:`~lstmem_peft.generation.GenerateSession`
 and no pass; each forward of the call then opens its pass against that session. Context variables are
@@ -76,6 +77,8 @@ class ModelPass:
         self.depth_index = depth_index
         self.memory_pass = memory_pass
         self.inputs: list[torch.Tensor] | None = [] if record_inputs else None
+        self.length = 0  # tokens of the forward (set by the opener)
+        self.token: contextvars.Token | None = None  # restores ACTIVE when the pass closes
         self._outputs: dict[int, LayerOutput] = {}
 
     def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:

@@ -70,6 +70,26 @@ def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> t
     return None if bool(valid.all()) else valid
 
 
+def _refuse_partial_adapter_weights(tuner: LSTMemModel, incompatible_keys) -> None:
+    """After a state dict is loaded (an adapter file, a checkpoint): an adapter whose memory weights
+    are partly missing (a damaged file, renamed keys, another version's layout) is an error, where
+    PEFT would only warn and leave those weights at their initialisation. An adapter with none of
+    its weights in the file is another adapter that this file does not carry."""
+    missing = set(incompatible_keys.missing_keys)
+    if not missing:
+        return
+    for adapter in tuner.peft_config:
+        ours = [n for n, _ in tuner.named_parameters() if f".lstmem_memory.{adapter}." in n]
+        lost = [n for n in ours if any(key.endswith(n) for key in missing)]
+        if lost and len(lost) < len(ours):
+            names = sorted({n.rsplit(".", 1)[-1] for n in lost})
+            raise ValueError(
+                f"the weights loaded for LSTMem adapter {adapter!r} lack {len(lost)} of its {len(ours)} tensors "
+                f"(e.g. {lost[0]}; parameters {names}): the adapter file is damaged, was renamed, or comes from "
+                "another version of lstmem-peft. Re-save it, or load the checkpoint it was saved from"
+            )
+
+
 def _refuse_packed(kwargs: dict, length: int) -> None:
     """Packed (padding-free) batches restart positions inside a row; memory would carry one example
     into the next. Refuse them clearly (one host read per multi-token forward with ``position_ids``
@@ -272,7 +292,7 @@ class LSTMemModel(BaseTuner):
     def _install_hooks(self) -> None:
         if getattr(self, "_lstmem_handles", None):
             return
-        handles = []
+        handles = [self.register_load_state_dict_post_hook(_refuse_partial_adapter_weights)]
         for target in self._hook_targets():
             handles.append(target.register_forward_pre_hook(self._open_pass, with_kwargs=True))
             handles.append(target.register_forward_hook(self._close_pass, with_kwargs=True, always_call=True))
@@ -304,8 +324,9 @@ class LSTMemModel(BaseTuner):
                     )
                 return args, kwargs
             # the same module opens again: its last forward was interrupted (KeyboardInterrupt skips the
-            # closing hook). That pass never committed, so its cache is as it was; drop it.
-            active = Active(self, None, None, active.session)
+            # closing hook). That pass never committed, so its cache is as it was; drop it for good.
+            active = None if active.session is None else Active(self, None, None, active.session)
+            ACTIVE.set(active)
         if self._adapters_disabled():
             return args, kwargs
         adapter = self._single_active_adapter()

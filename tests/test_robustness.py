@@ -85,6 +85,9 @@ def test_an_interrupt_inside_a_plain_forward_drops_the_pass():
         assert_same(cache, before)
         out = model(input_ids=history(length=4, seed=1), memory_cache=cache)
     assert out.logits.isfinite().all() and cache.tokens_written.tolist() == [10, 10]
+    from lstmem_peft.context import current_pass
+
+    assert current_pass() is None  # the interrupted pass is gone, not merely bypassed
 
 
 # ---------------------------------------------------------------------- nonfinite values
@@ -253,4 +256,19 @@ def test_adapter_weights_with_nan_are_refused_at_load(tmp_path):
     tensors[name][0, 0] = float("nan")
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"NaN or inf in \['w_gate_full'\]"):
+        PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
+
+
+def test_an_adapter_file_missing_some_weights_is_refused(tmp_path):
+    from peft import PeftModel
+
+    from tiny_models import tiny_model
+
+    make().save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    dropped = next(k for k in tensors if k.endswith("b_read"))
+    del tensors[dropped]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lack 1 of its .* tensors .*\['b_read'\]"):
         PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
