@@ -236,7 +236,8 @@ class MemoryCache:
         return self
 
     # ------------------------------------------------------------------ batch / beam operations
-    def _check_index(self, index: torch.Tensor) -> torch.Tensor:
+    def row_index(self, index: torch.Tensor) -> torch.Tensor:
+        """Row indices (long) from indices or a boolean mask over the rows, checked against the batch size."""
         index = torch.as_tensor(index)
         if index.dtype == torch.bool:  # a mask, as transformers' caches take it
             if index.shape != (self.batch_size,):
@@ -257,7 +258,7 @@ class MemoryCache:
         """Keep (and reorder to) the given rows: indices, or a boolean mask over the rows."""
         if self.tokens_written is None:
             return
-        indices = self._check_index(indices)
+        indices = self.row_index(indices)
         for layer in self.layers:
             layer.reorder(indices)
         self.tokens_written = self.tokens_written.index_select(0, indices.to(self.tokens_written.device))
@@ -266,7 +267,7 @@ class MemoryCache:
         """Replace rows ``index`` with the rows of ``rows`` (same layout, ``len(index)`` rows), as
         new tensors: a snapshot taken before stays as it was."""
         self.check_layout(rows.layout)
-        index = self._check_index(index)
+        index = self.row_index(index)
         for state, new in zip(self.layers, rows.layers):
             state.cell = state.cell.index_copy(0, index.to(state.cell.device), new.cell)
             state.hidden = state.hidden.index_copy(0, index.to(state.hidden.device), new.hidden)

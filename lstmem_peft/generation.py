@@ -308,22 +308,21 @@ class GenerateSession:
                 setattr(self.kv, name, previous)
         self._kv_methods = {}
 
-    def _rows(self, fn) -> None:
-        fn_t = lambda t: None if t is None else fn(t)  # noqa: E731
-        for state in self.work.layers:
-            state.cell, state.hidden = fn_t(state.cell), fn_t(state.hidden)
-        self.work.tokens_written = fn_t(self.work.tokens_written)
-        self.start.map(fn_t)
+    def _select(self, index: torch.Tensor) -> None:
+        index = self.work.row_index(index)  # indices or a boolean mask, checked against the current rows
+        self.work.batch_select_indices(index)
+        self._move_saved_rows(lambda t: t.index_select(0, index.to(t.device)))
+
+    def _repeat(self, repeats: int) -> None:
+        self.work.batch_repeat_interleave(repeats)
+        self._move_saved_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _move_saved_rows(self, fn) -> None:
+        """Move the rows of what the session keeps beside the working memory like its rows."""
+        self.start.map(fn)
         if self.stop_at is not None:
             self.stop_at = fn(self.stop_at)
         self.last = None  # a crop after a row move would need the moved inputs too; none happens
-
-    def _select(self, index: torch.Tensor) -> None:
-        index = torch.as_tensor(index, dtype=torch.long)
-        self._rows(lambda t: t.index_select(0, index.to(t.device)))
-
-    def _repeat(self, repeats: int) -> None:
-        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     # ------------------------------------------------------------------ rows that finished
     def rows_finished(self, done: torch.Tensor, length: int) -> None:

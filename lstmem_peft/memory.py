@@ -327,8 +327,8 @@ class LSTMemLayer(nn.Module):
         return LayerWeights(
             w_in=torch.cat([qk_by_head.reshape(2 * ds, -1), w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
-            pred=self.w_pred_full[:, ds:].t().contiguous(),
-            gate=torch.cat([g[:, :ds], g[:, 2 * ds :]], dim=1).t().contiguous(),
+            pred=self.effective_pred().t().contiguous(),
+            gate=self.effective_gate().t().contiguous(),
             gate_first=torch.cat([g[:, :ds], g[:, 3 * ds :]], dim=1).t().contiguous(),
             read=self.w_read.t().contiguous(),
             corr=(self.scale * torch.cat([self.w_dq, self.w_do])).t().contiguous(),

@@ -77,3 +77,10 @@ def check_contract(model, start, prompt, mask, out, cache, repeats=1, stop_token
         ref = forward_logits(model, start, ids, full)
         torch.testing.assert_close(logits[running].double(), ref[running].double(), **TOL)
     assert_same_memory(cache, expected_memory(model, start, prompt, mask, generated, kept), **TOL)
+
+
+def assert_row_equals_alone(batch_cache, row, alone, **tol):
+    """Row ``row`` of ``batch_cache`` holds the memory of the one-row cache ``alone``."""
+    for a, b in zip(batch_cache.layers, alone.layers):
+        torch.testing.assert_close(a.cell[row], b.cell[0], **tol)
+        torch.testing.assert_close(a.hidden[row], b.hidden[0], **tol)

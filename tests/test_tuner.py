@@ -7,6 +7,7 @@ import torch
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig, LSTMemOutputLayer, LSTMemQueryLayer, MemoryCache, memory_layers, write_history
+from oracle import assert_row_equals_alone
 from tiny_models import ARCHITECTURES, VOCAB, make, randomize_memory, tiny_model
 
 
@@ -217,9 +218,7 @@ def test_left_padded_batch_equals_each_row_alone(mask_kind):
             alone = MemoryCache()
             ref = model(input_ids=row, memory_cache=alone).logits
             torch.testing.assert_close(logits[i, T - n :], ref[0], atol=2e-5, rtol=2e-5)
-            for a, b in zip(cache.layers, alone.layers):
-                torch.testing.assert_close(a.cell[i], b.cell[0], atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(a.hidden[i], b.hidden[0], atol=1e-5, rtol=1e-5)
+            assert_row_equals_alone(cache, i, alone, atol=1e-5, rtol=1e-5)
     assert cache.tokens_written.tolist() == lengths
 
 
