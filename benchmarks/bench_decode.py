@@ -40,8 +40,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden), num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128, head_dim=64,
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=int(2.75 * args.hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        head_dim=64,
     )
     model = get_peft_model(Qwen3ForCausalLM(config).eval(), LSTMemConfig()).eval()
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt))
@@ -64,19 +69,26 @@ def main() -> None:
             times[with_memory].append(run(with_memory))
     med = {k: statistics.median(v) for k, v in times.items()}
     # each repetition times both models back to back: its ratio is robust to slow load changes
-    paired = statistics.median(a / b for a, b in zip(times[True], times[False]))
+    paired = statistics.median(a / b for a, b in zip(times[True], times[False], strict=True))
     record = dict(
         benchmark="decode",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-        torch=torch.__version__, transformers=transformers.__version__,
-        hidden=args.hidden, layers=args.layers, prompt=args.prompt, new_tokens=args.new, reps=args.reps,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        hidden=args.hidden,
+        layers=args.layers,
+        prompt=args.prompt,
+        new_tokens=args.new,
+        reps=args.reps,
         lstmem_s=dict(median=med[True], min=min(times[True]), max=max(times[True])),
         plain_s=dict(median=med[False], min=min(times[False]), max=max(times[False])),
         ratio=med[True] / med[False],
         ratio_paired_median=paired,
     )
-    print(f"lstmem {med[True]:.3f} s  plain {med[False]:.3f} s  ratio {record['ratio']:.3f}  (paired {paired:.3f})")
+    print(
+        f"lstmem {med[True]:.3f} s  plain {med[False]:.3f} s  ratio {record['ratio']:.3f}  (paired {paired:.3f})"
+    )
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as fh:

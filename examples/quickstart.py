@@ -59,7 +59,10 @@ def main() -> None:
         prompt = tokenizer(question, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(
-                **prompt, memory_cache=snapshot.clone(), max_new_tokens=args.max_new_tokens, do_sample=False,
+                **prompt,
+                memory_cache=snapshot.clone(),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )
         answer = tokenizer.decode(out[0, prompt.input_ids.shape[1] :], skip_special_tokens=True)

@@ -52,7 +52,9 @@ def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap):
     micro = args.micro_batch
     accumulation = max(1, args.global_batch // (world * micro))
     if accumulation * world * micro != args.global_batch:
-        raise ValueError(f"global batch {args.global_batch} is not a multiple of {world} workers x micro-batch {micro}")
+        raise ValueError(
+            f"global batch {args.global_batch} is not a multiple of {world} workers x micro-batch {micro}"
+        )
     data = Dataset.from_list([tokenize_episode(tok, e, history_max_tokens=history_cap) for e in episodes])
     config = LSTMemTrainingConfig(
         output_dir=os.path.join(args.output_dir, name),
@@ -98,19 +100,33 @@ def main() -> None:
     qasper = load_episodes(args.qasper, "qasper")
     long_docs = load_episodes(args.long, "long_qa")
     stage(model, tok, qasper, args, "stage1", "stage1", 2e-4, args.stage1_steps, K.STAGE1_HISTORY_CAP)
-    trainer = stage(model, tok, long_docs, args, "stage2", "stage2", 5e-5, args.stage2_steps, K.STAGE2_HISTORY_CAP)
+    trainer = stage(
+        model, tok, long_docs, args, "stage2", "stage2", 5e-5, args.stage2_steps, K.STAGE2_HISTORY_CAP
+    )
     record_training(
         model,
         base_model="tiny-offline" if args.tiny else args.model,
-        training_data=f"stage 1: {args.qasper} ({len(qasper)} episodes); stage 2: {args.long} ({len(long_docs)} episodes)",
+        training_data=(
+            f"stage 1: {args.qasper} ({len(qasper)} episodes); "
+            f"stage 2: {args.long} ({len(long_docs)} episodes)"
+        ),
         updates=f"{args.stage1_steps} at 2e-4, then {args.stage2_steps} at 5e-5",
     )
     final = os.path.join(args.output_dir, "adapter")
     model.save_pretrained(final)
     with open(os.path.join(final, "training.json"), "w") as fh:
-        json.dump({"base_model": "tiny-offline" if args.tiny else args.model, "qasper": args.qasper, "long": args.long,
-                   "stage1_updates": args.stage1_steps, "stage2_updates": args.stage2_steps,
-                   "global_batch": args.global_batch}, fh, indent=2)
+        json.dump(
+            {
+                "base_model": "tiny-offline" if args.tiny else args.model,
+                "qasper": args.qasper,
+                "long": args.long,
+                "stage1_updates": args.stage1_steps,
+                "stage2_updates": args.stage2_steps,
+                "global_batch": args.global_batch,
+            },
+            fh,
+            indent=2,
+        )
     if args.push_to_hub and trainer.is_world_process_zero():
         model.push_to_hub(args.push_to_hub)
 

@@ -90,10 +90,15 @@ def step_naive(
         ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, computed before the update.
     """
     read, _, C, D = scan_naive(
-        q[:, None], k[:, None], w[:, None], f[:, None], o[:, None],
+        q[:, None],
+        k[:, None],
+        w[:, None],
+        f[:, None],
+        o[:, None],
         None if depth is None else depth[:, None],
         None if valid is None else valid[:, None],
-        cell, hidden,
+        cell,
+        hidden,
     )
     cell.copy_(C)
     hidden.copy_(D)

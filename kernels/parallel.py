@@ -66,8 +66,12 @@ def scan_parallel(
     C0 = q.new_zeros(B, H, R, R) if initial_cell is None else initial_cell.to(cd)
     D0 = q.new_zeros(B, H, R, R) if initial_hidden is None else initial_hidden.to(cd)
     if T == 0:
-        return q.new_zeros(B, 0, H, R).to(out_dtype), q.new_zeros(B, 0, H, R, R).to(out_dtype), \
-            C0.to(out_dtype), D0.to(out_dtype)
+        return (
+            q.new_zeros(B, 0, H, R).to(out_dtype),
+            q.new_zeros(B, 0, H, R, R).to(out_dtype),
+            C0.to(out_dtype),
+            D0.to(out_dtype),
+        )
 
     a = f  # (B, T, H, R): row multipliers
     b = w[..., :, None] * k[..., None, :]  # (B, T, H, R, R)
@@ -127,8 +131,13 @@ def step_torch(
     """
     cd = _compute_dtype(q.dtype if q.dtype == torch.float64 else cell.dtype)
     read, C_new, D_new = step_shaped(
-        _cast(q, cd)[..., None], _cast(k, cd)[..., None, :], _cast(w, cd)[..., None],
-        _cast(f, cd)[..., None], _cast(o, cd)[..., None], _cast(cell, cd), _cast(hidden, cd),
+        _cast(q, cd)[..., None],
+        _cast(k, cd)[..., None, :],
+        _cast(w, cd)[..., None],
+        _cast(f, cd)[..., None],
+        _cast(o, cd)[..., None],
+        _cast(cell, cd),
+        _cast(hidden, cd),
         None if depth is None else _cast(depth, cd),
         None if valid is None else valid.view(-1, 1, 1, 1),
     )

@@ -56,12 +56,29 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def _scan_fwd_kernel(
-    q_ptr, k_ptr, w_ptr, f_ptr, o_ptr, depth_ptr, valid_ptr, c0_ptr, d0_ptr,
-    read_ptr, hidden_ptr, cells_ptr, final_cell_ptr, final_hidden_ptr,
-    T, H, R,
-    HAS_DEPTH: tl.constexpr, HAS_VALID: tl.constexpr,
-    HAS_C0: tl.constexpr, HAS_D0: tl.constexpr,
-    SAVE_CELLS: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    f_ptr,
+    o_ptr,
+    depth_ptr,
+    valid_ptr,
+    c0_ptr,
+    d0_ptr,
+    read_ptr,
+    hidden_ptr,
+    cells_ptr,
+    final_cell_ptr,
+    final_hidden_ptr,
+    T,
+    H,
+    R,
+    HAS_DEPTH: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    HAS_C0: tl.constexpr,
+    HAS_D0: tl.constexpr,
+    SAVE_CELLS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """Forward scan for one ``(b, h)`` pair.
 
@@ -129,14 +146,40 @@ def _scan_fwd_kernel(
 
 @triton.jit
 def _scan_bwd_kernel(
-    q_ptr, k_ptr, w_ptr, f_ptr, o_ptr, valid_ptr, c0_ptr, d0_ptr, cells_ptr, hidden_ptr,
-    g_read_ptr, g_hidden_ptr, g_final_cell_ptr, g_final_hidden_ptr,
-    dq_ptr, dk_ptr, dw_ptr, df_ptr, do_ptr, d_depth_ptr, d_c0_ptr, d_d0_ptr,
-    T, H, R,
-    HAS_VALID: tl.constexpr, HAS_C0: tl.constexpr, HAS_D0: tl.constexpr,
-    HAS_G_READ: tl.constexpr, HAS_G_HIDDEN: tl.constexpr,
-    HAS_G_FINAL_CELL: tl.constexpr, HAS_G_FINAL_HIDDEN: tl.constexpr,
-    WRITE_D_DEPTH: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    f_ptr,
+    o_ptr,
+    valid_ptr,
+    c0_ptr,
+    d0_ptr,
+    cells_ptr,
+    hidden_ptr,
+    g_read_ptr,
+    g_hidden_ptr,
+    g_final_cell_ptr,
+    g_final_hidden_ptr,
+    dq_ptr,
+    dk_ptr,
+    dw_ptr,
+    df_ptr,
+    do_ptr,
+    d_depth_ptr,
+    d_c0_ptr,
+    d_d0_ptr,
+    T,
+    H,
+    R,
+    HAS_VALID: tl.constexpr,
+    HAS_C0: tl.constexpr,
+    HAS_D0: tl.constexpr,
+    HAS_G_READ: tl.constexpr,
+    HAS_G_HIDDEN: tl.constexpr,
+    HAS_G_FINAL_CELL: tl.constexpr,
+    HAS_G_FINAL_HIDDEN: tl.constexpr,
+    WRITE_D_DEPTH: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """Reverse-time adjoint scan for one ``(b, h)`` pair (layouts as in the forward kernel).
 
@@ -242,11 +285,29 @@ def _scan_bwd_kernel(
 
 @triton.jit
 def _step_kernel(
-    q_ptr, k_ptr, w_ptr, f_ptr, o_ptr, depth_ptr, valid_ptr, cell_ptr, hidden_ptr, read_ptr,
-    H, R,
-    cell_sb, cell_sh, cell_sr, cell_sc,
-    hidden_sb, hidden_sh, hidden_sr, hidden_sc,
-    HAS_DEPTH: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    f_ptr,
+    o_ptr,
+    depth_ptr,
+    valid_ptr,
+    cell_ptr,
+    hidden_ptr,
+    read_ptr,
+    H,
+    R,
+    cell_sb,
+    cell_sh,
+    cell_sr,
+    cell_sc,
+    hidden_sb,
+    hidden_sh,
+    hidden_sr,
+    hidden_sc,
+    HAS_DEPTH: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """One decode step for one ``(b, h)`` pair.
 
@@ -278,8 +339,9 @@ def _step_kernel(
     C_new = f[:, None] * C + w[:, None] * k[None, :]
     D_new = o[:, None] * (2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C_new, 80.0))) - 1.0)
     if HAS_DEPTH:
-        D_new += tl.load(depth_ptr + pid * R * R + r[:, None] * R + r[None, :], mask=tile_mask,
-                         other=0.0).to(tl.float32)
+        D_new += tl.load(depth_ptr + pid * R * R + r[:, None] * R + r[None, :], mask=tile_mask, other=0.0).to(
+            tl.float32
+        )
     if HAS_VALID:
         keep = tl.load(valid_ptr + b) != 0
         C_new = tl.where(keep, C_new, C)
@@ -376,12 +438,29 @@ def _scan_forward(q, k, w, f, o, depth, valid, initial_cell, initial_hidden, sav
     if B * H > 0:
         with _device_guard(q.device):
             _scan_fwd_kernel[(B * H,)](
-                q, k, w, f, o, depth, valid, initial_cell, initial_hidden,
-                read, hidden, cells, final_cell, final_hidden,
-                T, H, R,
-                HAS_DEPTH=depth is not None, HAS_VALID=valid is not None,
-                HAS_C0=initial_cell is not None, HAS_D0=initial_hidden is not None,
-                SAVE_CELLS=save_cells, **_launch_config(R),
+                q,
+                k,
+                w,
+                f,
+                o,
+                depth,
+                valid,
+                initial_cell,
+                initial_hidden,
+                read,
+                hidden,
+                cells,
+                final_cell,
+                final_hidden,
+                T,
+                H,
+                R,
+                HAS_DEPTH=depth is not None,
+                HAS_VALID=valid is not None,
+                HAS_C0=initial_cell is not None,
+                HAS_D0=initial_hidden is not None,
+                SAVE_CELLS=save_cells,
+                **_launch_config(R),
             )
     return read, hidden, final_cell, final_hidden, cells
 
@@ -424,23 +503,52 @@ class _ScanFunction(torch.autograd.Function):
         if B * H > 0:
             with _device_guard(q.device):
                 _scan_bwd_kernel[(B * H,)](
-                    q, k, w, f, o, valid_i8, initial_cell, initial_hidden, cells, hidden,
-                    g_read, g_hidden, g_final_cell, g_final_hidden,
-                    dq, dk, dw, df, do, d_depth, d_c0, d_d0,
-                    T, H, R,
+                    q,
+                    k,
+                    w,
+                    f,
+                    o,
+                    valid_i8,
+                    initial_cell,
+                    initial_hidden,
+                    cells,
+                    hidden,
+                    g_read,
+                    g_hidden,
+                    g_final_cell,
+                    g_final_hidden,
+                    dq,
+                    dk,
+                    dw,
+                    df,
+                    do,
+                    d_depth,
+                    d_c0,
+                    d_d0,
+                    T,
+                    H,
+                    R,
                     HAS_VALID=valid_i8 is not None,
-                    HAS_C0=initial_cell is not None, HAS_D0=initial_hidden is not None,
-                    HAS_G_READ=g_read is not None, HAS_G_HIDDEN=g_hidden is not None,
+                    HAS_C0=initial_cell is not None,
+                    HAS_D0=initial_hidden is not None,
+                    HAS_G_READ=g_read is not None,
+                    HAS_G_HIDDEN=g_hidden is not None,
                     HAS_G_FINAL_CELL=g_final_cell is not None,
                     HAS_G_FINAL_HIDDEN=g_final_hidden is not None,
-                    WRITE_D_DEPTH=write_d_depth, **_launch_config(R),
+                    WRITE_D_DEPTH=write_d_depth,
+                    **_launch_config(R),
                 )
         need = ctx.needs_input_grad
         grad_c0 = d_c0.to(initial_cell.dtype) if need[7] else None
         grad_d0 = d_d0.to(initial_hidden.dtype) if need[8] else None
         grads = (dq, dk, dw, df, do)
-        return (*(g if n else None for g, n in zip(grads, need[:5])),
-                d_depth, None, grad_c0, grad_d0)
+        return (
+            *(g if n else None for g, n in zip(grads, need[:5], strict=True)),
+            d_depth,
+            None,
+            grad_c0,
+            grad_d0,
+        )
 
 
 def scan_triton(
@@ -476,10 +584,22 @@ def scan_triton(
         raise ValueError(f"q must have shape (B, T, H, R), got {tuple(q.shape)}")
     B, T, H, R = q.shape
     _validate(
-        {"q": q, "k": k, "w": w, "f": f, "o": o, "depth": depth, "valid": valid,
-         "initial_cell": initial_cell, "initial_hidden": initial_hidden},
-        vec_shape=(B, T, H, R), mat_shape=(B, T, H, R, R), state_shape=(B, H, R, R),
-        valid_shape=(B, T), state_names=("initial_cell", "initial_hidden"),
+        {
+            "q": q,
+            "k": k,
+            "w": w,
+            "f": f,
+            "o": o,
+            "depth": depth,
+            "valid": valid,
+            "initial_cell": initial_cell,
+            "initial_hidden": initial_hidden,
+        },
+        vec_shape=(B, T, H, R),
+        mat_shape=(B, T, H, R, R),
+        state_shape=(B, H, R, R),
+        valid_shape=(B, T),
+        state_names=("initial_cell", "initial_hidden"),
     )
     if T == 0:
         cell = q.new_zeros(B, H, R, R) if initial_cell is None else initial_cell.to(q.dtype, copy=True)
@@ -492,7 +612,8 @@ def scan_triton(
     read, hidden, final_cell, final_hidden, _ = _scan_forward(
         *map(_contiguous, (q, k, w, f, o, depth)),
         None if valid is None else valid.to(torch.int8).contiguous(),
-        _contiguous(initial_cell), _contiguous(initial_hidden),
+        _contiguous(initial_cell),
+        _contiguous(initial_hidden),
         save_cells=False,
     )
     return read, hidden, final_cell, final_hidden
@@ -530,11 +651,24 @@ def step_triton(
     if q.dim() != 3:
         raise ValueError(f"q must have shape (B, H, R), got {tuple(q.shape)}")
     B, H, R = q.shape
-    inputs = {"q": q, "k": k, "w": w, "f": f, "o": o, "depth": depth, "valid": valid,
-              "cell": cell, "hidden": hidden}
+    inputs = {
+        "q": q,
+        "k": k,
+        "w": w,
+        "f": f,
+        "o": o,
+        "depth": depth,
+        "valid": valid,
+        "cell": cell,
+        "hidden": hidden,
+    }
     _validate(
-        inputs, vec_shape=(B, H, R), mat_shape=(B, H, R, R), state_shape=(B, H, R, R),
-        valid_shape=(B,), state_names=("cell", "hidden"),
+        inputs,
+        vec_shape=(B, H, R),
+        mat_shape=(B, H, R, R),
+        state_shape=(B, H, R, R),
+        valid_shape=(B,),
+        state_names=("cell", "hidden"),
     )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs.values()):
         raise RuntimeError(
@@ -546,11 +680,22 @@ def step_triton(
     if B * H > 0:
         with _device_guard(q.device):
             _step_kernel[(B * H,)](
-                q, k, w, f, o, depth,
+                q,
+                k,
+                w,
+                f,
+                o,
+                depth,
                 None if valid is None else valid.to(torch.int8).contiguous(),
-                cell, hidden, read,
-                H, R,
-                *cell.stride(), *hidden.stride(),
-                HAS_DEPTH=depth is not None, HAS_VALID=valid is not None, **_launch_config(R),
+                cell,
+                hidden,
+                read,
+                H,
+                R,
+                *cell.stride(),
+                *hidden.stride(),
+                HAS_DEPTH=depth is not None,
+                HAS_VALID=valid is not None,
+                **_launch_config(R),
             )
     return read

@@ -26,22 +26,46 @@ import torch
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
     "tiny": dict(
-        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        model_type="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
     ),
     # hidden 1024, 8 layers: the CPU targets of the benchmark issue
     "cpu-small": dict(
-        model_type="qwen3", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+        model_type="qwen3",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
     ),
     # Qwen3-4B's dimensions (the paper's backbone), shipped as a config file
     "qwen3-4b": json.loads((Path(__file__).parent / "assets" / "configs" / "qwen3-4b.json").read_text()),
 }
 DEFAULTS = {
-    "cpu": dict(kv_lengths=[256, 1024, 2048], histories=[2048, 4096], answer_tokens=32, write_tokens=4096,
-                prompt_tokens=256, generate_tokens=32),
-    "cuda": dict(kv_lengths=[8192 * i for i in (1, 2, 4, 8, 16)], histories=[8192, 32768, 131072], answer_tokens=2048,
-                 write_tokens=32768, prompt_tokens=2048, generate_tokens=256),
+    "cpu": dict(
+        kv_lengths=[256, 1024, 2048],
+        histories=[2048, 4096],
+        answer_tokens=32,
+        write_tokens=4096,
+        prompt_tokens=256,
+        generate_tokens=32,
+    ),
+    "cuda": dict(
+        kv_lengths=[8192 * i for i in (1, 2, 4, 8, 16)],
+        histories=[8192, 32768, 131072],
+        answer_tokens=2048,
+        write_tokens=32768,
+        prompt_tokens=2048,
+        generate_tokens=256,
+    ),
 }
 
 
@@ -54,11 +78,16 @@ def environment(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)")
     )
     return dict(
-        device=name, torch=torch.__version__, transformers=transformers.__version__, triton=triton_version,
+        device=name,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        triton=triton_version,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -73,7 +102,9 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype, **adapter
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     spec = dict(PRESETS[preset])
-    config = AutoConfig.for_model(spec.pop("model_type"), **{k: v for k, v in spec.items() if k != "torch_dtype"})
+    config = AutoConfig.for_model(
+        spec.pop("model_type"), **{k: v for k, v in spec.items() if k != "torch_dtype"}
+    )
     torch.manual_seed(0)
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -122,14 +153,15 @@ def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) 
         with model.disable_adapter():
             model(input_ids=prompt, past_key_values=kv_plain, use_cache=True, logits_to_keep=1)
 
-        def setup(with_memory):
+        # Defaults bind this iteration's caches and token (the closures run inside the iteration).
+        def setup(with_memory, kv_mem=kv_mem, kv_plain=kv_plain, length=length, memory=memory):
             kv = kv_mem if with_memory else kv_plain
             extra = kv.get_seq_length() - length
             if extra > 0:
-                kv.crop(-extra)  # restore the KV cache to the prompt (transformers 5: negative = tokens to drop)
+                kv.crop(-extra)  # back to the prompt (transformers 5: a negative crop drops tokens)
             return memory.clone() if with_memory else None  # restore the memory
 
-        def run(with_memory, state):
+        def run(with_memory, state, token=token, kv_mem=kv_mem, kv_plain=kv_plain):
             if with_memory:
                 model(input_ids=token, past_key_values=kv_mem, use_cache=True, memory_cache=state)
             else:
@@ -137,8 +169,12 @@ def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) 
                     model(input_ids=token, past_key_values=kv_plain, use_cache=True)
 
         result = _alternate(run, reps, warmup, device, setup)
-        result.update(kv_length=length, lstmem_tok_s=1 / result["lstmem"]["median"], plain_tok_s=1 / result["plain"]["median"],
-                      ratio=result["lstmem"]["median"] / result["plain"]["median"])
+        result.update(
+            kv_length=length,
+            lstmem_tok_s=1 / result["lstmem"]["median"],
+            plain_tok_s=1 / result["plain"]["median"],
+            ratio=result["lstmem"]["median"] / result["plain"]["median"],
+        )
         rows.append(result)
     return rows
 
@@ -157,21 +193,40 @@ def bench_write(model, tokens: int, block_size: int = 2048, reps: int = 3, warmu
     def run(with_memory, _):
         kv = DynamicCache()
         if with_memory:
-            write_history(model, history, MemoryCache(), block_size=block_size, past_key_values=kv, progress=False)
+            write_history(
+                model, history, MemoryCache(), block_size=block_size, past_key_values=kv, progress=False
+            )
             return
         with model.disable_adapter():
             for start in range(0, tokens, block_size):
-                model(input_ids=history[:, start : start + block_size], past_key_values=kv, use_cache=True, logits_to_keep=1)
+                model(
+                    input_ids=history[:, start : start + block_size],
+                    past_key_values=kv,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
 
     result = _alternate(run, reps, warmup, device)
-    result.update(tokens=tokens, block_size=block_size, ratio=result["lstmem"]["median"] / result["plain"]["median"],
-                  lstmem_tok_s=tokens / result["lstmem"]["median"], plain_tok_s=tokens / result["plain"]["median"])
+    result.update(
+        tokens=tokens,
+        block_size=block_size,
+        ratio=result["lstmem"]["median"] / result["plain"]["median"],
+        lstmem_tok_s=tokens / result["lstmem"]["median"],
+        plain_tok_s=tokens / result["plain"]["median"],
+    )
     return result
 
 
 @torch.no_grad()
-def bench_e2e(model, history_tokens: int, answer_tokens: int, question_tokens: int = 32, block_size: int = 2048,
-              reps: int = 3, warmup: int = 1) -> dict:
+def bench_e2e(
+    model,
+    history_tokens: int,
+    answer_tokens: int,
+    question_tokens: int = 32,
+    block_size: int = 2048,
+    reps: int = 3,
+    warmup: int = 1,
+) -> dict:
     """From empty memory: write the history (KV kept), prefill a question, generate ``answer_tokens``."""
     from transformers import DynamicCache
 
@@ -194,12 +249,21 @@ def bench_e2e(model, history_tokens: int, answer_tokens: int, question_tokens: i
             return
         with model.disable_adapter():
             for start in range(0, history_tokens, block_size):
-                model(input_ids=history[:, start : start + block_size], past_key_values=kv, use_cache=True, logits_to_keep=1)
+                model(
+                    input_ids=history[:, start : start + block_size],
+                    past_key_values=kv,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             model.generate(input_ids=full, past_key_values=kv, **gen)
 
     result = _alternate(run, reps, warmup, device)
-    result.update(history_tokens=history_tokens, answer_tokens=answer_tokens, block_size=block_size,
-                  ratio=result["lstmem"]["median"] / result["plain"]["median"])
+    result.update(
+        history_tokens=history_tokens,
+        answer_tokens=answer_tokens,
+        block_size=block_size,
+        ratio=result["lstmem"]["median"] / result["plain"]["median"],
+    )
     return result
 
 
@@ -220,8 +284,11 @@ def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, wa
             model.generate(input_ids=prompt, **gen)
 
     result = _alternate(run, reps, warmup, device)
-    result.update(prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                  ratio=result["lstmem"]["median"] / result["plain"]["median"])
+    result.update(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        ratio=result["lstmem"]["median"] / result["plain"]["median"],
+    )
     return result
 
 
@@ -268,10 +335,27 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
         per_step[name] = count(memory, new_tokens + 1) - count(memory, 1)
     layers = len(memory_layers(model))
     extra = per_step["lstmem"] - per_step["plain"]
-    views = {"view", "_unsafe_view", "unsqueeze", "slice", "select", "transpose", "t", "expand", "unbind", "split",
-             "split_with_sizes", "narrow", "as_strided", "squeeze", "permute"}
+    views = {
+        "view",
+        "_unsafe_view",
+        "unsqueeze",
+        "slice",
+        "select",
+        "transpose",
+        "t",
+        "expand",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "narrow",
+        "as_strided",
+        "squeeze",
+        "permute",
+    }
     return dict(
-        prompt_tokens=prompt_tokens, new_tokens=new_tokens, memory_layers=layers,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        memory_layers=layers,
         lstmem_per_step=sum(per_step["lstmem"].values()) / new_tokens,
         plain_per_step=sum(per_step["plain"].values()) / new_tokens,
         extra_per_layer=sum(extra.values()) / new_tokens / layers,
@@ -280,7 +364,9 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
     )
 
 
-def bench_scan(lengths: list[int], batches: list[int], device: torch.device, reps: int = 5, naive_reps: int = 2) -> list[dict]:
+def bench_scan(
+    lengths: list[int], batches: list[int], device: torch.device, reps: int = 5, naive_reps: int = 2
+) -> list[dict]:
     """Forward and forward+backward time of the naive, vectorised and (CUDA) Triton scans."""
     from lstmem_kernels import lstmem_scan, triton_available
 
@@ -309,7 +395,11 @@ def bench_scan(lengths: list[int], batches: list[int], device: torch.device, rep
                             times.append(time.perf_counter() - start)
                     rows.append(dict(batch=B, T=T, backend=backend, mode=mode, **_stats(times)))
     for r in rows:
-        naive = next(x for x in rows if (x["batch"], x["T"], x["mode"], x["backend"]) == (r["batch"], r["T"], r["mode"], "naive"))
+        naive = next(
+            x
+            for x in rows
+            if (x["batch"], x["T"], x["mode"], x["backend"]) == (r["batch"], r["T"], r["mode"], "naive")
+        )
         r["speedup_vs_naive"] = naive["median"] / r["median"]
     return rows
 
@@ -346,28 +436,45 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
     """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
     records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json"))]
     md = Path(results_md)
-    lines = ["# Benchmark results", "", "Generated by `lstmem bench report` from the JSON records in "
-             f"`{Path(out_dir).as_posix()}`. Every figure was measured on the device named beside it.", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `lstmem bench report` from the JSON records in "
+        f"`{Path(out_dir).as_posix()}`. Every figure was measured on the device named beside it.",
+        "",
+    ]
     gpu_seen = any(r["device_kind"] == "cuda" for r in records)
     if not gpu_seen:
-        lines += ["**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:", "",
-                  "```bash", "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-                  "lstmem bench generate --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-                  "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-                  "lstmem bench write --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-                  "lstmem bench scan --out benchmarks/results", "lstmem bench report benchmarks/results", "```", ""]
+        lines += [
+            "**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:",
+            "",
+            "```bash",
+            "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+            "lstmem bench generate --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+            "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+            "lstmem bench write --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
+            "lstmem bench scan --out benchmarks/results",
+            "lstmem bench report benchmarks/results",
+            "```",
+            "",
+        ]
     for r in records:
         model = f" — {r['preset']}" if r.get("preset") else ""
         head = f"## {r['benchmark']} — {r['device']}{model} ({r['date']}, torch {r['torch']})"
         lines += [head, ""]
         if r["benchmark"] == "decode":
-            lines += ["| KV length | LSTMem ms (min-max) | plain ms (min-max) | LSTMem tok/s | plain tok/s | ratio |",
-                      "| --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                "| KV length | LSTMem ms (min-max) | plain ms (min-max) | LSTMem tok/s | plain tok/s | ratio |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
             for row in r["rows"]:
                 lm, pl = row["lstmem"], row["plain"]
-                lines.append(f"| {row['kv_length']} | {1e3 * lm['median']:.2f} ({1e3 * lm['min']:.2f}-{1e3 * lm['max']:.2f}) | "
-                             f"{1e3 * pl['median']:.2f} ({1e3 * pl['min']:.2f}-{1e3 * pl['max']:.2f}) | "
-                             f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['ratio']:.3f} |")
+                lines.append(
+                    f"| {row['kv_length']} | {1e3 * lm['median']:.2f} ({1e3 * lm['min']:.2f}-{1e3 * lm['max']:.2f}) | "
+                    f"{1e3 * pl['median']:.2f} ({1e3 * pl['min']:.2f}-{1e3 * pl['max']:.2f}) | "
+                    f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['ratio']:.3f} |"
+                )
+
             def draw(ax, rows=r["rows"]):
                 ks = [row["kv_length"] for row in rows]
                 ax.plot(ks, [row["lstmem_tok_s"] for row in rows], "o-", label="LSTMem")
@@ -377,57 +484,98 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
 
             lines += ["", _plot(md.parent, r, "decode", "decode speed", draw)]
         elif r["benchmark"] == "ops":
-            lines += ["| aten operators per decode step: LSTMem | plain | extra per memory layer | of which not views |"
-                      " top extra operators per layer |", "| --- | --- | --- | --- | --- |"]
+            lines += [
+                "| aten operators per decode step: LSTMem | plain | extra per memory layer | of which not views |"
+                " top extra operators per layer |",
+                "| --- | --- | --- | --- | --- |",
+            ]
             for row in r["rows"]:
                 top = ", ".join(f"{k} {v:.1f}" for k, v in list(row["extra_by_op"].items())[:6])
-                lines.append(f"| {row['lstmem_per_step']:.1f} | {row['plain_per_step']:.1f} | {row['extra_per_layer']:.1f} | "
-                             f"{row['extra_non_view_per_layer']:.1f} | {top} |")
+                lines.append(
+                    f"| {row['lstmem_per_step']:.1f} | {row['plain_per_step']:.1f} | {row['extra_per_layer']:.1f} | "
+                    f"{row['extra_non_view_per_layer']:.1f} | {top} |"
+                )
         elif r["benchmark"] in ("e2e", "write", "generate"):
             key = {"e2e": "history_tokens", "write": "tokens", "generate": "prompt_tokens"}[r["benchmark"]]
             extra = " new tokens |" if r["benchmark"] == "generate" else ""
-            lines += [f"| {key.replace('_', ' ')} |{extra} LSTMem s (min-max) | plain s (min-max) | ratio |",
-                      "| --- |" + " --- |" * (4 if extra else 3)]
+            lines += [
+                f"| {key.replace('_', ' ')} |{extra} LSTMem s (min-max) | plain s (min-max) | ratio |",
+                "| --- |" + " --- |" * (4 if extra else 3),
+            ]
             for row in r["rows"]:
                 lm, pl = row["lstmem"], row["plain"]
                 new_tokens = f" {row['new_tokens']} |" if extra else ""
-                lines.append(f"| {row[key]} |{new_tokens} {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
-                             f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |")
+                lines.append(
+                    f"| {row[key]} |{new_tokens} {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
+                    f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |"
+                )
             if r["benchmark"] == "e2e":
+
                 def draw(ax, rows=r["rows"]):
                     xs = range(len(rows))
-                    ax.bar([x - 0.2 for x in xs], [row["lstmem"]["median"] for row in rows], 0.4, label="LSTMem")
-                    ax.bar([x + 0.2 for x in xs], [row["plain"]["median"] for row in rows], 0.4, label="plain backbone")
+                    ax.bar(
+                        [x - 0.2 for x in xs], [row["lstmem"]["median"] for row in rows], 0.4, label="LSTMem"
+                    )
+                    ax.bar(
+                        [x + 0.2 for x in xs],
+                        [row["plain"]["median"] for row in rows],
+                        0.4,
+                        label="plain backbone",
+                    )
                     ax.set_xticks(list(xs), [str(row["history_tokens"]) for row in rows])
                     ax.set_xlabel("history tokens")
                     ax.set_ylabel(f"seconds (history + {rows[0]['answer_tokens']}-token answer)")
 
                 lines += ["", _plot(md.parent, r, "e2e", "end to end", draw)]
         elif r["benchmark"] == "scan":
-            lines += ["| batch | T | backend | mode | median ms (min-max) | x naive |", "| --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                "| batch | T | backend | mode | median ms (min-max) | x naive |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
             for row in r["rows"]:
-                lines.append(f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | "
-                             f"{1e3 * row['median']:.2f} ({1e3 * row['min']:.2f}-{1e3 * row['max']:.2f}) | {row['speedup_vs_naive']:.1f} |")
+                lines.append(
+                    f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | "
+                    f"{1e3 * row['median']:.2f} ({1e3 * row['min']:.2f}-{1e3 * row['max']:.2f}) | "
+                    f"{row['speedup_vs_naive']:.1f} |"
+                )
         lines.append("")
     md.write_text("\n".join(lines))
     return md
 
 
-def run(kind: str, preset: str = "cpu-small", device: str | None = None, dtype: str = "float32", out: str = "benchmarks/results",
-        reps: int | None = None, **sizes) -> dict:
+def run(
+    kind: str,
+    preset: str = "cpu-small",
+    device: str | None = None,
+    dtype: str = "float32",
+    out: str = "benchmarks/results",
+    reps: int | None = None,
+    **sizes,
+) -> dict:
     """What ``lstmem bench KIND`` does; returns the record written."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     defaults = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
-    record = dict(benchmark=kind, preset=None if kind == "scan" else preset, device_kind=dev.type, dtype=dtype,
-                  **environment(dev))
+    record = dict(
+        benchmark=kind,
+        preset=None if kind == "scan" else preset,
+        device_kind=dev.type,
+        dtype=dtype,
+        **environment(dev),
+    )
     if kind == "scan":
-        record["rows"] = bench_scan(sizes.get("lengths") or [63, 2048], sizes.get("batches") or [1, 4], dev, reps=reps or 5)
+        record["rows"] = bench_scan(
+            sizes.get("lengths") or [63, 2048], sizes.get("batches") or [1, 4], dev, reps=reps or 5
+        )
     else:
         model = build_model(preset, dev, getattr(torch, dtype))
         if kind == "decode":
-            record["rows"] = bench_decode(model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps or 10)
+            record["rows"] = bench_decode(
+                model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps or 10
+            )
         elif kind == "write":
-            record["rows"] = [bench_write(model, sizes.get("tokens") or defaults["write_tokens"], reps=reps or 3)]
+            record["rows"] = [
+                bench_write(model, sizes.get("tokens") or defaults["write_tokens"], reps=reps or 3)
+            ]
         elif kind == "generate":
             prompt = sizes.get("prompt_tokens") or defaults["prompt_tokens"]
             new_tokens = sizes.get("answer_tokens") or defaults["generate_tokens"]
@@ -436,7 +584,10 @@ def run(kind: str, preset: str = "cpu-small", device: str | None = None, dtype: 
             record["rows"] = [bench_ops(model, new_tokens=sizes.get("answer_tokens") or 8)]
         elif kind == "e2e":
             answer = sizes.get("answer_tokens") or defaults["answer_tokens"]
-            record["rows"] = [bench_e2e(model, n, answer, reps=reps or 3) for n in (sizes.get("histories") or defaults["histories"])]
+            record["rows"] = [
+                bench_e2e(model, n, answer, reps=reps or 3)
+                for n in (sizes.get("histories") or defaults["histories"])
+            ]
         else:
             raise ValueError(f"unknown benchmark {kind!r}: decode, generate, ops, e2e, write or scan")
     path = save_record(out, kind, record)

@@ -64,7 +64,6 @@ def nonfinite_rows(states) -> list[int]:
     return [] if bad is None else bad.nonzero().flatten().tolist()
 
 
-
 class LayerState:
     """Cell and hidden state of one memory layer: ``(batch, n_h, r, r)`` each, or ``None``."""
 
@@ -246,7 +245,11 @@ class MemoryCache:
                 )
             return index.nonzero().flatten()
         index = index.long()
-        if self.batch_size is not None and index.numel() and (index.min() < 0 or index.max() >= self.batch_size):
+        if (
+            self.batch_size is not None
+            and index.numel()
+            and (index.min() < 0 or index.max() >= self.batch_size)
+        ):
             raise IndexError(f"row index out of range for a MemoryCache of batch size {self.batch_size}")
         return index
 
@@ -268,10 +271,12 @@ class MemoryCache:
         new tensors: a snapshot taken before stays as it was."""
         self.check_layout(rows.layout)
         index = self.row_index(index)
-        for state, new in zip(self.layers, rows.layers):
+        for state, new in zip(self.layers, rows.layers, strict=True):
             state.cell = state.cell.index_copy(0, index.to(state.cell.device), new.cell)
             state.hidden = state.hidden.index_copy(0, index.to(state.hidden.device), new.hidden)
-        self.tokens_written = self.tokens_written.index_copy(0, index.to(self.tokens_written.device), rows.tokens_written)
+        self.tokens_written = self.tokens_written.index_copy(
+            0, index.to(self.tokens_written.device), rows.tokens_written
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (``num_return_sequences``, beam expansion)."""
@@ -285,7 +290,12 @@ class MemoryCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the states (cells and hiddens, all layers and rows)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized for t in (layer.cell, layer.hidden))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+            for t in (layer.cell, layer.hidden)
+        )
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -351,17 +361,25 @@ class MemoryCache:
         try:
             stored = json.loads(metadata.get("layout", ""))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: the layout metadata is not valid JSON ({err}); the file is damaged") from err
+            raise ValueError(
+                f"{path}: the layout metadata is not valid JSON ({err}); the file is damaged"
+            ) from err
         fields = set(MemoryLayout.__dataclass_fields__)
         if not isinstance(stored, dict) or set(stored) != fields:
             got = sorted(stored) if isinstance(stored, dict) else type(stored).__name__
-            raise ValueError(f"{path}: the layout metadata has fields {got}, expected {sorted(fields)}; the file is damaged")
+            raise ValueError(
+                f"{path}: the layout metadata has fields {got}, expected {sorted(fields)}; the file is damaged"
+            )
         stored["layer_indices"] = tuple(stored["layer_indices"])
         stored_layout = MemoryLayout(**stored)
         if stored_layout.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"{path}: unknown state_dtype {stored_layout.state_dtype!r} in the layout metadata")
+            raise ValueError(
+                f"{path}: unknown state_dtype {stored_layout.state_dtype!r} in the layout metadata"
+            )
         if stored_layout.fingerprint() != metadata.get("fingerprint"):
-            raise ValueError(f"{path}: the layout fingerprint does not match its contents; the file is corrupt")
+            raise ValueError(
+                f"{path}: the layout fingerprint does not match its contents; the file is corrupt"
+            )
         if layout is not None and layout != stored_layout:
             raise ValueError(
                 f"{path} was saved for {cls._describe(stored_layout)} but the model expects "
@@ -374,7 +392,9 @@ class MemoryCache:
         for name in sorted(expected - set(tensors)):
             raise ValueError(f"{path}: missing tensor {name!r}; the file is damaged")
         for name in sorted(set(tensors) - expected):
-            raise ValueError(f"{path}: unexpected tensor {name!r} for a layout of {stored_layout.num_layers} layers")
+            raise ValueError(
+                f"{path}: unexpected tensor {name!r} for a layout of {stored_layout.num_layers} layers"
+            )
         tokens = tensors["tokens_written"]
         rows = tensors["layers.0.cell"].shape[0] if tensors["layers.0.cell"].dim() else -1
         if tokens.dim() != 1 or tokens.dtype != torch.long or tokens.shape[0] != rows:

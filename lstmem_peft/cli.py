@@ -1,11 +1,11 @@
 """The ``lstmem`` command.
 
-    lstmem demo                 # offline recall demo on the embedded backbone and adapters
-    lstmem demo --train         # retrain the adapters from scratch first (reports the time)
-    lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
-    lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
-    lstmem bench report benchmarks/results                                   # RESULTS.md + plots
-    lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
+lstmem demo                 # offline recall demo on the embedded backbone and adapters
+lstmem demo --train         # retrain the adapters from scratch first (reports the time)
+lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
+lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
+lstmem bench report benchmarks/results                                   # RESULTS.md + plots
+lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"lstmem {args.command}: error: {message} ({type(err).__name__}; --debug shows the traceback)",
-              file=sys.stderr)
+        print(
+            f"lstmem {args.command}: error: {message} ({type(err).__name__}; --debug shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -49,12 +51,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
     demo.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    demo.add_argument("--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer")
-    demo.add_argument("--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)")
+    demo.add_argument(
+        "--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer"
+    )
+    demo.add_argument(
+        "--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)"
+    )
     demo.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
-    demo.add_argument("--steps", type=positive_int, default=600, help="training steps per adapter with --train")
-    demo.add_argument("--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations")
-    bench = sub.add_parser("bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)")
+    demo.add_argument(
+        "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
+    )
+    demo.add_argument(
+        "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
+    )
+    bench = sub.add_parser(
+        "bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)"
+    )
     bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "report"])
     bench.add_argument("folder", nargs="?", default="benchmarks/results", help="records folder (report)")
@@ -62,40 +74,73 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--out", default="benchmarks/results", help="where JSON records go")
-    bench.add_argument("--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write")
+    bench.add_argument(
+        "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
+    )
     bench.add_argument("--reps", type=positive_int, default=None)
-    bench.add_argument("--kv-lengths", type=positive_int, nargs="+", default=None, help="decode: KV cache lengths")
+    bench.add_argument(
+        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode: KV cache lengths"
+    )
     bench.add_argument("--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths")
-    bench.add_argument("--answer-tokens", type=positive_int, default=None, help="e2e, generate: generated tokens")
+    bench.add_argument(
+        "--answer-tokens", type=positive_int, default=None, help="e2e, generate: generated tokens"
+    )
     bench.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
     bench.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
     bench.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="scan: block lengths")
     bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan: batch sizes")
-    ev = sub.add_parser("eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone")
+    ev = sub.add_parser(
+        "eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone"
+    )
     ev.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
     ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
     ev.add_argument("--model", required=True, help="base model: Hub id or local folder")
-    ev.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)")
+    ev.add_argument(
+        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
+    )
     ev.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
-    ev.add_argument("--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)")
+    ev.add_argument(
+        "--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)"
+    )
     ev.add_argument("--memory-only", action="store_true", help="history in memory only, not in the prompt")
     ev.add_argument("--greedy", action="store_true", help="greedy decoding instead of the paper's sampling")
     ev.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
     ev.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
-    ev.add_argument("--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)")
-    ev.add_argument("--max-new-tokens", type=positive_int, default=None,
-                    help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)")
-    ev.add_argument("--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt")
+    ev.add_argument(
+        "--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)"
+    )
+    ev.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)",
+    )
+    ev.add_argument(
+        "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
+    )
     ev.add_argument("--families", nargs="+", default=None, help="mab: families to run (AR TTL LRU SF)")
-    ev.add_argument("--max-questions", type=positive_int, default=None, help="mab: at most N questions per history")
-    ev.add_argument("--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)")
+    ev.add_argument(
+        "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
+    )
+    ev.add_argument(
+        "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
+    )
     ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ev.add_argument("--no-chat-template", action="store_true", help="plain text prompts even if the tokenizer has a template")
-    ev.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)")
+    ev.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="plain text prompts even if the tokenizer has a template",
+    )
+    ev.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)",
+    )
     return parser
 
 
@@ -104,7 +149,9 @@ def _check_paths(**named: str | None) -> None:
     for option, value in named.items():
         if value is None:
             continue
-        looks_local = value.startswith(("/", "./", "../", "~")) or os.path.isabs(value) or value.count("/") > 2
+        looks_local = (
+            value.startswith(("/", "./", "../", "~")) or os.path.isabs(value) or value.count("/") > 2
+        )
         if looks_local and not os.path.exists(os.path.expanduser(value)):
             label = "DATA" if option == "data" else f"--{option}"
             raise FileNotFoundError(f"{label} {value}: no such file or folder")
@@ -112,7 +159,10 @@ def _check_paths(**named: str | None) -> None:
 
 def _dispatch(args) -> int:
     if args.command in ("eval", "demo"):
-        _check_paths(model=args.model, **({"adapter": args.adapter, "data": args.data} if args.command == "eval" else {}))
+        _check_paths(
+            model=args.model,
+            **({"adapter": args.adapter, "data": args.data} if args.command == "eval" else {}),
+        )
     if args.command == "eval":
         return _eval(args)
     if args.command == "bench":
@@ -121,16 +171,32 @@ def _dispatch(args) -> int:
         if args.kind == "report":
             print(f"wrote {benchmarks.report(args.folder, args.results)}")
             return 0
-        benchmarks.run(args.kind, preset=args.preset, device=args.device, dtype=args.dtype, out=args.out, reps=args.reps,
-                       kv_lengths=args.kv_lengths, histories=args.histories, answer_tokens=args.answer_tokens,
-                       prompt_tokens=args.prompt_tokens,
-                       tokens=args.tokens, lengths=args.lengths, batches=args.batches)
+        benchmarks.run(
+            args.kind,
+            preset=args.preset,
+            device=args.device,
+            dtype=args.dtype,
+            out=args.out,
+            reps=args.reps,
+            kv_lengths=args.kv_lengths,
+            histories=args.histories,
+            answer_tokens=args.answer_tokens,
+            prompt_tokens=args.prompt_tokens,
+            tokens=args.tokens,
+            lengths=args.lengths,
+            batches=args.batches,
+        )
         return 0
     if args.command == "demo":
         from .demo import run
 
-        run(train=args.train, model_id=args.model, num_episodes=args.episodes, ablations=not args.no_ablations,
-            train_steps=args.steps)
+        run(
+            train=args.train,
+            model_id=args.model,
+            num_episodes=args.episodes,
+            ablations=not args.no_ablations,
+            train_steps=args.steps,
+        )
     return 0
 
 
@@ -155,7 +221,9 @@ def _eval(args) -> int:
     options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens}
     if args.split:
         if args.benchmark == "mab":
-            raise SystemExit("--split does not apply to mab: its four splits are the families (use --families)")
+            raise SystemExit(
+                "--split does not apply to mab: its four splits are the families (use --families)"
+            )
         options["split"] = args.split
     if args.benchmark != "mab" and args.max_new_tokens is None:
         del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
@@ -178,9 +246,15 @@ def _eval(args) -> int:
         decoding.seed = args.seed
     out = args.out or f"eval-results/{args.benchmark}"
     summary = runner.evaluate(
-        model, tokenizer, benchmark, out,
-        memory_only=args.memory_only, decoding=decoding, block_size=args.block_size,
-        compare_base=not args.no_base, chat_template=False if args.no_chat_template else None,
+        model,
+        tokenizer,
+        benchmark,
+        out,
+        memory_only=args.memory_only,
+        decoding=decoding,
+        block_size=args.block_size,
+        compare_base=not args.no_base,
+        chat_template=False if args.no_chat_template else None,
         template_kwargs=_template_kwargs(args.template_arg),
         run_info={"model": args.model, "adapter": args.adapter, "data": args.data},
     )

@@ -6,7 +6,6 @@ import enum
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from peft import PeftConfig
 
@@ -23,7 +22,19 @@ class LSTMemPeftType(str, enum.Enum):
 # [query projection, output projection] of the attention block, per transformers model type.
 DEFAULT_TARGET_MODULES: dict[str, list[str]] = {
     model_type: ["q_proj", "o_proj"]
-    for model_type in ("qwen3", "qwen2", "llama", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "olmo2")
+    for model_type in (
+        "qwen3",
+        "qwen2",
+        "llama",
+        "mistral",
+        "smollm3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "gemma",
+        "gemma2",
+        "olmo2",
+    )
 }
 
 
@@ -71,24 +82,31 @@ class LSTMemConfig(PeftConfig):
     r: int = field(default=K.HEAD_DIM, metadata={"help": "Width r of a memory head."})
     num_heads: int = field(default=K.NUM_HEADS, metadata={"help": "Memory heads n_h per layer."})
     alpha: float = field(default=K.ALPHA, metadata={"help": "Correction scale alpha (dq = alpha/r W_dq u)."})
-    layers_to_transform: Optional[Union[int, list[int]]] = field(
+    layers_to_transform: int | list[int] | None = field(
         default=None, metadata={"help": "Decoder layer indices that get memory; None for all."}
     )
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={"help": "[query projection, output projection] module names; defaults per model type."},
     )
-    depth_coupling: bool = field(default=True, metadata={"help": "Pass D_t of the layer below up (False: ablation)."})
-    block_feedback: bool = field(default=True, metadata={"help": "Apply block-end feedback after history blocks."})
+    depth_coupling: bool = field(
+        default=True, metadata={"help": "Pass D_t of the layer below up (False: ablation)."}
+    )
+    block_feedback: bool = field(
+        default=True, metadata={"help": "Apply block-end feedback after history blocks."}
+    )
     feedback_positions: int = field(default=K.FEEDBACK_POSITIONS, metadata={"help": "Bound on |I_b|."})
-    block_size: int = field(default=K.BLOCK_SIZE, metadata={"help": "History block length for write_history."})
+    block_size: int = field(
+        default=K.BLOCK_SIZE, metadata={"help": "History block length for write_history."}
+    )
     state_dtype: str = field(default="float32", metadata={"help": "'float32' or 'bfloat16' memory states."})
     update_during_generation: bool = field(
         default=True, metadata={"help": "Write prompt and generated tokens into memory during generate."}
     )
     scan_backend: str = field(default="auto", metadata={"help": "'auto', 'torch', 'triton' or 'naive'."})
-    memory_id: Optional[str] = field(
-        default=None, metadata={"help": "Identity of the adapter's memory (drawn at creation, saved with it)."}
+    memory_id: str | None = field(
+        default=None,
+        metadata={"help": "Identity of the adapter's memory (drawn at creation, saved with it)."},
     )
 
     def __post_init__(self) -> None:
@@ -101,13 +119,17 @@ class LSTMemConfig(PeftConfig):
         if self.task_type is None:
             self.task_type = "CAUSAL_LM"
         if str(self.task_type) not in ("CAUSAL_LM", "TaskType.CAUSAL_LM"):
-            raise ValueError(f"task_type must be 'CAUSAL_LM' (LSTMem adapts causal LMs), got {self.task_type!r}")
+            raise ValueError(
+                f"task_type must be 'CAUSAL_LM' (LSTMem adapts causal LMs), got {self.task_type!r}"
+            )
         for name in ("r", "num_heads", "feedback_positions", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-            math.isfinite(self.alpha) and self.alpha > 0
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not (math.isfinite(self.alpha) and self.alpha > 0)
         ):
             raise ValueError(f"alpha must be a positive finite number, got {self.alpha!r}")
         for name in ("depth_coupling", "block_feedback", "update_during_generation"):
@@ -119,7 +141,9 @@ class LSTMemConfig(PeftConfig):
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
         if self.scan_backend not in ("auto", "torch", "triton", "naive"):
-            raise ValueError(f"scan_backend must be 'auto', 'torch', 'triton' or 'naive', got {self.scan_backend!r}")
+            raise ValueError(
+                f"scan_backend must be 'auto', 'torch', 'triton' or 'naive', got {self.scan_backend!r}"
+            )
         if isinstance(self.layers_to_transform, int) and not isinstance(self.layers_to_transform, bool):
             self.layers_to_transform = [self.layers_to_transform]
         if self.layers_to_transform is not None:
@@ -131,7 +155,8 @@ class LSTMemConfig(PeftConfig):
             layers = list(self.layers_to_transform)
             if not layers or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
                 raise ValueError(
-                    f"layers_to_transform must be None (all layers) or non-negative layer indices, got {self.layers_to_transform!r}"
+                    "layers_to_transform must be None (all layers) or non-negative layer indices, "
+                    f"got {self.layers_to_transform!r}"
                 )
             if len(set(layers)) != len(layers):
                 raise ValueError(f"layers_to_transform has duplicates: {layers}")

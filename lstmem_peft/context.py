@@ -71,7 +71,11 @@ class ModelPass:
     """
 
     def __init__(
-        self, adapter_name: str, depth_index: dict[int, int], memory_pass: MemoryPass, record_inputs: bool = False
+        self,
+        adapter_name: str,
+        depth_index: dict[int, int],
+        memory_pass: MemoryPass,
+        record_inputs: bool = False,
     ) -> None:
         self.adapter_name = adapter_name
         self.depth_index = depth_index

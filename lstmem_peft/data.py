@@ -50,7 +50,9 @@ def hub_dataset_folder(source: str, patterns: tuple[str, ...] = ("*.parquet", "*
 
     parts = source.strip("/").split("/")
     if len(parts) < 2:
-        raise FileNotFoundError(f"{source!r} is neither a local path nor a Hub dataset id (owner/name[/folder])")
+        raise FileNotFoundError(
+            f"{source!r} is neither a local path nor a Hub dataset id (owner/name[/folder])"
+        )
     repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
     allow = [f"{sub}/{p}" if sub else p for p in patterns]  # fnmatch: '*' also crosses folders
     root = snapshot_download(repo, repo_type="dataset", allow_patterns=allow)
@@ -118,12 +120,18 @@ def chat_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
     for n, record in enumerate(records):
         messages = record.get("messages")
         if not messages or len(messages) < 2:
-            raise ValueError(f"chat record {n} needs a 'messages' list with at least a user turn and an answer")
+            raise ValueError(
+                f"chat record {n} needs a 'messages' list with at least a user turn and an answer"
+            )
         *before, prompt, answer = messages
         if answer.get("role") != "assistant" or prompt.get("role") != "user":
             raise ValueError(f"chat record {n} must end with a user message followed by the assistant answer")
         history = "\n".join(f"{m['role']}: {m['content']}" for m in before)
-        yield {"history": history, "prompt": f"user: {prompt['content']}\nassistant:", "answer": " " + answer["content"]}
+        yield {
+            "history": history,
+            "prompt": f"user: {prompt['content']}\nassistant:",
+            "answer": " " + answer["content"],
+        }
 
 
 def _qasper_answer(answer: dict[str, Any]) -> str | None:
@@ -142,7 +150,7 @@ def _rows(table: Any, keys: tuple[str, ...]) -> list[dict[str, Any]]:
     """QASPER stores lists of records either row-wise (official JSON) or column-wise (Hub dataset)."""
     if isinstance(table, dict):
         columns = [table.get(k, []) for k in keys]
-        return [dict(zip(keys, values)) for values in zip(*columns)]
+        return [dict(zip(keys, values, strict=True)) for values in zip(*columns, strict=True)]
     return list(table or [])
 
 
@@ -165,7 +173,11 @@ def qasper_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
             found = [_qasper_answer(a.get("answer") or {}) for a in answers]
             found = [a for a in found if a]
             if found:
-                yield {"history": history, "prompt": f"Question: {qa['question']}\nAnswer:", "answer": " " + found[0]}
+                yield {
+                    "history": history,
+                    "prompt": f"Question: {qa['question']}\nAnswer:",
+                    "answer": " " + found[0],
+                }
 
 
 def long_qa_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
@@ -174,7 +186,11 @@ def long_qa_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
         if "context" not in record or "qas" not in record:
             raise ValueError(f"long-QA record {n} needs 'context' and 'qas' fields")
         for qa in record["qas"]:
-            yield {"history": record["context"], "prompt": f"Question: {qa['question']}\nAnswer:", "answer": " " + qa["answer"]}
+            yield {
+                "history": record["context"],
+                "prompt": f"Question: {qa['question']}\nAnswer:",
+                "answer": " " + qa["answer"],
+            }
 
 
 BUILDERS = {"chat": chat_episodes, "qasper": qasper_episodes, "long_qa": long_qa_episodes}
@@ -201,8 +217,10 @@ def synthetic_recall_episodes(
         keys = rng.sample(range(num_keys), num_pairs)
         values = [rng.randrange(num_values) for _ in keys]
         ask = rng.randrange(num_pairs)
-        history = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values))
-        episodes.append({"history": history, "prompt": f"? k{keys[ask]:02d}", "answer": f" v{values[ask]:02d}"})
+        history = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values, strict=True))
+        episodes.append(
+            {"history": history, "prompt": f"? k{keys[ask]:02d}", "answer": f" v{values[ask]:02d}"}
+        )
     return episodes
 
 
@@ -221,7 +239,11 @@ def tokenize_episode(
         prompt = [tokenizer.bos_token_id] + prompt
     if not answer:
         raise ValueError(f"episode has an empty answer: {episode!r}")
-    return {"history_input_ids": history, "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+    return {
+        "history_input_ids": history,
+        "input_ids": prompt + answer,
+        "labels": [-100] * len(prompt) + answer,
+    }
 
 
 def left_pad(rows: list[list[int]], value: int):

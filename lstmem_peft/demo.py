@@ -46,15 +46,25 @@ from .offline import tiny_qwen3
 ASSETS = Path(__file__).parent / "assets" / "demo"
 NUM_KEYS = NUM_VALUES = 32
 NUM_PAIRS = 8
-ADAPTERS = {"full": {}, "no_depth_coupling": {"depth_coupling": False}, "no_feedback": {"block_feedback": False}}
+ADAPTERS = {
+    "full": {},
+    "no_depth_coupling": {"depth_coupling": False},
+    "no_feedback": {"block_feedback": False},
+}
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer: ``<pad> <s> </s> ; ?``, keys ``k00..k31``, values ``v00..v31``."""
-    words = ["<pad>", "<s>", "</s>", ";", "?"] + [f"k{i:02d}" for i in range(NUM_KEYS)] + [f"v{i:02d}" for i in range(NUM_VALUES)]
+    words = (
+        ["<pad>", "<s>", "</s>", ";", "?"]
+        + [f"k{i:02d}" for i in range(NUM_KEYS)]
+        + [f"v{i:02d}" for i in range(NUM_VALUES)]
+    )
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
 
 
 def adapter_config(**overrides) -> LSTMemConfig:
@@ -87,7 +97,9 @@ def copy_batch(tok, batch_size: int, rng: random.Random) -> tuple[torch.Tensor, 
     recall; fixed-length copy data did not help).
     """
     n = rng.randint(4, 24)
-    body = torch.randint(5, len(tok), (batch_size, n), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    body = torch.randint(
+        5, len(tok), (batch_size, n), generator=torch.Generator().manual_seed(rng.randrange(2**31))
+    )
     bos = torch.full((batch_size, 1), tok.bos_token_id)
     sep = torch.full((batch_size, 1), tok.convert_tokens_to_ids("?"))
     ids = torch.cat([bos, body, sep, body], dim=1)
@@ -118,8 +130,16 @@ def _reinit_adapter(pairs: list, seed: int) -> None:
         layer.init_corrections(q_proj.weight, o_proj.weight)
 
 
-def pretrain_backbone(warm_steps: int = 800, steps: int = 1260, batch_size: int = 64, lr: float = 2e-3,
-                      warmup: int = 100, reinit_every: int = 210, seed: int = 0, progress: bool = True) -> Qwen3ForCausalLM:
+def pretrain_backbone(
+    warm_steps: int = 800,
+    steps: int = 1260,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    reinit_every: int = 210,
+    seed: int = 0,
+    progress: bool = True,
+) -> Qwen3ForCausalLM:
     """Pretrain the demo backbone in two phases (see the module docstring).
 
     Phase A (``warm_steps``): the backbone alone, 75% copy batches and 25% in-context recall, until
@@ -130,13 +150,17 @@ def pretrain_backbone(warm_steps: int = 800, steps: int = 1260, batch_size: int 
     from peft import get_peft_model
 
     tok = demo_tokenizer()
-    backbone = tiny_qwen3(len(tok), hidden_size=128, num_layers=2, num_kv_heads=4, tie_embeddings=False, seed=seed).train()
+    backbone = tiny_qwen3(
+        len(tok), hidden_size=128, num_layers=2, num_kv_heads=4, tie_embeddings=False, seed=seed
+    ).train()
     model = get_peft_model(backbone, adapter_config())
     for p in model.parameters():
         p.requires_grad_(True)
     triples = [
         (layer, attn.q_proj.base_layer, attn.o_proj.base_layer)
-        for layer, attn in zip(memory_layers(model), (block.self_attn for block in backbone.model.layers))
+        for layer, attn in zip(
+            memory_layers(model), (block.self_attn for block in backbone.model.layers), strict=True
+        )
     ]
     base_params = [p for n, p in model.named_parameters() if "lstmem_memory" not in n]
     adapter_params = [p for n, p in model.named_parameters() if "lstmem_memory" in n]
@@ -153,13 +177,17 @@ def pretrain_backbone(warm_steps: int = 800, steps: int = 1260, batch_size: int 
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
     def recall_batch():
-        return make_batch(tok, synthetic_recall_episodes(batch_size, rng.randint(1, NUM_PAIRS), seed=rng.randrange(2**31)))
+        return make_batch(
+            tok, synthetic_recall_episodes(batch_size, rng.randint(1, NUM_PAIRS), seed=rng.randrange(2**31))
+        )
 
     bar = tqdm(range(warm_steps + steps), desc="pretraining backbone", disable=not progress)
     for step in bar:
         if progress and step % 100 == 0:
             with torch.no_grad(), model.disable_adapter():
-                ctx = (answer_logits(model, probe.in_context).argmax(-1) == probe.answer).float().mean().item()
+                ctx = (
+                    (answer_logits(model, probe.in_context).argmax(-1) == probe.answer).float().mean().item()
+                )
             with torch.no_grad():
                 mem = (memory_answer_logits(model, probe).argmax(-1) == probe.answer).float().mean().item()
             bar.set_postfix(in_context=f"{ctx:.2f}", memory=f"{mem:.2f}")
@@ -194,9 +222,17 @@ def pretrain_backbone(warm_steps: int = 800, steps: int = 1260, batch_size: int 
 
 
 # ---------------------------------------------------------------------- adapter training and evaluation
-def train_adapter(backbone, overrides: dict | None = None, max_steps: int = 600, batch_size: int = 64,
-                  lr: float = 3e-3, seed: int = 42, output_dir: str | None = None, progress: bool = True,
-                  tokenizer=None):
+def train_adapter(
+    backbone,
+    overrides: dict | None = None,
+    max_steps: int = 600,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 42,
+    output_dir: str | None = None,
+    progress: bool = True,
+    tokenizer=None,
+):
     """Train a fresh adapter on the frozen backbone with :class:`LSTMemTrainer`; returns the PEFT model."""
     from datasets import Dataset
     from peft import get_peft_model
@@ -210,19 +246,33 @@ def train_adapter(backbone, overrides: dict | None = None, max_steps: int = 600,
     # histories need (with 8 facts only, training sat at the 1/num_pairs plateau); evaluation
     # always uses 8 facts.
     per_count = max_steps * batch_size // NUM_PAIRS + 1
-    episodes = [e for n in range(1, NUM_PAIRS + 1) for e in synthetic_recall_episodes(per_count, n, seed=seed + n)]
+    episodes = [
+        e for n in range(1, NUM_PAIRS + 1) for e in synthetic_recall_episodes(per_count, n, seed=seed + n)
+    ]
     data = Dataset.from_list([tokenize_episode(tok, e) for e in episodes])
     args = LSTMemTrainingConfig(
-        output_dir=output_dir or tempfile.mkdtemp(prefix="lstmem-demo-"), max_steps=max_steps, per_device_train_batch_size=batch_size,
-        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=0.05, logging_steps=25, save_strategy="no",
-        report_to=[], seed=seed, context_dropout=0.0, use_cpu=not torch.cuda.is_available(), disable_tqdm=not progress,
+        output_dir=output_dir or tempfile.mkdtemp(prefix="lstmem-demo-"),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        logging_steps=25,
+        save_strategy="no",
+        report_to=[],
+        seed=seed,
+        context_dropout=0.0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=not progress,
     )
     trainer = LSTMemTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     trainer.train()
     return model.eval(), trainer
 
 
-def _answers_correct(model, rows: list[list[int]], answer_lens: list[int], pad_id: int, cache=None) -> torch.Tensor:
+def _answers_correct(
+    model, rows: list[list[int]], answer_lens: list[int], pad_id: int, cache=None
+) -> torch.Tensor:
     """Per row: is every answer token (the last ``answer_lens[i]`` tokens) the argmax given its prefix?"""
     ids, mask = left_pad(rows, pad_id)
     kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
@@ -239,8 +289,15 @@ def _answers_correct(model, rows: list[list[int]], answer_lens: list[int], pad_i
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer=None, num_episodes: int = 512, seed: int = 12345, batch_size: int = 128,
-             num_pairs: int = NUM_PAIRS, progress: bool = False) -> dict:
+def evaluate(
+    model,
+    tokenizer=None,
+    num_episodes: int = 512,
+    seed: int = 12345,
+    batch_size: int = 128,
+    num_pairs: int = NUM_PAIRS,
+    progress: bool = False,
+) -> dict:
     """Recall on held-out episodes: exact match of the answer tokens, argmax over the whole vocabulary.
 
     ``recall_in_context``: adapter disabled, history then question in the context window.
@@ -257,7 +314,10 @@ def evaluate(model, tokenizer=None, num_episodes: int = 512, seed: int = 12345, 
         reads = [r["input_ids"] for r in rows]
         n_ans = [sum(1 for y in r["labels"] if y != -100) for r in rows]
         histories = [r["history_input_ids"] for r in rows]
-        in_context = [h + q[1:] if tok.bos_token_id is not None else h + q for h, q in zip(histories, reads)]
+        in_context = [
+            h + q[1:] if tok.bos_token_id is not None else h + q
+            for h, q in zip(histories, reads, strict=True)
+        ]
         with model.disable_adapter():
             hits["recall_in_context"] += _answers_correct(model, in_context, n_ans, pad).sum().item()
             hits["recall_no_history"] += _answers_correct(model, reads, n_ans, pad).sum().item()
@@ -266,7 +326,9 @@ def evaluate(model, tokenizer=None, num_episodes: int = 512, seed: int = 12345, 
         write_history(model, hist_ids, cache, attention_mask=hist_mask, progress=False)
         hits["recall_memory"] += _answers_correct(model, reads, n_ans, pad, cache).sum().item()
     result = {k: v / num_episodes for k, v in hits.items()}
-    result.update(chance=1 / NUM_VALUES, bag_of_values=1 / num_pairs, num_pairs=num_pairs, num_episodes=num_episodes)
+    result.update(
+        chance=1 / NUM_VALUES, bag_of_values=1 / num_pairs, num_pairs=num_pairs, num_episodes=num_episodes
+    )
     return result
 
 
@@ -278,7 +340,9 @@ def load_backbone(path: Path = ASSETS) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM.from_pretrained(path / "backbone").eval()
 
 
-def build(out: Path = ASSETS, warm_steps: int = 800, pretrain_steps: int = 1260, adapter_steps: int = 600) -> dict:
+def build(
+    out: Path = ASSETS, warm_steps: int = 800, pretrain_steps: int = 1260, adapter_steps: int = 600
+) -> dict:
     """Remake the shipped backbone and adapters; writes and returns the timings and evaluations."""
     out.mkdir(parents=True, exist_ok=True)
     record = {}
@@ -306,7 +370,9 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------- the `lstmem demo` command
 def format_table(results: dict[str, dict]) -> str:
     """Rows: the full adapter and ablations; columns: the three conditions and the reference levels."""
-    header = f"{'adapter':<20}{'in context':>12}{'no history':>12}{'memory only':>13}{'chance':>9}{'1/pairs':>9}"
+    header = (
+        f"{'adapter':<20}{'in context':>12}{'no history':>12}{'memory only':>13}{'chance':>9}{'1/pairs':>9}"
+    )
     lines = [header, "-" * len(header)]
     for name, r in results.items():
         lines.append(
@@ -316,8 +382,14 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run(train: bool = False, model_id: str | None = None, num_episodes: int = 512, ablations: bool = True,
-        train_steps: int = 600, seed: int = 42) -> dict:
+def run(
+    train: bool = False,
+    model_id: str | None = None,
+    num_episodes: int = 512,
+    ablations: bool = True,
+    train_steps: int = 600,
+    seed: int = 42,
+) -> dict:
     """What ``lstmem demo`` does; returns the summary printed as the last line."""
     timings = {}
     tokenizer = None
@@ -335,7 +407,9 @@ def run(train: bool = False, model_id: str | None = None, num_episodes: int = 51
     for name in names:
         if train:
             start = time.perf_counter()
-            model, _ = train_adapter(load(), ADAPTERS[name], max_steps=train_steps, seed=seed, tokenizer=tokenizer)
+            model, _ = train_adapter(
+                load(), ADAPTERS[name], max_steps=train_steps, seed=seed, tokenizer=tokenizer
+            )
             timings[f"train_{name}_s"] = round(time.perf_counter() - start, 1)
             print(f"trained adapter '{name}' in {timings[f'train_{name}_s']} s")
         elif model_id is None:

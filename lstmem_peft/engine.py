@@ -69,7 +69,9 @@ class MemoryPass:
         self._next = 0
         self._depth: torch.Tensor | None = None
         self._terminals: list[LayerTerminal] = []
-        self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # new (C, D) per layer, committed by finish()
+        self._staged: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # new (C, D) per layer, committed by finish()
         self._tokens: torch.Tensor | None = None
         self._length = 0
 
@@ -96,8 +98,15 @@ class MemoryPass:
             )
         state = self.cache.layers[index]
         out = layer(  # positional: this runs once per memory layer and token while decoding
-            x, state.cell, state.hidden, self._depth, self.valid, self.write, self.backend,
-            None if self.weights is None else self.weights[index], self.feedback,
+            x,
+            state.cell,
+            state.hidden,
+            self._depth,
+            self.valid,
+            self.write,
+            self.backend,
+            None if self.weights is None else self.weights[index],
+            self.feedback,
         )
         if self.write:
             self._staged.append((out.cell, out.hidden))
@@ -142,7 +151,7 @@ class MemoryPass:
         staged = self._staged
         if self.feedback and self._terminals:
             result = block_feedback(self._terminals, self._mask, self.depth_coupling)
-            staged = list(zip(result.cells, result.hiddens))
+            staged = list(zip(result.cells, result.hiddens, strict=True))
             self.feedback_result = result
             self._terminals = []
         if self._length > 1 or self.feedback:  # block ends; one-token steps: at the next block end or save
@@ -153,7 +162,7 @@ class MemoryPass:
                     "the adapter's weights hold nonfinite values. Nothing was written to the MemoryCache; check those "
                     "rows' inputs"
                 )
-        for state, (cell, hidden) in zip(self.cache.layers, staged):
+        for state, (cell, hidden) in zip(self.cache.layers, staged, strict=True):
             state.cell, state.hidden = cell, hidden
         self.cache.tokens_written = self._tokens
         self._staged = []

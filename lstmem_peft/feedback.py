@@ -135,7 +135,7 @@ def feedback_gradients(
         residual_grads.append(grad)
     grads: list[torch.Tensor] = [None] * L  # type: ignore[list-item]
     U = torch.zeros_like(residual_grads[-1])
-    for l in range(L - 1, -1, -1):
+    for l in range(L - 1, -1, -1):  # noqa: E741 (the paper's layer index l)
         if l < L - 1:
             U = terminals[l + 1].depth_gate.float()[..., None] * (residual_grads[l + 1] + U)
             if not depth_coupling:
@@ -186,7 +186,7 @@ def block_feedback(
     has_samples = mask.any(dim=1)  # (B,)
     finite = torch.isfinite(losses.detach()).all(dim=0)
     candidates, steps = [], []
-    for t, G in zip(terminals, grads):
+    for t, G in zip(terminals, grads, strict=True):
         C_bef = t.cell.float()
         a = _rms(G)  # (B, H)
         s = _rms(C_bef).clamp_min(1.0)
@@ -194,12 +194,21 @@ def block_feedback(
         step = -eta * s[..., None, None] * G / a.clamp_min(epsilon)[..., None, None]
         step = torch.where(active[..., None, None], step, torch.zeros_like(step))
         relative = _rms(step) / s
-        step = step * torch.where(relative > rho, rho / relative.clamp_min(epsilon), torch.ones_like(relative))[..., None, None]
+        step = (
+            step
+            * torch.where(relative > rho, rho / relative.clamp_min(epsilon), torch.ones_like(relative))[
+                ..., None, None
+            ]
+        )
         C_cand = (C_bef + step).to(t.cell.dtype)
         with torch.no_grad():  # acceptance and finiteness are decisions, not differentiable maps
             moved = _rms(C_cand.float() - C_bef) / s
             accept = active & (moved <= rho + K.ACCEPT_TOLERANCE)
-            finite = finite & torch.isfinite(G).flatten(1).all(dim=1) & torch.isfinite(C_cand.float()).flatten(1).all(dim=1)
+            finite = (
+                finite
+                & torch.isfinite(G).flatten(1).all(dim=1)
+                & torch.isfinite(C_cand.float()).flatten(1).all(dim=1)
+            )
         candidates.append(C_cand)
         steps.append(accept)
     commit_row = finite & has_samples  # (B,)
@@ -207,7 +216,7 @@ def block_feedback(
 
     cells, hiddens = [], []
     prev_delta = None  # D^(l-1),aft - D^(l-1),bef; zero for the first layer
-    for t, C_cand, acc in zip(terminals, candidates, accepted):
+    for t, C_cand, acc in zip(terminals, candidates, accepted, strict=True):
         C_aft = torch.where(acc[..., None, None], C_cand, t.cell)
         delta = t.out_gate.float()[..., None] * (torch.tanh(C_aft.float()) - torch.tanh(t.cell.float()))
         if depth_coupling and prev_delta is not None:

@@ -44,9 +44,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
-    StopStringCriteria,
     StoppingCriteria,
     StoppingCriteriaList,
+    StopStringCriteria,
 )
 
 from .cache import MemoryCache, MemoryLayout
@@ -132,7 +132,7 @@ class _States:
         self.tokens = cache.tokens_written
 
     def restore(self, cache: MemoryCache) -> None:
-        for state, (cell, hidden) in zip(cache.layers, self.layers):
+        for state, (cell, hidden) in zip(cache.layers, self.layers, strict=True):
             state.cell, state.hidden = cell, hidden
         cache.tokens_written = self.tokens
 
@@ -146,7 +146,9 @@ class _LastForward:
 
     __slots__ = ("before", "inputs", "position", "valid")
 
-    def __init__(self, position: int, before: _States, inputs: list[torch.Tensor], valid: torch.Tensor | None):
+    def __init__(
+        self, position: int, before: _States, inputs: list[torch.Tensor], valid: torch.Tensor | None
+    ):
         self.position, self.before, self.inputs, self.valid = position, before, inputs, valid
 
 
@@ -183,7 +185,9 @@ class GenerateSession:
         kwargs: the call's keyword arguments (the prompt, for beam search).
     """
 
-    def __init__(self, tuner, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict) -> None:
+    def __init__(
+        self, tuner, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict
+    ) -> None:
         self.tuner = tuner
         self.adapter = adapter
         self.user_cache = cache
@@ -248,10 +252,14 @@ class GenerateSession:
         pos = torch.arange(self._forward_start, self._forward_start + length, device=device)
         return pos[None, :] < self.stop_at.to(device)[:, None]
 
-    def forward_done(self, length: int, inputs: list[torch.Tensor] | None, valid: torch.Tensor | None) -> None:
+    def forward_done(
+        self, length: int, inputs: list[torch.Tensor] | None, valid: torch.Tensor | None
+    ) -> None:
         """The forward completed and its pass committed to the working memory."""
         self.position = self._forward_start + length
-        self.last = None if inputs is None else _LastForward(self._forward_start, self._forward_before, inputs, valid)
+        self.last = (
+            None if inputs is None else _LastForward(self._forward_start, self._forward_before, inputs, valid)
+        )
 
     def _begin(self, layout, kv, position, batch, device, kwargs) -> None:
         cache = self.user_cache
@@ -346,9 +354,13 @@ class GenerateSession:
             last.before.restore(self.work)
             self._replay(last, position - last.position)
         else:
-            where = "the start of the call" if self.last is None else (
-                f"the start of the call ({self.start_position}) or inside the last forward "
-                f"([{self.last.position}, {self.position}])"
+            where = (
+                "the start of the call"
+                if self.last is None
+                else (
+                    f"the start of the call ({self.start_position}) or inside the last forward "
+                    f"([{self.last.position}, {self.position}])"
+                )
             )
             raise RuntimeError(
                 f"the KV cache is at position {position} but LSTMem memory is at {self.position} and can only return "
@@ -367,7 +379,7 @@ class GenerateSession:
             self.work, valid, write=True, depth_coupling=config.depth_coupling, backend=config.scan_backend
         )
         with torch.no_grad():
-            for i, (layer, x) in enumerate(zip(layers, last.inputs)):
+            for i, (layer, x) in enumerate(zip(layers, last.inputs, strict=True)):
                 step.run(i, layer, x[:, :count])
             step.finish()
 
@@ -408,6 +420,11 @@ class GenerateSession:
         positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
         with torch.no_grad():
             self.tuner.model(
-                input_ids=full_ids, attention_mask=full_mask, position_ids=positions, use_cache=False,
-                memory_cache=self.work, memory_write=True, memory_feedback=False,
+                input_ids=full_ids,
+                attention_mask=full_mask,
+                position_ids=positions,
+                use_cache=False,
+                memory_cache=self.work,
+                memory_write=True,
+                memory_feedback=False,
             )

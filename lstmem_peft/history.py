@@ -16,7 +16,9 @@ from .tuner import LSTMemModel
 def find_tuner(model: nn.Module) -> LSTMemModel:
     """The :class:`LSTMemModel` inside a PeftModel, a DDP/accelerate wrapper or the tuner itself."""
     seen = model
-    while hasattr(seen, "module") and isinstance(seen.module, nn.Module) and not isinstance(seen, LSTMemModel):
+    while (
+        hasattr(seen, "module") and isinstance(seen.module, nn.Module) and not isinstance(seen, LSTMemModel)
+    ):
         seen = seen.module  # DistributedDataParallel and similar wrappers
     if isinstance(seen, LSTMemModel):
         return seen
@@ -154,7 +156,9 @@ def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show)
     count = max(-(-len(t) // block) for t in tokens)
     memory_cache.bind(find_tuner(model).memory_layout())  # all rows exist before sub-batches are cut
     memory_cache.ensure(B, input_ids.device)
-    for k in tqdm(range(count), desc="writing history", unit="block", disable=not (count > 1 if show is None else show)):
+    for k in tqdm(
+        range(count), desc="writing history", unit="block", disable=not (count > 1 if show is None else show)
+    ):
         pieces = [t[k * block : (k + 1) * block] for t in tokens]
         rows = [b for b in range(B) if len(pieces[b])]
         width = max(len(pieces[b]) for b in rows)
@@ -168,7 +172,12 @@ def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show)
         if len(rows) < B:
             part.batch_select_indices(index)
         model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
-            memory_cache=part, memory_write=True, memory_feedback=True, **extra,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),
+            memory_cache=part,
+            memory_write=True,
+            memory_feedback=True,
+            **extra,
         )
         memory_cache.update_rows(index, part)

@@ -78,7 +78,11 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         active = _active()
         active = None if active is None else active.model_pass
         base = self._modules["base_layer"]
-        memory = None if active is None or self._disable_adapters else self.lstmem_memory._modules.get(active.adapter_name)
+        memory = (
+            None
+            if active is None or self._disable_adapters
+            else self.lstmem_memory._modules.get(active.adapter_name)
+        )
         if memory is None:
             return base(x, *args, **kwargs)
         return _base_plus(base, x, active.run_layer(self, memory, x), 0, args, kwargs)
@@ -118,9 +122,15 @@ def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
         and not args
         and not kwargs
         and x.dtype == params["weight"].dtype
-        and not (base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks)
-        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
-                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+        and not (
+            base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks
+        )
+        and not (
+            _module._global_forward_hooks
+            or _module._global_forward_pre_hooks
+            or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks
+        )
         and "forward" not in base.__dict__
     )
 
@@ -145,6 +155,8 @@ def _base_plus(base: nn.Module, x: torch.Tensor, out: LayerOutput, which: int, a
         n = weight.shape[0]
         if delta.numel() == n:  # one token of one sequence: the correction is the bias
             return F.linear(x, weight, delta.view(n))
-        return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], n)
+        return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(
+            *x.shape[:-1], n
+        )
     result = base(x, *args, **kwargs)
     return result + (delta if delta.dtype == result.dtype else delta.to(result.dtype))

@@ -161,12 +161,16 @@ class StepPlan:
 
         self.b_in = torch.cat([zero, zero, -layer.b_pred, layer.b_x])
         # rows: inputs; columns: [e | a | u]
-        rows_s = torch.cat([torch.cat([eye, g_e.t(), zeros], 1), torch.cat([zeros, g_z.t(), zeros], 1)])  # e_0, z
+        rows_s = torch.cat(
+            [torch.cat([eye, g_e.t(), zeros], 1), torch.cat([zeros, g_z.t(), zeros], 1)]
+        )  # e_0, z
         r_time = torch.cat([zeros, torch.zeros_like(g_dep.t()), w_read_t], 1)
         r_dep = torch.cat([zeros, g_dep.t(), w_read_d], 1)
         p_row = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)
         unused = torch.zeros_like(r_time)  # D k
-        reads_depth = torch.stack([per_head(r_time, r_dep), per_head(unused, p_row)], dim=1)  # (H, q|k, D|D', r, 6 d_s)
+        reads_depth = torch.stack(
+            [per_head(r_time, r_dep), per_head(unused, p_row)], dim=1
+        )  # (H, q|k, D|D', r, 6 d_s)
         self.m_depth = torch.cat([rows_s, reads_depth.reshape(4 * ds, -1)]).contiguous()
         self.m_first = torch.cat([rows_s, per_head(r_time, unused).reshape(2 * ds, -1)]).contiguous()
         self.b_eau = torch.cat([zero, layer.b_gate, layer.b_read])
@@ -254,9 +258,7 @@ class LSTMemLayer(nn.Module):
         self.b_read.zero_()
         self.b_pred.zero_()
         self.w_gate_full.zero_()
-        self.b_gate.copy_(
-            torch.cat([torch.full((ds,), K.GATE_BIAS[name]) for name in ("i", "f", "o", "g")])
-        )
+        self.b_gate.copy_(torch.cat([torch.full((ds,), K.GATE_BIAS[name]) for name in ("i", "f", "o", "g")]))
         self.w_dq.zero_()
         self.w_do.zero_()
 
@@ -271,7 +273,10 @@ class LSTMemLayer(nn.Module):
             query_weight: ``(d_q, d)`` weight of the backbone's query projection.
             output_weight: ``(d, d_q)`` weight of the backbone's output projection.
         """
-        for target, source, name in ((self.w_dq, query_weight, "query"), (self.w_do, output_weight, "output")):
+        for target, source, name in (
+            (self.w_dq, query_weight, "query"),
+            (self.w_do, output_weight, "output"),
+        ):
             if source.shape[0] != target.shape[0]:
                 raise ValueError(
                     f"{name} projection weight has {source.shape[0]} output rows but the memory "
@@ -303,11 +308,19 @@ class LSTMemLayer(nn.Module):
         """
         wq, wk, wv, wx = self.w_in.split(self.state_size, dim=0)
         return {
-            "Wq": wq, "Wk": wk, "Wv": wv, "Wx": wx, "bx": self.b_x,
-            "Wread": self.w_read, "bread": self.b_read,
-            "Wpred_full": self.w_pred_full, "bpred": self.b_pred,
-            "Wgate_full": self.w_gate_full, "bgate": self.b_gate,
-            "Wdq": self.w_dq, "Wdo": self.w_do,
+            "Wq": wq,
+            "Wk": wk,
+            "Wv": wv,
+            "Wx": wx,
+            "bx": self.b_x,
+            "Wread": self.w_read,
+            "bread": self.b_read,
+            "Wpred_full": self.w_pred_full,
+            "bpred": self.b_pred,
+            "Wgate_full": self.w_gate_full,
+            "bgate": self.b_gate,
+            "Wdq": self.w_dq,
+            "Wdo": self.w_do,
         }
 
     def extra_repr(self) -> str:
@@ -323,7 +336,9 @@ class LSTMemLayer(nn.Module):
         ds = self.state_size
         g = self.w_gate_full  # [G_z | G_time | G_dep | G_e]
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
-        qk_by_head = torch.stack([w_q.view(self.num_heads, self.head_dim, -1), w_k.view(self.num_heads, self.head_dim, -1)], 1)
+        qk_by_head = torch.stack(
+            [w_q.view(self.num_heads, self.head_dim, -1), w_k.view(self.num_heads, self.head_dim, -1)], 1
+        )
         return LayerWeights(
             w_in=torch.cat([qk_by_head.reshape(2 * ds, -1), w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
@@ -389,7 +404,9 @@ class LSTMemLayer(nn.Module):
             return self._step_fused(w, rows, cell, hidden, depth, valid, backend, aux)
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
-        qk = _unit_heads(torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R))  # [q^[j]; k^[j]] per (token, head)
+        qk = _unit_heads(
+            torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R)
+        )  # [q^[j]; k^[j]] per (token, head)
         v, z = proj[:, 2 * ds : 3 * ds], proj[:, 3 * ds :]
         if depth is None:  # D^(l-1) = 0: r^dep = p^dep = 0
             # eq:residual
@@ -413,8 +430,15 @@ class LSTMemLayer(nn.Module):
         # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
         if T == 1:
             r_time, new_cell, new_hidden = lstmem_step(
-                q, k, i_e, f, o, *_step_states(cell, hidden, backend), depth_term,
-                None if valid is None else valid.view(B), backend=backend,
+                q,
+                k,
+                i_e,
+                f,
+                o,
+                *_step_states(cell, hidden, backend),
+                depth_term,
+                None if valid is None else valid.view(B),
+                backend=backend,
             )
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
             k, o, g = k.unsqueeze(1), o.unsqueeze(1), g.unsqueeze(1)
@@ -430,16 +454,24 @@ class LSTMemLayer(nn.Module):
             u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
         delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
         return LayerOutput(
-            delta_q, delta_o, _cast(new_cell, cell.dtype), _cast(new_hidden, hidden.dtype), hidden_seq,
-            key=k, value=v.view(B, T, H, R), out_gate=o, depth_gate=g,
+            delta_q,
+            delta_o,
+            _cast(new_cell, cell.dtype),
+            _cast(new_hidden, hidden.dtype),
+            hidden_seq,
+            key=k,
+            value=v.view(B, T, H, R),
+            out_gate=o,
+            depth_gate=g,
         )
 
     def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
         """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u`` in one product; ``u``
         ``(B T, d_s)`` -> ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
-        delta_q, delta_o = torch.mm(u, w.corr).view(B, T, -1).split([self.query_size, self.hidden_size], dim=-1)
+        delta_q, delta_o = (
+            torch.mm(u, w.corr).view(B, T, -1).split([self.query_size, self.hidden_size], dim=-1)
+        )
         return _cast(delta_q, dtype), _cast(delta_o, dtype)
-
 
     def _step_fused(self, w: LayerWeights, x, cell, hidden, depth, valid, backend, aux) -> LayerOutput:
         """One written token with the :class:`StepPlan`: :meth:`forward`'s equations with the affine
@@ -467,26 +499,41 @@ class LSTMemLayer(nn.Module):
         i_e = i * e.view(B, H, R, 1)
         k_row = qk.view(B, H, 2, R).narrow(2, 1, 1)  # (B, H, 1, r); r^time = D q is in `reads` already
         depth_term = None if depth is None else g * below
-        if backend == "torch" or (backend == "auto" and not x.is_cuda and dtype in (torch.float32, torch.float64)):
+        if backend == "torch" or (
+            backend == "auto" and not x.is_cuda and dtype in (torch.float32, torch.float64)
+        ):
             # the kernel family's PyTorch step, in the column shapes the plan produces
             C = _cast(cell, dtype) if dtype in (torch.float32, torch.float64) else cell.float()
             keep = None if valid is None else valid.view(B, 1, 1, 1)
             _, new_cell, new_hidden = step_shaped(None, k_row, i_e, f, o, C, D, depth_term, keep)
         else:  # Triton (in place, on copies), naive, or a half-precision adapter
             _, new_cell, new_hidden = lstmem_step(
-                qk.view(B, H, 2, R)[:, :, 0], k_row[:, :, 0], i_e[..., 0], f[..., 0], o[..., 0],
-                *_step_states(cell, hidden, backend), depth_term, None if valid is None else valid.view(B),
+                qk.view(B, H, 2, R)[:, :, 0],
+                k_row[:, :, 0],
+                i_e[..., 0],
+                f[..., 0],
+                o[..., 0],
+                *_step_states(cell, hidden, backend),
+                depth_term,
+                None if valid is None else valid.view(B),
                 backend=backend,
             )
         out = LayerOutput(  # corrections factored: the projections add u corr to their own products
-            None, None, _cast(new_cell, cell.dtype), _cast(new_hidden, hidden.dtype), _cast(new_hidden, dtype)[:, None],
-            read=u, corr=w.corr.split([self.query_size, self.hidden_size], dim=1),
+            None,
+            None,
+            _cast(new_cell, cell.dtype),
+            _cast(new_hidden, hidden.dtype),
+            _cast(new_hidden, dtype)[:, None],
+            read=u,
+            corr=w.corr.split([self.query_size, self.hidden_size], dim=1),
         )
         if not aux:
             return out
         return out._replace(
-            key=k_row.view(B, 1, H, R), value=(s[:, :ds] + self.b_pred).view(B, 1, H, R),
-            out_gate=o.view(B, 1, H, R), depth_gate=g.view(B, 1, H, R),
+            key=k_row.view(B, 1, H, R),
+            value=(s[:, :ds] + self.b_pred).view(B, 1, H, R),
+            out_gate=o.view(B, 1, H, R),
+            depth_gate=g.view(B, 1, H, R),
         )
 
 

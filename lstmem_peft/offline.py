@@ -25,8 +25,14 @@ def char_tokenizer(alphabet: str = string.printable[:95] + "\n") -> PreTrainedTo
     )
 
 
-def tiny_qwen3(vocab_size: int, hidden_size: int = 128, num_layers: int = 2, num_kv_heads: int = 2,
-               tie_embeddings: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_qwen3(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_kv_heads: int = 2,
+    tie_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen3ForCausalLM:
     """A random-init Qwen3 causal LM (4 query heads) with pad/bos/eos ids 0/1/2."""
     torch.manual_seed(seed)
     config = Qwen3Config(

@@ -110,6 +110,4 @@ def memory_layer_ref(
             C_t, D_t = torch.where(keep, C_t, C), torch.where(keep, D_t, D)
         C, D = C_t, D_t
         hidden_seq.append(D)
-    return ReferenceOutput(
-        torch.stack(delta_q, 1), torch.stack(delta_o, 1), C, D, torch.stack(hidden_seq, 1)
-    )
+    return ReferenceOutput(torch.stack(delta_q, 1), torch.stack(delta_o, 1), C, D, torch.stack(hidden_seq, 1))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,17 +102,28 @@ class LSTMemTrainingConfig(SFTConfig):
     (episode columns are kept and not re-tokenized), ``bf16`` on when a CUDA device supports it.
     """
 
-    history_mode: str = field(default="stage1", metadata={"help": "'stage1' (gradients) or 'stage2' (no gradients)."})
-    history_max_tokens: Optional[int] = field(default=None, metadata={"help": "History cap (8192 / 131072 by mode)."})
-    history_block_size: Optional[int] = field(default=None, metadata={"help": "Tokens per history block."})
-    answer_max_tokens: int = field(default=K.ANSWER_READ_LIMIT, metadata={"help": "Read-sequence limit."})
-    context_dropout: float = field(default=K.CONTEXT_DROPOUT, metadata={"help": "Prompt dropout probability."})
-    gradient_checkpointing: Optional[bool] = field(default=None, metadata={"help": "Not supported by LSTMem."})
-    remove_unused_columns: bool = field(default=False, metadata={"help": "Episode columns must reach the collator."})
-    dataset_kwargs: Optional[dict[str, Any]] = field(
-        default_factory=lambda: {"skip_prepare_dataset": True}, metadata={"help": "TRL dataset preparation options."}
+    history_mode: str = field(
+        default="stage1", metadata={"help": "'stage1' (gradients) or 'stage2' (no gradients)."}
     )
-    bf16: Optional[bool] = field(default=None, metadata={"help": "bf16 mixed precision; default: if CUDA supports it."})
+    history_max_tokens: int | None = field(
+        default=None, metadata={"help": "History cap (8192 / 131072 by mode)."}
+    )
+    history_block_size: int | None = field(default=None, metadata={"help": "Tokens per history block."})
+    answer_max_tokens: int = field(default=K.ANSWER_READ_LIMIT, metadata={"help": "Read-sequence limit."})
+    context_dropout: float = field(
+        default=K.CONTEXT_DROPOUT, metadata={"help": "Prompt dropout probability."}
+    )
+    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Not supported by LSTMem."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Episode columns must reach the collator."}
+    )
+    dataset_kwargs: dict[str, Any] | None = field(
+        default_factory=lambda: {"skip_prepare_dataset": True},
+        metadata={"help": "TRL dataset preparation options."},
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision; default: if CUDA supports it."}
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -121,7 +132,9 @@ class LSTMemTrainingConfig(SFTConfig):
         if self.history_mode not in HISTORY_MODES:
             raise ValueError(f"history_mode must be one of {HISTORY_MODES}, got {self.history_mode!r}")
         if self.history_max_tokens is None:
-            self.history_max_tokens = K.STAGE1_HISTORY_CAP if self.history_mode == "stage1" else K.STAGE2_HISTORY_CAP
+            self.history_max_tokens = (
+                K.STAGE1_HISTORY_CAP if self.history_mode == "stage1" else K.STAGE2_HISTORY_CAP
+            )
         if self.gradient_checkpointing or getattr(self, "activation_checkpointing", None):
             raise ValueError(
                 "activation (gradient) checkpointing is not supported by LSTMem: recomputed layers run outside the "
@@ -152,20 +165,38 @@ class LSTMemTrainer(SFTTrainer):
     _name = "LSTMem"
     _paper = {"title": K.PAPER_TITLE, "id": None, "citation": K.PAPER_BIBTEX}
 
-    def __init__(self, model, args: LSTMemTrainingConfig | None = None, data_collator=None, processing_class=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: LSTMemTrainingConfig | None = None,
+        data_collator=None,
+        processing_class=None,
+        **kwargs,
+    ):
         if args is None:
             args = LSTMemTrainingConfig(output_dir="lstmem-trainer")
         if not isinstance(args, LSTMemTrainingConfig):
-            raise TypeError("LSTMemTrainer needs an LSTMemTrainingConfig (TRL's SFTConfig plus the episode fields)")
+            raise TypeError(
+                "LSTMemTrainer needs an LSTMemTrainingConfig (TRL's SFTConfig plus the episode fields)"
+            )
         if processing_class is None:
             raise ValueError("pass processing_class=<tokenizer>: LSTMemTrainer never downloads one")
         find_tuner(model)  # fails early, with the fix, when the model has no LSTMem adapter
         if data_collator is None:
-            pad = processing_class.pad_token_id if processing_class.pad_token_id is not None else processing_class.eos_token_id
-            data_collator = EpisodeCollator(
-                pad_token_id=pad, answer_max_tokens=args.answer_max_tokens, context_dropout=args.context_dropout, seed=args.seed
+            pad = (
+                processing_class.pad_token_id
+                if processing_class.pad_token_id is not None
+                else processing_class.eos_token_id
             )
-        super().__init__(model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs)
+            data_collator = EpisodeCollator(
+                pad_token_id=pad,
+                answer_max_tokens=args.answer_max_tokens,
+                context_dropout=args.context_dropout,
+                seed=args.seed,
+            )
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs
+        )
         self.model_accepts_loss_kwargs = True  # compute_loss normalises by num_items_in_batch itself
 
     def train(self, *args, **kwargs):
@@ -182,13 +213,16 @@ class LSTMemTrainer(SFTTrainer):
             history_max_tokens=self.args.history_max_tokens,
             updates=self.state.global_step,
             learning_rate=self.args.learning_rate,
-            effective_batch=self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+            effective_batch=self.args.per_device_train_batch_size
+            * self.args.gradient_accumulation_steps
             * self.accelerator.num_processes,
             seed=self.args.seed,
         )
         return output
 
-    def write_episode_history(self, model, history_ids: torch.Tensor, history_mask: torch.Tensor) -> MemoryCache:
+    def write_episode_history(
+        self, model, history_ids: torch.Tensor, history_mask: torch.Tensor
+    ) -> MemoryCache:
         """Step 2 of an episode: a fresh memory with the history written into it."""
         if history_ids.shape[1] > self.args.history_max_tokens + 1:
             raise ValueError(
@@ -198,22 +232,33 @@ class LSTMemTrainer(SFTTrainer):
         cache = MemoryCache()
         block = self.args.history_block_size
         if self.args.history_mode == "stage1":
-            write_history(model, history_ids, cache, attention_mask=history_mask, block_size=block, progress=False)
+            write_history(
+                model, history_ids, cache, attention_mask=history_mask, block_size=block, progress=False
+            )
             return cache
         block = block or find_tuner(model).peft_config[find_tuner(model)._single_active_adapter()].block_size
         with torch.no_grad():
             for start in range(0, history_ids.shape[1], block):
                 write_history(
-                    model, history_ids[:, start : start + block], cache,
-                    attention_mask=history_mask[:, start : start + block], block_size=block, progress=False,
+                    model,
+                    history_ids[:, start : start + block],
+                    cache,
+                    attention_mask=history_mask[:, start : start + block],
+                    block_size=block,
+                    progress=False,
                 )
                 cache.detach_()
         return cache
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        cache = self.write_episode_history(model, inputs["history_input_ids"], inputs["history_attention_mask"])
+        cache = self.write_episode_history(
+            model, inputs["history_input_ids"], inputs["history_attention_mask"]
+        )
         outputs = model(
-            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], memory_cache=cache, memory_write=False,
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            memory_cache=cache,
+            memory_write=False,
             use_cache=False,
         )
         logits = outputs.logits[:, :-1].float()
@@ -229,6 +274,8 @@ class LSTMemTrainer(SFTTrainer):
         with torch.no_grad():
             correct = ((logits.argmax(-1) == targets) & mask).sum()
             total = mask.sum()
-            correct, total = self.accelerator.gather_for_metrics(torch.stack([correct, total]).view(1, 2)).sum(0)
+            correct, total = self.accelerator.gather_for_metrics(
+                torch.stack([correct, total]).view(1, 2)
+            ).sum(0)
         self._metrics[mode]["answer_token_accuracy"].append((correct / total.clamp(min=1)).item())
         return (loss, outputs) if return_outputs else loss

@@ -64,7 +64,9 @@ def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> t
     else:
         raise ValueError(f"cannot read token validity from an attention mask of shape {tuple(mask.shape)}")
     if valid.shape != (batch, length):
-        raise ValueError(f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}")
+        raise ValueError(
+            f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}"
+        )
     if valid.device.type != "cpu":
         return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
     return None if bool(valid.all()) else valid
@@ -162,7 +164,9 @@ class LSTMemModel(BaseTuner):
             return False
         return peft_config.layers_to_transform is None or idx in peft_config.layers_to_transform
 
-    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None):
+    def _create_and_replace(
+        self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None
+    ):
         idx = self._layer_index(current_key)
         if target_name == peft_config.query_module:
             output = getattr(parent, peft_config.output_module, None)
@@ -171,7 +175,9 @@ class LSTMemModel(BaseTuner):
                     f"{current_key}: found the query projection but no sibling {peft_config.output_module!r}; "
                     "LSTMem needs both projections of one attention block: set target_modules=[query, output]"
                 )
-            output_weight = output.get_base_layer().weight if isinstance(output, LSTMemTunerLayer) else output.weight
+            output_weight = (
+                output.get_base_layer().weight if isinstance(output, LSTMemTunerLayer) else output.weight
+            )
             if not isinstance(target, LSTMemQueryLayer):
                 self._check_linear(target, current_key)
                 new = LSTMemQueryLayer(target, idx)
@@ -201,7 +207,9 @@ class LSTMemModel(BaseTuner):
             )
         missing = [q.layer_idx for q in queries if q.layer_idx not in outputs]
         if missing:
-            raise ValueError(f"decoder layers {missing} have a query projection but no {config.output_module!r}")
+            raise ValueError(
+                f"decoder layers {missing} have a query projection but no {config.output_module!r}"
+            )
         if config.layers_to_transform is not None:
             absent = sorted(set(config.layers_to_transform) - {q.layer_idx for q in queries})
             if absent:
@@ -221,7 +229,11 @@ class LSTMemModel(BaseTuner):
         adapter_name = adapter_name or self._single_active_adapter()
         cache = self.__dict__.setdefault("_lstmem_query_layers", {})
         if adapter_name not in cache:
-            layers = [m for m in self.model.modules() if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory]
+            layers = [
+                m
+                for m in self.model.modules()
+                if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory
+            ]
             cache[adapter_name] = sorted(layers, key=lambda m: m.layer_idx)
         return cache[adapter_name]
 
@@ -355,9 +367,9 @@ class LSTMemModel(BaseTuner):
             if cache is None:
                 if past:
                     raise ValueError(
-                        f"past_key_values holds {past} tokens but no memory_cache was passed: LSTMem memory would start "
-                        "empty while attention sees that context. Pass the MemoryCache that was written with those "
-                        "tokens (memory_cache=...), or no past_key_values"
+                        f"past_key_values holds {past} tokens but no memory_cache was passed: LSTMem memory would "
+                        "start empty while attention sees that context. Pass the MemoryCache that was written "
+                        "with those tokens (memory_cache=...), or no past_key_values"
                     )
                 cache = MemoryCache()  # a fresh memory for this call only
             if not isinstance(cache, MemoryCache):
@@ -368,7 +380,9 @@ class LSTMemModel(BaseTuner):
         write = True if write is None else bool(write)
         feedback = bool(feedback) and config.block_feedback
         if feedback and not write:
-            raise ValueError("memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)")
+            raise ValueError(
+                "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
+            )
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
         if session is not None:
             valid = _and(valid, session.extra_valid(length, ref.device))
@@ -404,7 +418,12 @@ class LSTMemModel(BaseTuner):
     def _close_pass(self, module: nn.Module, args, kwargs, output):
         """Forward hook (also called when the forward raised): commit the pass, or drop it."""
         active = ACTIVE.get()
-        if active is None or active.owner is not self or active.module is not module or active.model_pass is None:
+        if (
+            active is None
+            or active.owner is not self
+            or active.module is not module
+            or active.model_pass is None
+        ):
             return output
         model_pass = active.model_pass
         ACTIVE.reset(model_pass.token)
@@ -437,7 +456,9 @@ class LSTMemModel(BaseTuner):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
         cache.check_layout(self._pass_plan(adapter)[0])
         session = GenerateSession(self, adapter, cache, config, kwargs=kwargs)
-        criteria = session.stopping_criteria(config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer"))
+        criteria = session.stopping_criteria(
+            config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer")
+        )
         if criteria is not None:
             kwargs["stopping_criteria"] = criteria
         token = ACTIVE.set(Active(self, None, None, session))
@@ -465,7 +486,9 @@ class LSTMemModel(BaseTuner):
         self._remove_hooks()
         return self._unload_and_optionally_merge(merge=False)
 
-    def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+    def _unload_and_optionally_merge(
+        self, merge=True, progressbar=False, safe_merge=False, adapter_names=None
+    ):
         if merge:
             self.merge_and_unload()
         self._remove_hooks()

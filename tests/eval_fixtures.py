@@ -18,8 +18,13 @@ def locomo_samples() -> list[dict]:
                 "session_2_date_time": "4:10 pm on 9 May, 2023",
                 "session_2": [
                     {"speaker": "Bo", "dia_id": "D2:1", "text": "I ran a race in Oslo."},
-                    {"speaker": "Ann", "dia_id": "D2:2", "text": "Well done!", "img_url": ["x"],
-                     "blip_caption": "a photo of a medal"},
+                    {
+                        "speaker": "Ann",
+                        "dia_id": "D2:2",
+                        "text": "Well done!",
+                        "img_url": ["x"],
+                        "blip_caption": "a photo of a medal",
+                    },
                 ],
                 "session_1_date_time": "1:56 pm on 8 May, 2023",
                 "session_1": [
@@ -28,11 +33,36 @@ def locomo_samples() -> list[dict]:
                 ],
             },
             "qa": [
-                {"question": "What are Bo's hobbies?", "answer": "painting, hiking", "evidence": ["D1:2"], "category": 1},
-                {"question": "When did Bo run a race?", "answer": "9 May, 2023", "evidence": ["D2:1"], "category": 2},
-                {"question": "Would Ann like dogs?", "answer": "maybe; she has a cat", "evidence": ["D1:1"], "category": 3},
-                {"question": "What is Ann's cat called?", "answer": "Tom", "evidence": ["D1:1"], "category": 4},
-                {"question": "What is Bo's cat called?", "adversarial_answer": "Tom", "evidence": [], "category": 5},
+                {
+                    "question": "What are Bo's hobbies?",
+                    "answer": "painting, hiking",
+                    "evidence": ["D1:2"],
+                    "category": 1,
+                },
+                {
+                    "question": "When did Bo run a race?",
+                    "answer": "9 May, 2023",
+                    "evidence": ["D2:1"],
+                    "category": 2,
+                },
+                {
+                    "question": "Would Ann like dogs?",
+                    "answer": "maybe; she has a cat",
+                    "evidence": ["D1:1"],
+                    "category": 3,
+                },
+                {
+                    "question": "What is Ann's cat called?",
+                    "answer": "Tom",
+                    "evidence": ["D1:1"],
+                    "category": 4,
+                },
+                {
+                    "question": "What is Bo's cat called?",
+                    "adversarial_answer": "Tom",
+                    "evidence": [],
+                    "category": 5,
+                },
             ],
         },
         {
@@ -47,8 +77,18 @@ def locomo_samples() -> list[dict]:
                 ],
             },
             "qa": [
-                {"question": "Where does Cy's sister live?", "answer": "Lima", "evidence": ["D1:1"], "category": 4},
-                {"question": "When did Di move to Rome?", "answer": 2020, "evidence": ["D1:2"], "category": 2},
+                {
+                    "question": "Where does Cy's sister live?",
+                    "answer": "Lima",
+                    "evidence": ["D1:1"],
+                    "category": 4,
+                },
+                {
+                    "question": "When did Di move to Rome?",
+                    "answer": 2020,
+                    "evidence": ["D1:2"],
+                    "category": 2,
+                },
             ],
         },
     ]
@@ -99,13 +139,23 @@ def write_hotpot_hf_jsonl(path) -> str:
     """The same examples in the Hugging Face ``hotpot_qa`` row layout, one per line."""
     rows = []
     for ex in hotpot_examples():
-        rows.append({
-            "id": ex["_id"], "question": ex["question"], "answer": ex["answer"], "type": ex["type"],
-            "level": ex["level"],
-            "supporting_facts": {"title": [t for t, _ in ex["supporting_facts"]],
-                                 "sent_id": [i for _, i in ex["supporting_facts"]]},
-            "context": {"title": [t for t, _ in ex["context"]], "sentences": [s for _, s in ex["context"]]},
-        })
+        rows.append(
+            {
+                "id": ex["_id"],
+                "question": ex["question"],
+                "answer": ex["answer"],
+                "type": ex["type"],
+                "level": ex["level"],
+                "supporting_facts": {
+                    "title": [t for t, _ in ex["supporting_facts"]],
+                    "sent_id": [i for _, i in ex["supporting_facts"]],
+                },
+                "context": {
+                    "title": [t for t, _ in ex["context"]],
+                    "sentences": [s for _, s in ex["context"]],
+                },
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -209,16 +259,55 @@ QASPER_OFFICIAL = {  # the official release: {paper_id: paper}, rows of records
         "abstract": "We study tiny things.",
         "full_text": [{"section_name": "Intro", "paragraphs": ["Tiny things matter.", "They are small."]}],
         "qas": [
-            {"question": "What do they study?", "question_id": "q1",
-             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": None,
-                                     "free_form_answer": "tiny things", "evidence": [], "highlighted_evidence": []},
-                          "annotation_id": "a1"}]},
-            {"question": "Is it big?", "question_id": "q2",
-             "answers": [{"answer": {"unanswerable": False, "extractive_spans": [], "yes_no": False,
-                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
-            {"question": "Who funded it?", "question_id": "q3",
-             "answers": [{"answer": {"unanswerable": True, "extractive_spans": [], "yes_no": None,
-                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}}]},
+            {
+                "question": "What do they study?",
+                "question_id": "q1",
+                "answers": [
+                    {
+                        "answer": {
+                            "unanswerable": False,
+                            "extractive_spans": [],
+                            "yes_no": None,
+                            "free_form_answer": "tiny things",
+                            "evidence": [],
+                            "highlighted_evidence": [],
+                        },
+                        "annotation_id": "a1",
+                    }
+                ],
+            },
+            {
+                "question": "Is it big?",
+                "question_id": "q2",
+                "answers": [
+                    {
+                        "answer": {
+                            "unanswerable": False,
+                            "extractive_spans": [],
+                            "yes_no": False,
+                            "free_form_answer": "",
+                            "evidence": [],
+                            "highlighted_evidence": [],
+                        }
+                    }
+                ],
+            },
+            {
+                "question": "Who funded it?",
+                "question_id": "q3",
+                "answers": [
+                    {
+                        "answer": {
+                            "unanswerable": True,
+                            "extractive_spans": [],
+                            "yes_no": None,
+                            "free_form_answer": "",
+                            "evidence": [],
+                            "highlighted_evidence": [],
+                        }
+                    }
+                ],
+            },
         ],
     }
 }

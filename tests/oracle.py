@@ -12,7 +12,7 @@ def states(cache):
 def assert_same_memory(cache, expected, **tol):
     layers, tokens = expected
     assert cache.tokens_written.tolist() == tokens.tolist()
-    for state, (cell, hidden) in zip(cache.layers, layers):
+    for state, (cell, hidden) in zip(cache.layers, layers, strict=True):
         torch.testing.assert_close(state.cell, cell, **tol)
         torch.testing.assert_close(state.hidden, hidden, **tol)
 
@@ -28,8 +28,11 @@ def forward_logits(model, start, ids, mask):
     """Last-position logits of one forward over ``ids`` from the memory ``start`` (not modified)."""
     with torch.no_grad():
         return model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-            memory_cache=start.clone(), use_cache=False,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            memory_cache=start.clone(),
+            use_cache=False,
         ).logits[:, -1]
 
 
@@ -42,8 +45,13 @@ def expected_memory(model, start, prompt, mask, generated, kept):
     full = torch.cat([mask, kept_mask], 1)
     cache = start.clone()
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp_min(0),
-              memory_cache=cache, use_cache=False)
+        model(
+            input_ids=ids,
+            attention_mask=full,
+            position_ids=(full.cumsum(-1) - 1).clamp_min(0),
+            memory_cache=cache,
+            use_cache=False,
+        )
     return states(cache)
 
 
@@ -81,6 +89,6 @@ def check_contract(model, start, prompt, mask, out, cache, repeats=1, stop_token
 
 def assert_row_equals_alone(batch_cache, row, alone, **tol):
     """Row ``row`` of ``batch_cache`` holds the memory of the one-row cache ``alone``."""
-    for a, b in zip(batch_cache.layers, alone.layers):
+    for a, b in zip(batch_cache.layers, alone.layers, strict=True):
         torch.testing.assert_close(a.cell[row], b.cell[0], **tol)
         torch.testing.assert_close(a.hidden[row], b.hidden[0], **tol)

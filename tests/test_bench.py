@@ -14,7 +14,9 @@ def records(tmp_path_factory):
         "decode": bench.run("decode", preset="tiny", out=str(out), reps=1, kv_lengths=[16, 32]),
         "write": bench.run("write", preset="tiny", out=str(out), reps=1, tokens=48),
         "e2e": bench.run("e2e", preset="tiny", out=str(out), reps=1, histories=[32], answer_tokens=3),
-        "generate": bench.run("generate", preset="tiny", out=str(out), reps=1, prompt_tokens=16, answer_tokens=4),
+        "generate": bench.run(
+            "generate", preset="tiny", out=str(out), reps=1, prompt_tokens=16, answer_tokens=4
+        ),
         "scan": bench.run("scan", out=str(out), reps=1, lengths=[5], batches=[1]),
         "ops": bench.run("ops", preset="tiny", out=str(out), answer_tokens=3),
     }
@@ -37,7 +39,12 @@ def test_records_carry_device_versions_date_and_every_figure(records):
     assert {r["backend"] for r in made["scan"]["rows"]} >= {"naive", "torch"}
     ops = made["ops"]["rows"][0]
     assert ops["lstmem_per_step"] > ops["plain_per_step"] > 0 and ops["memory_layers"] > 0
-    assert 0 < ops["extra_non_view_per_layer"] <= ops["extra_per_layer"] == pytest.approx(sum(ops["extra_by_op"].values()))
+    assert (
+        0
+        < ops["extra_non_view_per_layer"]
+        <= ops["extra_per_layer"]
+        == pytest.approx(sum(ops["extra_by_op"].values()))
+    )
 
 
 def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_path):
@@ -47,7 +54,9 @@ def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_pa
     assert "GPU: not yet measured" in text
     for heading in ("## decode", "## generate", "## write", "## e2e", "## scan", "## ops"):
         assert heading in text
-    assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (tmp_path / "e2e-cpu-tiny.png").stat().st_size > 0
+    assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (
+        tmp_path / "e2e-cpu-tiny.png"
+    ).stat().st_size > 0
 
 
 def test_unknown_preset_and_kind_are_errors(tmp_path):

@@ -98,7 +98,7 @@ def test_save_load_round_trip_is_exact(tmp_path, dtype):
     back = MemoryCache.load(tmp_path / "mem.safetensors", layout=layout)
     assert back.layout == layout
     assert back.tokens_written.tolist() == [10, 11]
-    for a, b in zip(cache.layers, back.layers):
+    for a, b in zip(cache.layers, back.layers, strict=True):
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
 
 

@@ -14,7 +14,11 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "PATH": __import__("os").environ["PATH"]}
     result = subprocess.run(
         [sys.executable, "-m", "lstmem_peft.cli", "demo", "--episodes", "256"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -38,7 +42,9 @@ def test_console_script_is_installed():
 
 def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
     """A fresh adapter on the shipped backbone: the loss falls and memory recall beats no history."""
-    model, trainer = demo.train_adapter(demo.load_backbone(), max_steps=150, output_dir=str(tmp_path), progress=False)
+    model, trainer = demo.train_adapter(
+        demo.load_backbone(), max_steps=150, output_dir=str(tmp_path), progress=False
+    )
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
     result = demo.evaluate(model, num_episodes=256)
@@ -58,9 +64,24 @@ def test_demo_runs_on_a_model_given_by_path(tmp_path):
     tiny_qwen3(len(tok), hidden_size=64).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     result = subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli", "demo", "--model", str(tmp_path / "model"), "--train", "--steps", "3",
-         "--episodes", "16", "--no-ablations"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "lstmem_peft.cli",
+            "demo",
+            "--model",
+            str(tmp_path / "model"),
+            "--train",
+            "--steps",
+            "3",
+            "--episodes",
+            "16",
+            "--no-ablations",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from oracle import assert_row_equals_alone
 
 from lstmem_peft import LSTMemLayer, MemoryCache, MemoryLayout, MemoryPass
-from oracle import assert_row_equals_alone
 
 D = 32
 L = 3
@@ -29,7 +29,7 @@ def new_cache(batch, **layout):
 
 def run(layers, cache, xs, valid=None, **kw):
     p = MemoryPass(cache, valid, **kw)
-    outs = [p.run(i, layer, x) for i, (layer, x) in enumerate(zip(layers, xs))]
+    outs = [p.run(i, layer, x) for i, (layer, x) in enumerate(zip(layers, xs, strict=True))]
     return outs, p.finish()
 
 
@@ -46,7 +46,7 @@ def test_left_padded_batch_equals_each_row_alone():
     for b, n in enumerate(lengths):
         alone = new_cache(1)
         single_outs, _ = run(layers, alone, [x[b : b + 1, T - n :] for x in xs], feedback=True)
-        for o_batch, o_single in zip(outs, single_outs):
+        for o_batch, o_single in zip(outs, single_outs, strict=True):
             torch.testing.assert_close(o_batch.delta_q[b, T - n :], o_single.delta_q[0], atol=1e-5, rtol=1e-5)
         assert_row_equals_alone(batch, b, alone, atol=1e-5, rtol=1e-5)
     assert batch.tokens_written.tolist() == lengths
@@ -61,9 +61,9 @@ def test_prefill_equals_decode_steps_through_the_stack():
     steps = new_cache(2)
     for t in range(T):
         outs, _ = run(layers, steps, [x[:, t : t + 1] for x in xs])
-        for o, ref in zip(outs, full_outs):
+        for o, ref in zip(outs, full_outs, strict=True):
             torch.testing.assert_close(o.delta_o[:, 0], ref.delta_o[:, t], atol=1e-5, rtol=1e-5)
-    for a, b in zip(full.layers, steps.layers):
+    for a, b in zip(full.layers, steps.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
 
@@ -87,7 +87,7 @@ def test_feedback_changes_the_carried_state_only():
     outs_fb, res = run(layers, with_fb, xs, feedback=True)
     outs_plain, none = run(layers, without, xs)
     assert none is None and res is not None
-    for a, b in zip(outs_fb, outs_plain):  # outputs inside the block are unchanged
+    for a, b in zip(outs_fb, outs_plain, strict=True):  # outputs inside the block are unchanged
         assert torch.equal(a.delta_q, b.delta_q)
     assert not torch.equal(with_fb.layers[0].cell, without.layers[0].cell)
     assert torch.equal(with_fb.layers[-1].cell, without.layers[-1].cell)
@@ -99,7 +99,7 @@ def test_read_only_pass_leaves_the_cache_alone():
     run(layers, cache, [torch.randn(2, 8, D) for _ in range(L)])
     snap = cache.clone()
     run(layers, cache, [torch.randn(2, 5, D) for _ in range(L)], write=False)
-    for a, b in zip(cache.layers, snap.layers):
+    for a, b in zip(cache.layers, snap.layers, strict=True):
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
     assert torch.equal(cache.tokens_written, snap.tokens_written)
 
@@ -145,9 +145,9 @@ def test_weights_derived_once_give_what_each_forward_derives():
             xs = [torch.randn(2, T, D, generator=g) for _ in range(L)]
             given, _ = run(layers, given_cache, xs, v, write=write, weights=once)
             own, _ = run(layers, own_cache, xs, v, write=write)
-            for a, b in zip(given, own):
+            for a, b in zip(given, own, strict=True):
                 assert torch.equal(a.delta_q, b.delta_q) and torch.equal(a.delta_o, b.delta_o)
-    for a, b in zip(given_cache.layers, own_cache.layers):
+    for a, b in zip(given_cache.layers, own_cache.layers, strict=True):
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
     assert torch.equal(given_cache.tokens_written, own_cache.tokens_written)
 
@@ -165,8 +165,6 @@ def test_feedback_block_of_one_token_equals_a_padded_two_token_block():
         _, two = run(layers, two_cache, padded, valid, feedback=True)
     assert (one.losses > 0).all()
     torch.testing.assert_close(one.losses, two.losses, atol=1e-5, rtol=1e-5)
-    for a, b in zip(one_cache.layers, two_cache.layers):
+    for a, b in zip(one_cache.layers, two_cache.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
-
-

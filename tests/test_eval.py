@@ -118,13 +118,17 @@ def test_prompt_builder_splits_the_chat_prompt_into_history_and_question(locomo,
     builder = PromptBuilder(tok)
     pieces = builder.history_ids(history)
     full = tok.apply_chat_template(
-        [{"role": "user", "content": history.text + question.prompt}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": history.text + question.prompt}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     joined = sum(pieces, []) + builder.question_ids(history, question)
     assert joined == tok(full, add_special_tokens=False)["input_ids"]
     assert len(pieces) == 2 and tok.decode(pieces[1]) == history.segments[1]
     alone = builder.question_ids(history, question, in_prompt=False)  # memory-only: the question alone
-    assert tok.decode(alone).startswith("[user] Based on the above context") and tok.decode(alone).endswith("[assistant] ")
+    assert tok.decode(alone).startswith("[user] Based on the above context") and tok.decode(alone).endswith(
+        "[assistant] "
+    )
 
 
 def test_prompt_builder_refuses_a_template_that_rewrites_the_history(locomo):
@@ -143,7 +147,9 @@ def test_decoding_defaults_are_the_papers():
 
 
 # ---------------------------------------------------------------------- the runner's memory protocol
-def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_feedback(model, tok, locomo, monkeypatch):
+def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_feedback(
+    model, tok, locomo, monkeypatch
+):
     calls, feedbacks = [], []
     real_feedback = lstmem_peft.engine.block_feedback
 
@@ -156,13 +162,17 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
     def spy(**kwargs):
         memory = kwargs.get("memory_cache")
         kv = kwargs.get("past_key_values")
-        calls.append({
-            "memory": None if memory is None else [(s.cell.clone(), s.hidden.clone()) for s in memory.layers],
-            "memory_object": memory,  # kept alive, so ids below are distinct objects
-            "written": None if memory is None else int(memory.tokens_written.sum()),
-            "kv": None if kv is None else kv.get_seq_length(),
-            "input": kwargs["input_ids"].shape[1],
-        })
+        calls.append(
+            {
+                "memory": None
+                if memory is None
+                else [(s.cell.clone(), s.hidden.clone()) for s in memory.layers],
+                "memory_object": memory,  # kept alive, so ids below are distinct objects
+                "written": None if memory is None else int(memory.tokens_written.sum()),
+                "kv": None if kv is None else kv.get_seq_length(),
+                "input": kwargs["input_ids"].shape[1],
+            }
+        )
         return real_generate(**kwargs)
 
     monkeypatch.setattr(lstmem_peft.engine, "block_feedback", counting_feedback)
@@ -185,13 +195,15 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
     reference = lstmem[0]["memory"]
     assert any(h.abs().sum() > 0 for _, h in reference)
     for c in lstmem[1:]:
-        for (cell, hidden), (cell0, hidden0) in zip(c["memory"], reference):
+        for (cell, hidden), (cell0, hidden0) in zip(c["memory"], reference, strict=True):
             assert torch.equal(cell, cell0) and torch.equal(hidden, hidden0)
 
 
 def test_scores_do_not_depend_on_question_or_history_order(model, tok, locomo, tmp_path):
     evaluate(model, tok, locomo, tmp_path / "a", block_size=64, progress=False)
-    evaluate(model, tok, Reordered(locomo, reverse_histories=True), tmp_path / "b", block_size=64, progress=False)
+    evaluate(
+        model, tok, Reordered(locomo, reverse_histories=True), tmp_path / "b", block_size=64, progress=False
+    )
     evaluate(model, tok, Reordered(locomo, keep={"conv-b"}), tmp_path / "c", block_size=64, progress=False)
     a, rows = predictions(tmp_path / "a")
     b, _ = predictions(tmp_path / "b")
@@ -211,8 +223,9 @@ def test_memory_only_mode_keeps_the_history_out_of_the_prompt(model, tok, tmp_pa
         return real_generate(**kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
-    summary = evaluate(model, tok, bench, tmp_path / "out", memory_only=True, decoding=Decoding(greedy=True),
-                       progress=False)
+    summary = evaluate(
+        model, tok, bench, tmp_path / "out", memory_only=True, decoding=Decoding(greedy=True), progress=False
+    )
     assert summary["mode"] == "memory-only"
     question_len = len(tok(next(bench.histories()).questions[0].prompt.lstrip())["input_ids"])
     base, lstmem = seen[0], seen[1]
@@ -252,16 +265,43 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
     data = write_locomo(tmp_path / "locomo10.json")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli", "eval", "locomo", data, "--model", str(tmp_path / "base"),
-         "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "out"), "--max-new-tokens", "3",
-         "--block-size", "128", "--greedy", "--limit", "1"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "lstmem_peft.cli",
+            "eval",
+            "locomo",
+            data,
+            "--model",
+            str(tmp_path / "base"),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--out",
+            str(tmp_path / "out"),
+            "--max-new-tokens",
+            "3",
+            "--block-size",
+            "128",
+            "--greedy",
+            "--limit",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| **overall** | 4 |" in result.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["adapter"] == str(tmp_path / "adapter") and summary["decoding"]["greedy"] is True
-    assert list(summary["systems"]["lstmem"]["groups"]) == ["multi-hop", "temporal", "open-domain", "single-hop"]
+    assert list(summary["systems"]["lstmem"]["groups"]) == [
+        "multi-hop",
+        "temporal",
+        "open-domain",
+        "single-hop",
+    ]
     assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == 8
 
 
@@ -275,8 +315,23 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     snapshot = write_snapshot(tmp_path / "mab", ROWS)
     out = tmp_path / "out"
-    code = cli.main(["eval", "mab", str(snapshot), "--model", str(tmp_path / "base"), "--adapter",
-                     str(tmp_path / "adapter"), "--out", str(out), "--max-new-tokens", "3", "--limit", "1"])
+    code = cli.main(
+        [
+            "eval",
+            "mab",
+            str(snapshot),
+            "--model",
+            str(tmp_path / "base"),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "3",
+            "--limit",
+            "1",
+        ]
+    )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     families = summary["systems"]["lstmem"]["families"]
@@ -294,7 +349,11 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
         (["demo", "--episodes", "0"], 2, "expected a positive integer, got 0"),
         (["demo", "--episodes", "-1"], 2, "expected a positive integer, got -1"),
         (["demo", "--model", "/nonexistent/model"], 1, "--model /nonexistent/model: no such file or folder"),
-        (["eval", "locomo", "/no/such/locomo10.json", "--model", "x/y"], 1, "DATA /no/such/locomo10.json: no such"),
+        (
+            ["eval", "locomo", "/no/such/locomo10.json", "--model", "x/y"],
+            1,
+            "DATA /no/such/locomo10.json: no such",
+        ),
         (["eval", "hotpotqa", "{data}", "--model", "/nonexistent"], 1, "--model /nonexistent: no such"),
         (["eval", "locomo", "{bad}", "--model", "x/y"], 1, "error: "),
         (["bench", "generate", "--reps", "0"], 2, "expected a positive integer"),
@@ -354,8 +413,7 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from eval_fixtures import hotpot_examples, hub_dataset, locomo_samples
-    from eval_fixtures import ENTITIES, ROWS
+    from eval_fixtures import ENTITIES, ROWS, hotpot_examples, hub_dataset, locomo_samples
 
     from lstmem_peft.eval import MemoryAgentBench
 
@@ -364,15 +422,21 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
         pq.write_table(pa.Table.from_pylist(rows), buffer)
         return buffer.getvalue()
 
-    hub_dataset(offline_hub, "snap/locomo", {"data/locomo10.json": json.dumps(locomo_samples()), "README.md": "card"})
+    hub_dataset(
+        offline_hub, "snap/locomo", {"data/locomo10.json": json.dumps(locomo_samples()), "README.md": "card"}
+    )
     assert [h.id for h in LoCoMo("snap/locomo").histories()] == ["conv-a", "conv-b"]
 
     hf_rows = [json.loads(line) for line in open(write_hotpot_hf_jsonl(tmp_path / "h.jsonl"))]
-    hub_dataset(offline_hub, "hotpotqa/hotpot_qa", {
-        "distractor/validation-00000-of-00001.parquet": parquet(hf_rows),
-        "distractor/train-00000-of-00001.parquet": parquet(hf_rows[:1]),
-        "fullwiki/validation-00000-of-00001.parquet": parquet(hf_rows[:1]),
-    })
+    hub_dataset(
+        offline_hub,
+        "hotpotqa/hotpot_qa",
+        {
+            "distractor/validation-00000-of-00001.parquet": parquet(hf_rows),
+            "distractor/train-00000-of-00001.parquet": parquet(hf_rows[:1]),
+            "fullwiki/validation-00000-of-00001.parquet": parquet(hf_rows[:1]),
+        },
+    )
     bench = HotpotQA("hotpotqa/hotpot_qa/distractor")  # split "validation" by default
     assert [h.id for h in bench.histories()] == [e["_id"] for e in hotpot_examples()]
     with pytest.raises(FileNotFoundError, match="no data file named after split 'test'"):

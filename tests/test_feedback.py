@@ -88,15 +88,19 @@ def test_closed_form_G_equals_autograd_of_higher_layer_losses(coupling):
     cells = [t.cell.clone().double().requires_grad_(True) for t in terms]
     below = torch.zeros(B, H, R, R, dtype=torch.float64)
     losses = []
-    for t, C in zip(terms, cells):
+    for t, C in zip(terms, cells, strict=True):
         D = t.out_gate.double()[..., None] * torch.tanh(C)
         if coupling:
             D = D + t.depth_gate.double()[..., None] * below
         losses.append(reconstruction_terms(D, t.key.double(), t.value.double(), mask)[0].sum())
         below = D
-    for l in range(L):
+    for l in range(L):  # noqa: E741 (the paper's layer index l)
         higher = sum(losses[l + 1 :]) if l < L - 1 else None
-        grad = None if higher is None else torch.autograd.grad(higher, cells[l], retain_graph=True, allow_unused=True)[0]
+        grad = (
+            None
+            if higher is None
+            else torch.autograd.grad(higher, cells[l], retain_graph=True, allow_unused=True)[0]
+        )
         expected = torch.zeros_like(cells[l]) if grad is None else grad
         torch.testing.assert_close(G[l].double(), expected, atol=1e-6, rtol=1e-5)
     assert not G[-1].any()
@@ -107,7 +111,7 @@ def test_step_rule_and_top_cell_unchanged():
     mask = torch.ones(B, P, dtype=torch.bool)
     res = block_feedback(terms, mask)
     G, _ = feedback_gradients(terms, mask)
-    for l, (t, C_aft) in enumerate(zip(terms, res.cells)):
+    for l, (t, C_aft) in enumerate(zip(terms, res.cells, strict=True)):  # noqa: E741
         delta = C_aft - t.cell
         if l == len(terms) - 1:
             assert torch.equal(C_aft, t.cell)
@@ -124,7 +128,7 @@ def test_rebuild_recomputes_hidden_from_corrected_cells():
     terms = make_terminals(3)
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool))
     below = torch.zeros(B, H, R, R)
-    for t, C, D in zip(terms, res.cells, res.hiddens):
+    for t, C, D in zip(terms, res.cells, res.hiddens, strict=True):
         expected = t.out_gate[..., None] * torch.tanh(C) + t.depth_gate[..., None] * below
         torch.testing.assert_close(D, expected, atol=1e-6, rtol=1e-5)
         below = D
@@ -134,7 +138,7 @@ def test_rebuild_recomputes_hidden_from_corrected_cells():
 def test_no_coupling_means_no_correction():
     terms = make_terminals(3)
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool), depth_coupling=False)
-    for t, C, D in zip(terms, res.cells, res.hiddens):
+    for t, C, D in zip(terms, res.cells, res.hiddens, strict=True):
         assert torch.equal(C, t.cell) and torch.equal(D, t.hidden)
 
 
@@ -143,7 +147,7 @@ def test_empty_block_rows_are_untouched():
     mask = torch.ones(B, P, dtype=torch.bool)
     mask[1] = False
     res = block_feedback(terms, mask)
-    for t, C, D in zip(terms, res.cells, res.hiddens):
+    for t, C, D in zip(terms, res.cells, res.hiddens, strict=True):
         assert torch.equal(C[1], t.cell[1]) and torch.equal(D[1], t.hidden[1])
     assert not torch.equal(res.cells[0][0], terms[0].cell[0])
 
@@ -153,7 +157,7 @@ def test_nonfinite_values_abort_that_sequence_and_keep_its_states():
     terms[2].value[0, 0, 0, 0] = float("nan")
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool))
     assert res.aborted.tolist() == [True, False]
-    for t, C, D in zip(terms, res.cells, res.hiddens):
+    for t, C, D in zip(terms, res.cells, res.hiddens, strict=True):
         assert torch.equal(C[0], t.cell[0]) and torch.equal(D[0], t.hidden[0])
     assert not torch.equal(res.cells[0][1], terms[0].cell[1])
 
@@ -161,8 +165,11 @@ def test_nonfinite_values_abort_that_sequence_and_keep_its_states():
 def test_bf16_states_are_cast_and_accepted():
     terms = make_terminals(3, dtype=torch.bfloat16)
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool))
-    assert all(C.dtype == torch.bfloat16 and D.dtype == torch.bfloat16 for C, D in zip(res.cells, res.hiddens))
-    for t, C in zip(terms[:-1], res.cells[:-1]):
+    assert all(
+        C.dtype == torch.bfloat16 and D.dtype == torch.bfloat16
+        for C, D in zip(res.cells, res.hiddens, strict=True)
+    )
+    for t, C in zip(terms[:-1], res.cells[:-1], strict=True):
         s = t.cell.float().square().mean((-2, -1)).sqrt().clamp_min(1)
         moved = (C.float() - t.cell.float()).square().mean((-2, -1)).sqrt() / s
         assert (moved <= K.RHO + K.ACCEPT_TOLERANCE).all()
@@ -172,7 +179,10 @@ def test_feedback_stays_in_the_outer_graph():
     terms = make_terminals(3)
     keys = [t.key.clone().requires_grad_(True) for t in terms]
     gates = [t.depth_gate.clone().requires_grad_(True) for t in terms]
-    terms = [LayerTerminal(t.cell, t.hidden, t.out_gate, gd, k, t.value) for t, k, gd in zip(terms, keys, gates)]
+    terms = [
+        LayerTerminal(t.cell, t.hidden, t.out_gate, gd, k, t.value)
+        for t, k, gd in zip(terms, keys, gates, strict=True)
+    ]
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool))
     res.cells[0].sum().backward()
     assert keys[1].grad is not None and keys[1].grad.abs().sum() > 0
@@ -185,7 +195,10 @@ def test_gradients_are_finite_with_zero_states():
     zero = torch.zeros(B, H, R, R, requires_grad=True)
     terms[0] = LayerTerminal(zero, zero, terms[0].out_gate, terms[0].depth_gate, terms[0].key, terms[0].value)
     keys = [t.key.clone().requires_grad_(True) for t in terms]
-    terms = [LayerTerminal(t.cell, t.hidden, t.out_gate, t.depth_gate, k, t.value) for t, k in zip(terms, keys)]
+    terms = [
+        LayerTerminal(t.cell, t.hidden, t.out_gate, t.depth_gate, k, t.value)
+        for t, k in zip(terms, keys, strict=True)
+    ]
     res = block_feedback(terms, torch.ones(B, P, dtype=torch.bool))
     (sum(c.sum() for c in res.cells) + sum(d.sum() for d in res.hiddens)).backward()
     assert torch.isfinite(zero.grad).all()

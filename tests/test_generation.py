@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
+from oracle import PAD, assert_same_memory, check_contract, expand, expected_memory, states
 from peft import get_peft_model
+from tiny_models import VOCAB, randomize_memory, tiny_model
 from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from lstmem_peft import LSTMemConfig, MemoryCache, write_history
-from oracle import PAD, assert_same_memory, check_contract, expand, expected_memory, states
-from tiny_models import VOCAB, randomize_memory, tiny_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -52,12 +52,16 @@ def history_cache(model, rows, seed=3):
     cache = MemoryCache()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        write_history(model, torch.randint(3, VOCAB, (rows, 20), generator=g), cache, block_size=8, progress=False)
+        write_history(
+            model, torch.randint(3, VOCAB, (rows, 20), generator=g), cache, block_size=8, progress=False
+        )
     return cache
 
 
 def generate(model, prompt, mask, cache, **kwargs):
-    kwargs = dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD) | kwargs
+    kwargs = (
+        dict(max_new_tokens=6, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD) | kwargs
+    )
     with torch.no_grad():
         return model.generate(input_ids=prompt, attention_mask=mask, memory_cache=cache, **kwargs)
 
@@ -133,11 +137,21 @@ def test_stop_strings_end_rows_and_their_memory():
     randomize_memory(model, seed=5)
     prompt = tok(["abcab", "xyz"], return_tensors="pt", padding=True)
     start = MemoryCache()
-    free = generate(model, prompt.input_ids, prompt.attention_mask, start.clone(), do_sample=False, eos_token_id=None)
+    free = generate(
+        model, prompt.input_ids, prompt.attention_mask, start.clone(), do_sample=False, eos_token_id=None
+    )
     text = tok.decode(free.sequences[0, prompt.input_ids.shape[1] + 2])  # row 0's third character
     cache = start.clone()
-    out = generate(model, prompt.input_ids, prompt.attention_mask, cache, do_sample=False, eos_token_id=None,
-                   stop_strings=[text], tokenizer=tok)
+    out = generate(
+        model,
+        prompt.input_ids,
+        prompt.attention_mask,
+        cache,
+        do_sample=False,
+        eos_token_id=None,
+        stop_strings=[text],
+        tokenizer=tok,
+    )
     stop_token = tok.convert_tokens_to_ids(text)
     check(model, start, prompt.input_ids, prompt.attention_mask, out, cache, stop_token=stop_token)
 
@@ -158,8 +172,9 @@ def test_beam_search_reorders_memory_and_returns_the_hypotheses_memory(model):
     generated = out.sequences[:, prompt.shape[1] :]
     real = (generated != PAD).long() * torch.arange(1, generated.shape[1] + 1)
     kept = real.amax(1) - 1
-    expected = expected_memory(model, expand(start, 2), prompt.repeat_interleave(2, 0), mask.repeat_interleave(2, 0),
-                               generated, kept)
+    expected = expected_memory(
+        model, expand(start, 2), prompt.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), generated, kept
+    )
     assert_same_memory(cached, expected, **TOL)
     assert_same_memory(plain, expected, **TOL)
 
@@ -172,7 +187,9 @@ def test_beam_search_through_the_generation_config(model):
     cache = start.clone()
     config = GenerationConfig(num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=mask, memory_cache=cache, generation_config=config)
+        out = model.generate(
+            input_ids=prompt, attention_mask=mask, memory_cache=cache, generation_config=config
+        )
     assert cache.batch_size == 1 and out.shape[0] == 1
 
 
@@ -209,8 +226,14 @@ def test_inputs_embeds(model):
     ref = generate(model, prompt, mask, by_ids, do_sample=False)
     embeds = model.get_input_embeddings()(prompt)
     with torch.no_grad():
-        out = model.generate(inputs_embeds=embeds, attention_mask=mask, memory_cache=by_embeds, max_new_tokens=6,
-                             do_sample=False, pad_token_id=PAD)
+        out = model.generate(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            memory_cache=by_embeds,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
     assert torch.equal(out, ref.sequences[:, prompt.shape[1] :])
     assert_same_memory(by_embeds, states(by_ids), **TOL)
 
@@ -248,8 +271,15 @@ def test_streamer_in_a_thread(model):
 
     def run():
         with torch.no_grad():
-            result["out"] = model.generate(input_ids=prompt, attention_mask=mask, memory_cache=cache, max_new_tokens=6,
-                                           do_sample=False, pad_token_id=PAD, streamer=streamer)
+            result["out"] = model.generate(
+                input_ids=prompt,
+                attention_mask=mask,
+                memory_cache=cache,
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=PAD,
+                streamer=streamer,
+            )
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -289,7 +319,11 @@ REFUSED = {
     "classifier-free guidance": (dict(guidance_scale=1.5), NotImplementedError, "classifier-free guidance"),
     "paged attention": (dict(cache_implementation="paged"), NotImplementedError, "continuous batching"),
     "early exit": (dict(assistant_early_exit=1), NotImplementedError, "early exit"),
-    "greedy num_return_sequences": (dict(do_sample=False, num_return_sequences=2), ValueError, "num_return_sequences"),
+    "greedy num_return_sequences": (
+        dict(do_sample=False, num_return_sequences=2),
+        ValueError,
+        "num_return_sequences",
+    ),
 }
 
 
@@ -399,6 +433,6 @@ def test_two_threads_with_their_own_caches_get_what_each_gets_alone(model):
             t.join(timeout=120)
     finally:
         del q_proj.forward
-    for (logits, cache), (ref_logits, ref_states) in zip(results, alone):
+    for (logits, cache), (ref_logits, ref_states) in zip(results, alone, strict=True):
         assert torch.equal(logits, ref_logits)
         assert_same_memory(cache, ref_states, atol=0, rtol=0)

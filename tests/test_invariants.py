@@ -4,11 +4,11 @@ finishes early, and a history written in blocks continues exactly from a saved s
 
 import pytest
 import torch
+from oracle import PAD, check_contract
 from peft import get_peft_model
+from tiny_models import ARCHITECTURES, VOCAB, randomize_memory, tiny_model
 
 from lstmem_peft import LSTMemConfig, MemoryCache, write_history
-from oracle import PAD, check_contract
-from tiny_models import ARCHITECTURES, VOCAB, randomize_memory, tiny_model
 
 CONFIGS = {
     "all layers": dict(),
@@ -42,14 +42,31 @@ def test_invariants(arch, config):
         with model.disable_adapter():
             base_logits = model(input_ids=prompt, attention_mask=mask).logits
         start = MemoryCache()
-        write_history(model, torch.randint(3, VOCAB, (2, 24), generator=g), start, block_size=10, progress=False)
+        write_history(
+            model, torch.randint(3, VOCAB, (2, 24), generator=g), start, block_size=10, progress=False
+        )
         # generation: pick an EOS that row 0 generates at its second step, then check the contract
-        free = model.generate(input_ids=prompt, attention_mask=mask, memory_cache=start.clone(), max_new_tokens=5,
-                              do_sample=False, pad_token_id=PAD, eos_token_id=None)
+        free = model.generate(
+            input_ids=prompt,
+            attention_mask=mask,
+            memory_cache=start.clone(),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        )
         eos = int(free[0, 7])
         cache = start.clone()
-        out = model.generate(input_ids=prompt, attention_mask=mask, memory_cache=cache, max_new_tokens=5,
-                             do_sample=False, pad_token_id=PAD, eos_token_id=eos, return_dict_in_generate=True,
-                             output_logits=True)
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=mask,
+            memory_cache=cache,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=PAD,
+            eos_token_id=eos,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
     assert not torch.equal(out.logits[0].double(), base_logits[:, -1].double())  # memory matters
     check_contract(model, start, prompt, mask, out, cache, stop_token=eos, **tol)

@@ -7,8 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from eval_fixtures import ENTITIES, ROWS, mab_row, write_snapshot
+
 from lstmem_peft.eval import mab
 from lstmem_peft.eval.mab import ABSTAIN, MemoryAgentBench, alias_accuracy, recall_at_5, summary_f1
 
@@ -211,7 +211,7 @@ def test_summarize_weights_families_by_question_count(snapshot):
     questions = [q for h in bench.histories() for q in h.questions]
     # AR 5 questions, TTL 3, LRU 3, SF 2
     scores = [1, 1, 1, 0, 0] + [1, 0, 0] + [0.5, 1, 1] + [1, 1]
-    records = [{"group": q.group, "scores": {"score": s}} for q, s in zip(questions, scores)]
+    records = [{"group": q.group, "scores": {"score": s}} for q, s in zip(questions, scores, strict=True)]
     summary = bench.summarize(records)
     assert summary["families"] == {
         "AR": {"score": pytest.approx(0.6), "questions": 5},

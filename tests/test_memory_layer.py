@@ -35,9 +35,19 @@ def test_paper_parameters_keys_and_shapes():
     layer = LSTMemLayer(D_MODEL, D_Q, num_heads=4, head_dim=8)
     ds = 32
     expected = {
-        "Wq": (ds, D_MODEL), "Wk": (ds, D_MODEL), "Wv": (ds, D_MODEL), "Wx": (ds, D_MODEL), "bx": (ds,),
-        "Wread": (ds, 2 * ds), "bread": (ds,), "Wpred_full": (ds, 2 * ds), "bpred": (ds,),
-        "Wgate_full": (4 * ds, 4 * ds), "bgate": (4 * ds,), "Wdq": (D_Q, ds), "Wdo": (D_MODEL, ds),
+        "Wq": (ds, D_MODEL),
+        "Wk": (ds, D_MODEL),
+        "Wv": (ds, D_MODEL),
+        "Wx": (ds, D_MODEL),
+        "bx": (ds,),
+        "Wread": (ds, 2 * ds),
+        "bread": (ds,),
+        "Wpred_full": (ds, 2 * ds),
+        "bpred": (ds,),
+        "Wgate_full": (4 * ds, 4 * ds),
+        "bgate": (4 * ds,),
+        "Wdq": (D_Q, ds),
+        "Wdo": (D_MODEL, ds),
     }
     got = {k: tuple(v.shape) for k, v in layer.paper_parameters().items()}
     assert got == expected
@@ -188,7 +198,11 @@ def assert_close_to_reference(out, ref, *, atol, rtol):
     (``atol``/``rtol``); a state stored in a narrower dtype than it was computed in may differ by
     one more unit in the last place of that dtype (``finfo(dtype).eps`` relative)."""
     for name in ("delta_q", "delta_o", "cell", "hidden", "hidden_seq"):
-        a = out.correction(("delta_q", "delta_o").index(name)) if name.startswith("delta") else getattr(out, name)
+        a = (
+            out.correction(("delta_q", "delta_o").index(name))
+            if name.startswith("delta")
+            else getattr(out, name)
+        )
         b = getattr(ref, name)
         ulp = torch.finfo(a.dtype).eps if a.dtype in (torch.bfloat16, torch.float16) else 0.0
         torch.testing.assert_close(a.double(), b.double(), msg=name, atol=atol + ulp, rtol=rtol + ulp)
@@ -234,7 +248,7 @@ def test_every_path_and_its_gradients_match_the_reference(path, with_depth, with
     for name, p in layer.named_parameters():  # a parameter a path does not use has a zero gradient
         zero = torch.zeros_like(p)
         torch.testing.assert_close(got.get(name, zero), want.get(name, zero), msg=name)
-    for a, b in zip(got_in, want_in):
+    for a, b in zip(got_in, want_in, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -304,13 +318,22 @@ def test_weights_are_the_stored_parameters_rearranged():
     w, P = layer.weights(), layer.paper_parameters()
     ds, R = layer.state_size, layer.head_dim
     torch.testing.assert_close(w.gate, layer.effective_gate().t(), rtol=0, atol=0)
-    torch.testing.assert_close(w.gate_first, torch.cat([P["Wgate_full"][:, :ds], P["Wgate_full"][:, 3 * ds :]], 1).t(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        w.gate_first,
+        torch.cat([P["Wgate_full"][:, :ds], P["Wgate_full"][:, 3 * ds :]], 1).t(),
+        rtol=0,
+        atol=0,
+    )
     torch.testing.assert_close(w.pred, layer.effective_pred().t(), rtol=0, atol=0)
     torch.testing.assert_close(w.read, P["Wread"].t(), rtol=0, atol=0)
     torch.testing.assert_close(w.corr, layer.scale * torch.cat([P["Wdq"], P["Wdo"]]).t(), rtol=0, atol=0)
     for j in range(layer.num_heads):
-        torch.testing.assert_close(w.w_in[:, 2 * j * R : (2 * j + 1) * R], P["Wq"][j * R : (j + 1) * R].t(), rtol=0, atol=0)
-        torch.testing.assert_close(w.w_in[:, (2 * j + 1) * R : (2 * j + 2) * R], P["Wk"][j * R : (j + 1) * R].t(), rtol=0, atol=0)
+        torch.testing.assert_close(
+            w.w_in[:, 2 * j * R : (2 * j + 1) * R], P["Wq"][j * R : (j + 1) * R].t(), rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            w.w_in[:, (2 * j + 1) * R : (2 * j + 2) * R], P["Wk"][j * R : (j + 1) * R].t(), rtol=0, atol=0
+        )
     torch.testing.assert_close(w.w_in[:, 2 * ds :], torch.cat([P["Wv"], P["Wx"]]).t(), rtol=0, atol=0)
     assert not w.b_in[: 3 * ds].any() and torch.equal(w.b_in[3 * ds :], P["bx"])
 
@@ -330,6 +353,8 @@ def test_the_triton_backend_matches_the_reference(path):
         c, h = cell.to(states), hidden.to(states)
         c0, h0 = c.clone(), h.clone()
         with torch.no_grad():
-            out = layer(x, c, h, depth=depth, valid=valid, backend="triton", weights=layer.weights(step=fused))
+            out = layer(
+                x, c, h, depth=depth, valid=valid, backend="triton", weights=layer.weights(step=fused)
+            )
         assert torch.equal(c, c0) and torch.equal(h, h0)
         assert_close_to_reference(out, reference(layer, x, depth, c, h, valid), atol=2e-5, rtol=2e-5)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from oracle import assert_row_equals_alone
 from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, make
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history
-from oracle import assert_row_equals_alone
-from tiny_models import VOCAB, make
 
 
 def history(rows=2, length=48, seed=0):
@@ -23,7 +23,7 @@ def snapshot(cache):
 def assert_same(cache, snap):
     layers, tokens = snap
     assert torch.equal(cache.tokens_written, tokens)
-    for state, (cell, hidden) in zip(cache.layers, layers):
+    for state, (cell, hidden) in zip(cache.layers, layers, strict=True):
         assert torch.equal(state.cell, cell) and torch.equal(state.hidden, hidden)
 
 
@@ -170,7 +170,10 @@ def rewrite(path, drop=(), tensors=None, metadata=None):
         (dict(tensors={"tokens_written": torch.zeros(3, dtype=torch.long)}), "tokens_written has 3 rows"),
         (dict(tensors={"layers.9.cell": torch.zeros(1)}), "unexpected tensor 'layers.9.cell'"),
         (dict(metadata={"layout": "{not json"}), "layout metadata is not valid JSON"),
-        (dict(metadata={"layout": json.dumps({"layer_indices": [0, 1, 2], "num_heads": 4})}), "layout metadata"),
+        (
+            dict(metadata={"layout": json.dumps({"layer_indices": [0, 1, 2], "num_heads": 4})}),
+            "layout metadata",
+        ),
         (dict(metadata={"fingerprint": "0" * 16}), "fingerprint"),
     ],
 )
@@ -199,7 +202,7 @@ def test_batch_select_with_a_boolean_mask_selects_the_masked_rows():
     rows = [layer.cell.clone() for layer in cache.layers]
     cache.batch_select_indices(torch.tensor([True, False, True]))
     assert cache.batch_size == 2
-    for layer, ref in zip(cache.layers, rows):
+    for layer, ref in zip(cache.layers, rows, strict=True):
         assert torch.equal(layer.cell, ref[[0, 2]])
     with pytest.raises(IndexError, match="mask"):
         cache.batch_select_indices(torch.tensor([True, False, True]))
@@ -216,7 +219,7 @@ def test_each_row_is_cut_into_blocks_of_its_own_tokens(padding):
     rows = [history(1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
     ids = torch.zeros(len(rows), T, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, (row, n) in enumerate(zip(rows, lengths)):
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         span = slice(T - n, T) if padding == "left" else slice(0, n)
         ids[i, span], mask[i, span] = row, 1
     cache = MemoryCache()
@@ -244,7 +247,6 @@ def test_a_kv_cache_with_rows_starting_at_different_columns_is_refused():
 
 def test_adapter_weights_with_nan_are_refused_at_load(tmp_path):
     from peft import PeftModel
-
     from tiny_models import tiny_model
 
     model = make()
@@ -260,7 +262,6 @@ def test_adapter_weights_with_nan_are_refused_at_load(tmp_path):
 
 def test_an_adapter_file_missing_some_weights_is_refused(tmp_path):
     from peft import PeftModel
-
     from tiny_models import tiny_model
 
     make().save_pretrained(tmp_path / "adapter")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
 from tiny_models import history_then_question_logits, make
 
 TESTS = Path(__file__).parent
@@ -29,7 +28,11 @@ CHILD_PRELUDE = textwrap.dedent(
 def run_child(code: str, cwd: Path, env: dict | None = None) -> None:
     full_env = {**os.environ, **(env or {})}
     result = subprocess.run(
-        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)], cwd=cwd, env=full_env, capture_output=True, text=True
+        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -55,8 +58,8 @@ def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path):
     torch.save(history_then_question_logits(model), tmp_path / "expected.pt")
     run_child(
         f"""
-        model = PeftModel.from_pretrained(tiny_model(), {str(tmp_path / 'adapter')!r}, adapter_name="renamed").eval()
-        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        model = PeftModel.from_pretrained(tiny_model(), {str(tmp_path / "adapter")!r}, adapter_name="renamed").eval()
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
         assert torch.equal(logits_of(model), expected), "logits differ after reload"
         assert not any(p.requires_grad for p in model.parameters()), "inference-mode load left weights trainable"
         """,
@@ -96,7 +99,7 @@ def test_offline_hub_round_trip(tmp_path):
 
         HfApi.create_repo, HfApi.create_commit = create_repo, create_commit
         model = get_peft_model(tiny_model(), LSTMemConfig())
-        model.load_state_dict(torch.load({str(tmp_path / 'weights.pt')!r}), strict=False)
+        model.load_state_dict(torch.load({str(tmp_path / "weights.pt")!r}), strict=False)
         model.push_to_hub("user/repo")
         """,
         cwd=workdir,
@@ -108,7 +111,7 @@ def test_offline_hub_round_trip(tmp_path):
     run_child(
         f"""
         model = PeftModel.from_pretrained(tiny_model(), "user/repo").eval()
-        assert torch.equal(logits_of(model), torch.load({str(tmp_path / 'expected.pt')!r}))
+        assert torch.equal(logits_of(model), torch.load({str(tmp_path / "expected.pt")!r}))
         """,
         cwd=workdir,
         env=env,

@@ -14,8 +14,11 @@ def make_inputs(B, T, H=4, R=8, dtype=torch.float32, depth=True, padding=None, i
         return x.to(dtype)
 
     args = dict(
-        q=rnd(B, T, H, R), k=rnd(B, T, H, R), w=rnd(B, T, H, R),
-        f=rnd(B, T, H, R, kind="rand"), o=rnd(B, T, H, R, kind="rand"),
+        q=rnd(B, T, H, R),
+        k=rnd(B, T, H, R),
+        w=rnd(B, T, H, R),
+        f=rnd(B, T, H, R, kind="rand"),
+        o=rnd(B, T, H, R, kind="rand"),
         depth=rnd(B, T, H, R, R) if depth else None,
         valid=None,
         initial_cell=rnd(B, H, R, R) if initial else None,
@@ -33,10 +36,16 @@ def make_inputs(B, T, H=4, R=8, dtype=torch.float32, depth=True, padding=None, i
 
 
 def grads_of(fn, args):
-    args = {k: (v.detach().clone().requires_grad_(v.is_floating_point()) if v is not None else None) for k, v in args.items()}
+    args = {
+        k: (v.detach().clone().requires_grad_(v.is_floating_point()) if v is not None else None)
+        for k, v in args.items()
+    }
     read, hidden, cell_T, hidden_T = fn(**args)
     g = torch.Generator().manual_seed(1)
-    loss = sum((t.double() * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum() for t in (read, hidden, cell_T, hidden_T))
+    loss = sum(
+        (t.double() * torch.randn(t.shape, generator=g, dtype=torch.float64)).sum()
+        for t in (read, hidden, cell_T, hidden_T)
+    )
     loss.backward()
     outs = (read, hidden, cell_T, hidden_T)
     grads = {k: v.grad for k, v in args.items() if v is not None and v.is_floating_point()}
@@ -58,7 +67,7 @@ def test_parallel_matches_naive_fp32(case):
     ref_args = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in args.items()}
     ref_out, ref_grads = grads_of(scan_naive, ref_args)
     out, grads = grads_of(scan_parallel, args)
-    for a, b in zip(out, ref_out):
+    for a, b in zip(out, ref_out, strict=True):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
     for name in ref_grads:
         torch.testing.assert_close(grads[name].double(), ref_grads[name], atol=2e-4, rtol=1e-4, msg=name)
@@ -70,14 +79,14 @@ def test_parallel_matches_naive_bf16(case):
     ref_args = {k: (v.double() if v is not None and v.is_floating_point() else v) for k, v in args.items()}
     ref_out = scan_naive(**ref_args)
     out = scan_parallel(**args)
-    for a, b in zip(out, ref_out):
+    for a, b in zip(out, ref_out, strict=True):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=2e-2)
 
 
 def test_float64_is_exact_to_rounding():
     args = make_inputs(2, 200, dtype=torch.float64, padding="random")
-    for a, b in zip(scan_parallel(**args), scan_naive(**args)):
+    for a, b in zip(scan_parallel(**args), scan_naive(**args), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
@@ -86,7 +95,12 @@ def test_padding_carries_states_and_matches_the_unpadded_run():
     valid = torch.ones(1, 40, dtype=torch.bool)
     valid[0, :10] = False
     padded = scan_parallel(**{**args, "valid": valid})
-    alone = scan_parallel(**{k: (v[:, 10:] if k not in ("initial_cell", "initial_hidden") and v is not None else v) for k, v in args.items()})
+    alone = scan_parallel(
+        **{
+            k: (v[:, 10:] if k not in ("initial_cell", "initial_hidden") and v is not None else v)
+            for k, v in args.items()
+        }
+    )
     torch.testing.assert_close(padded[1][:, 10:], alone[1])
     torch.testing.assert_close(padded[2], alone[2])
     # the padded prefix reads and carries the initial state
@@ -95,8 +109,10 @@ def test_padding_carries_states_and_matches_the_unpadded_run():
 
 def test_extreme_gates_stay_finite():
     args = make_inputs(1, 300)
-    args["f"] = torch.where(torch.rand_like(args["f"]) > 0.5, torch.zeros_like(args["f"]), torch.ones_like(args["f"]))
-    for a, b in zip(scan_parallel(**args), scan_naive(**args)):
+    args["f"] = torch.where(
+        torch.rand_like(args["f"]) > 0.5, torch.zeros_like(args["f"]), torch.ones_like(args["f"])
+    )
+    for a, b in zip(scan_parallel(**args), scan_naive(**args), strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -126,7 +142,9 @@ def test_scan_of_one_token_equals_step():
     args = make_inputs(2, 1)
     read, hidden, cell_T, hidden_T = lstmem_scan(**args)
     x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
-    r, c, h = lstmem_step(**x, cell=args["initial_cell"], hidden=args["initial_hidden"], depth=args["depth"][:, 0])
+    r, c, h = lstmem_step(
+        **x, cell=args["initial_cell"], hidden=args["initial_hidden"], depth=args["depth"][:, 0]
+    )
     torch.testing.assert_close(read[:, 0], r)
     torch.testing.assert_close(cell_T, c)
     torch.testing.assert_close(hidden_T, h)
@@ -145,14 +163,17 @@ def test_dispatch_validates_arguments():
 @pytest.mark.parametrize("chunk", [1, 3, 16, 64])
 def test_parallel_is_exact_for_every_chunk_length(chunk):
     args = make_inputs(2, 37, dtype=torch.float64, padding="left")
-    for a, b in zip(scan_parallel(**args, chunk=chunk), scan_naive(**args)):
+    for a, b in zip(scan_parallel(**args, chunk=chunk), scan_naive(**args), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_step_torch_keeps_autograd_and_dtypes():
     args = make_inputs(2, 1, dtype=torch.float64)
     x = {k: args[k][:, 0].clone().requires_grad_() for k in ("q", "k", "w", "f", "o")}
-    cell, hidden = args["initial_cell"].clone().requires_grad_(), args["initial_hidden"].clone().requires_grad_()
+    cell, hidden = (
+        args["initial_cell"].clone().requires_grad_(),
+        args["initial_hidden"].clone().requires_grad_(),
+    )
     depth = args["depth"][:, 0].clone().requires_grad_()
     read, c, h = step_torch(**x, cell=cell, hidden=hidden, depth=depth)
     ref_read, _, ref_c, ref_h = scan_naive(
@@ -160,9 +181,11 @@ def test_step_torch_keeps_autograd_and_dtypes():
     )
     for a, b in ((read, ref_read[:, 0]), (c, ref_c), (h, ref_h)):
         torch.testing.assert_close(a, b)
-    g = torch.autograd.grad((read.sum() + c.square().sum() + h.sin().sum()), [*x.values(), cell, hidden, depth])
+    g = torch.autograd.grad(
+        (read.sum() + c.square().sum() + h.sin().sum()), [*x.values(), cell, hidden, depth]
+    )
     g_ref = torch.autograd.grad(
         (ref_read.sum() + ref_c.square().sum() + ref_h.sin().sum()), [*x.values(), cell, hidden, depth]
     )
-    for a, b in zip(g, g_ref):
+    for a, b in zip(g, g_ref, strict=True):
         torch.testing.assert_close(a, b)

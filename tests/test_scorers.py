@@ -38,8 +38,11 @@ def test_locomo_category_5_is_not_scored_and_aggregation_is_question_weighted():
     with pytest.raises(ValueError, match="category 5"):
         locomo.score_answer("x", "y", 5)
     bench = locomo.LoCoMo.__new__(locomo.LoCoMo)  # summarize needs no data
-    records = [{"group": "single-hop", "scores": {"f1": 1.0}}, {"group": "multi-hop", "scores": {"f1": 1.0}},
-               {"group": "multi-hop", "scores": {"f1": 0.0}}]
+    records = [
+        {"group": "single-hop", "scores": {"f1": 1.0}},
+        {"group": "multi-hop", "scores": {"f1": 1.0}},
+        {"group": "multi-hop", "scores": {"f1": 0.0}},
+    ]
     summary = bench.summarize(records)
     assert list(summary["groups"]) == ["multi-hop", "single-hop"]  # category order
     assert summary["groups"]["multi-hop"] == {"f1": 0.5, "questions": 2}

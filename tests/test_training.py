@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from eval_fixtures import QASPER_OFFICIAL
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
-from eval_fixtures import QASPER_OFFICIAL
 from lstmem_peft.data import load_episodes, synthetic_recall_episodes, tokenize_episode
 from lstmem_peft.demo import demo_tokenizer
 from lstmem_peft.offline import char_tokenizer, tiny_qwen3
@@ -21,12 +21,30 @@ from lstmem_peft.trainer import EpisodeCollator, LSTMemTrainer, LSTMemTrainingCo
 ROOT = Path(__file__).resolve().parents[1]
 
 QASPER_HUB_ROW = {  # the Hub dataset: columns of lists
-    "id": "1909.00002", "title": "Other", "abstract": "Abstract.",
+    "id": "1909.00002",
+    "title": "Other",
+    "abstract": "Abstract.",
     "full_text": {"section_name": ["Method"], "paragraphs": [["We count spans."]]},
-    "qas": {"question": ["What is counted?"], "question_id": ["q1"],
-            "answers": [{"answer": [{"unanswerable": False, "extractive_spans": ["spans", "words"], "yes_no": None,
-                                     "free_form_answer": "", "evidence": [], "highlighted_evidence": []}],
-                         "annotation_id": ["a"], "worker_id": ["w"]}]},
+    "qas": {
+        "question": ["What is counted?"],
+        "question_id": ["q1"],
+        "answers": [
+            {
+                "answer": [
+                    {
+                        "unanswerable": False,
+                        "extractive_spans": ["spans", "words"],
+                        "yes_no": None,
+                        "free_form_answer": "",
+                        "evidence": [],
+                        "highlighted_evidence": [],
+                    }
+                ],
+                "annotation_id": ["a"],
+                "worker_id": ["w"],
+            }
+        ],
+    },
 }
 
 
@@ -36,15 +54,25 @@ def write_jsonl(path, records):
 
 
 def test_chat_jsonl_episodes(tmp_path):
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
-        {"role": "user", "content": "My cat is called Miso."},
-        {"role": "assistant", "content": "Nice name!"},
-        {"role": "user", "content": "What is my cat called?"},
-        {"role": "assistant", "content": "Miso."},
-    ]}])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "My cat is called Miso."},
+                    {"role": "assistant", "content": "Nice name!"},
+                    {"role": "user", "content": "What is my cat called?"},
+                    {"role": "assistant", "content": "Miso."},
+                ]
+            }
+        ],
+    )
     [ep] = load_episodes(path, "chat")
     assert "Miso" in ep["history"] and "What is my cat called?" in ep["prompt"] and ep["answer"] == " Miso."
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "?"}]}])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "?"}]}],
+    )
     with pytest.raises(ValueError, match="must end with a user message followed by the assistant answer"):
         load_episodes(bad, "chat")
 
@@ -60,8 +88,15 @@ def test_qasper_both_public_layouts(tmp_path):
 
 
 def test_long_qa_episodes_and_history_cap(tmp_path):
-    path = write_jsonl(tmp_path / "long.jsonl", [{"context": "x" * 500, "qas": [
-        {"question": "Q1?", "answer": "a"}, {"question": "Q2?", "answer": "b"}]}])
+    path = write_jsonl(
+        tmp_path / "long.jsonl",
+        [
+            {
+                "context": "x" * 500,
+                "qas": [{"question": "Q1?", "answer": "a"}, {"question": "Q2?", "answer": "b"}],
+            }
+        ],
+    )
     eps = load_episodes(path, "long_qa")
     assert len(eps) == 2 and eps[1]["answer"] == " b"
     tok = char_tokenizer()
@@ -86,7 +121,10 @@ def test_collator_pads_limits_and_drops_context():
     rows = [tokenize_episode(tok, e) for e in synthetic_recall_episodes(4, num_pairs=2, seed=0)]
     rows[0]["history_input_ids"] = rows[0]["history_input_ids"][:3]
     batch = EpisodeCollator(pad_token_id=0, context_dropout=0.0)(rows)
-    assert batch["history_input_ids"].shape == (4, 7) and batch["history_attention_mask"][0].tolist() == [0] * 4 + [1] * 3
+    assert (
+        batch["history_input_ids"].shape == (4, 7)
+        and batch["history_attention_mask"][0].tolist() == [0] * 4 + [1] * 3
+    )
     assert (batch["labels"] != -100).sum(1).tolist() == [2] * 4  # value + eos
     dropped = EpisodeCollator(pad_token_id=0, context_dropout=0.999)(rows)
     assert dropped["input_ids"].shape[1] == 3  # last prompt token + answer
@@ -96,9 +134,12 @@ def test_collator_pads_limits_and_drops_context():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(gradient_checkpointing=True), "checkpointing"), (dict(activation_checkpointing=True), "checkpointing"),
-     (dict(history_mode="stage3"), "history_mode"),
-     (dict(context_dropout=1.0), "context_dropout")],
+    [
+        (dict(gradient_checkpointing=True), "checkpointing"),
+        (dict(activation_checkpointing=True), "checkpointing"),
+        (dict(history_mode="stage3"), "history_mode"),
+        (dict(context_dropout=1.0), "context_dropout"),
+    ],
 )
 def test_training_config_validation(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -117,8 +158,17 @@ def _trainer(tmp_path, mode="stage1", steps=4, lr=1e-2, pairs=2):
     model = get_peft_model(tiny_qwen3(len(tok), hidden_size=64, num_layers=2), LSTMemConfig(block_size=8))
     data = Dataset.from_list([tokenize_episode(tok, e) for e in synthetic_recall_episodes(64, pairs, seed=0)])
     args = LSTMemTrainingConfig(
-        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=16, learning_rate=lr, report_to=[],
-        save_strategy="no", use_cpu=True, logging_steps=1, disable_tqdm=True, history_mode=mode, context_dropout=0.0,
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        learning_rate=lr,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+        disable_tqdm=True,
+        history_mode=mode,
+        context_dropout=0.0,
     )
     return model, LSTMemTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
 
@@ -142,7 +192,9 @@ def test_stage2_writes_history_without_gradients(tmp_path):
     cache = trainer.write_episode_history(model, batch["history_input_ids"], batch["history_attention_mask"])
     assert all(not layer.cell.requires_grad and not layer.hidden.requires_grad for layer in cache.layers)
     _, stage1 = _trainer(tmp_path, "stage1")
-    cache = stage1.write_episode_history(stage1.model, batch["history_input_ids"], batch["history_attention_mask"])
+    cache = stage1.write_episode_history(
+        stage1.model, batch["history_input_ids"], batch["history_attention_mask"]
+    )
     assert all(layer.cell.requires_grad for layer in cache.layers)
 
 
@@ -165,8 +217,17 @@ def test_trainer_refuses_models_without_adapter_and_missing_tokenizer(tmp_path):
 
 def test_ddp_two_processes_end_with_identical_adapters(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-           str(ROOT / "tests" / "scripts" / "ddp_train.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29531",
+        str(ROOT / "tests" / "scripts" / "ddp_train.py"),
+        str(tmp_path),
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
@@ -174,7 +235,9 @@ def test_ddp_two_processes_end_with_identical_adapters(tmp_path):
     w0, w1 = ranks[0]["weights"], ranks[1]["weights"]
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     tok = demo_tokenizer()
-    init = get_peft_model(tiny_qwen3(len(tok), hidden_size=64, num_layers=2, seed=0), LSTMemConfig(block_size=32))
+    init = get_peft_model(
+        tiny_qwen3(len(tok), hidden_size=64, num_layers=2, seed=0), LSTMemConfig(block_size=32)
+    )
     initial = dict(init.named_parameters())
     assert any(not torch.equal(w0[k], initial[k]) for k in w0)  # training moved the adapter
 
@@ -185,7 +248,9 @@ def test_generate_uses_memory_after_the_trainer_wrapped_the_model(tmp_path):
     trainer.train()
     model.eval()
     tok = demo_tokenizer()
-    history = torch.tensor([tokenize_episode(tok, e)["history_input_ids"] for e in synthetic_recall_episodes(2, 4, seed=5)])
+    history = torch.tensor(
+        [tokenize_episode(tok, e)["history_input_ids"] for e in synthetic_recall_episodes(2, 4, seed=5)]
+    )
     question = torch.tensor([[tok.bos_token_id, tok.convert_tokens_to_ids("?"), 5]] * 2)
     from lstmem_peft import MemoryCache, write_history
 
@@ -196,6 +261,8 @@ def test_generate_uses_memory_after_the_trainer_wrapped_the_model(tmp_path):
         with_memory = model(input_ids=question, memory_cache=cache.clone()).logits
         with model.disable_adapter():
             plain = model(input_ids=question).logits
-        model.generate(input_ids=question, memory_cache=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        model.generate(
+            input_ids=question, memory_cache=cache, max_new_tokens=3, min_new_tokens=3, do_sample=False
+        )
     assert not torch.allclose(with_memory, plain)
     assert (cache.tokens_written == written + 3 + 2).all()  # prompt and all but the last generated token

@@ -42,8 +42,11 @@ def make_inputs(B, T, H, R, dtype, depth=True, valid=True, initial=True, seed=0)
         return torch.sigmoid(2.0 * torch.randn(*shape, generator=g)).to(dtype)
 
     inputs = dict(
-        q=randn(B, T, H, R), k=randn(B, T, H, R), w=randn(B, T, H, R),
-        f=gate(B, T, H, R), o=gate(B, T, H, R),
+        q=randn(B, T, H, R),
+        k=randn(B, T, H, R),
+        w=randn(B, T, H, R),
+        f=gate(B, T, H, R),
+        o=gate(B, T, H, R),
         depth=randn(B, T, H, R, R, scale=0.5) if depth else None,
         valid=make_valid(B, T, g) if valid else None,
         initial_cell=randn(B, H, R, R) if initial else None,
@@ -52,9 +55,7 @@ def make_inputs(B, T, H, R, dtype, depth=True, valid=True, initial=True, seed=0)
     return {name: None if x is None else x.to(DEVICE) for name, x in inputs.items()}
 
 
-def scan_reference(
-    q, k, w, f, o, depth=None, valid=None, initial_cell=None, initial_hidden=None, chunk=256
-):
+def scan_reference(q, k, w, f, o, depth=None, valid=None, initial_cell=None, initial_hidden=None, chunk=256):
     """``scan_naive`` run over consecutive chunks of at most ``chunk`` tokens, carrying the states.
 
     This is the same token loop; chunking only keeps autograd's per-token slicing of the
@@ -69,9 +70,15 @@ def scan_reference(
     for start in range(0, T, chunk):
         part = slice(start, start + chunk)
         read, hidden_seq, cell, hidden = scan_naive(
-            q[:, part], k[:, part], w[:, part], f[:, part], o[:, part],
-            None if depth is None else depth[:, part], None if valid is None else valid[:, part],
-            cell, hidden,
+            q[:, part],
+            k[:, part],
+            w[:, part],
+            f[:, part],
+            o[:, part],
+            None if depth is None else depth[:, part],
+            None if valid is None else valid[:, part],
+            cell,
+            hidden,
         )
         reads.append(read)
         hiddens.append(hidden_seq)
@@ -97,7 +104,8 @@ def run_with_grads(fn, inputs, ref_dtype, loss_terms):
     loss.backward()
     grads = {
         name: torch.zeros_like(x) if x.grad is None else x.grad
-        for name, x in leaves.items() if name in FLOAT_NAMES and x is not None
+        for name, x in leaves.items()
+        if name in FLOAT_NAMES and x is not None
     }
     return outputs, grads
 
@@ -131,7 +139,7 @@ def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
     terms = (0, 1, 2, 3)
     out, grads = run_with_grads(scan_triton, inputs, None, terms)
     ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
-    for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out):
+    for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
         assert a.dtype == dtype and a.shape == e.shape
         assert_close(a, e, dtype, name)
     assert grads.keys() == ref_grads.keys()
@@ -143,7 +151,7 @@ def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
 def test_chunked_reference_is_the_naive_scan():
     inputs = make_inputs(3, 10, 2, 8, torch.float32)
     chunked = scan_reference(**inputs, chunk=3)
-    for a, e in zip(chunked, scan_naive(**inputs)):
+    for a, e in zip(chunked, scan_naive(**inputs), strict=True):
         torch.testing.assert_close(a, e, atol=0, rtol=0)
 
 
@@ -172,7 +180,7 @@ def test_scan_without_grad_and_non_contiguous():
     with torch.no_grad():
         out = scan_triton(**strided)
         ref = scan_naive(**{n: x.double() if n in FLOAT_NAMES else x for n, x in inputs.items()})
-    for a, e in zip(out, ref):
+    for a, e in zip(out, ref, strict=True):
         assert not a.requires_grad
         assert_close(a, e, torch.float32, "output")
     _, grads = run_with_grads(scan_triton, strided, None, (0, 1, 2, 3))
@@ -249,7 +257,8 @@ def test_step_matches_naive(B, H, R, dtype, state_dtype, depth, valid, transpose
     seq = make_inputs(B, 1, H, R, dtype, depth=depth, valid=valid)
     args = {
         name: None if x is None else x[:, 0]
-        for name, x in seq.items() if name not in ("initial_cell", "initial_hidden")
+        for name, x in seq.items()
+        if name not in ("initial_cell", "initial_hidden")
     }
     cell = seq["initial_cell"].to(state_dtype)
     hidden = seq["initial_hidden"].to(state_dtype)

@@ -4,11 +4,18 @@ import copy
 
 import pytest
 import torch
-from peft import get_peft_model
-
-from lstmem_peft import LSTMemConfig, LSTMemOutputLayer, LSTMemQueryLayer, MemoryCache, memory_layers, write_history
 from oracle import assert_row_equals_alone
+from peft import get_peft_model
 from tiny_models import ARCHITECTURES, VOCAB, make, randomize_memory, tiny_model
+
+from lstmem_peft import (
+    LSTMemConfig,
+    LSTMemOutputLayer,
+    LSTMemQueryLayer,
+    MemoryCache,
+    memory_layers,
+    write_history,
+)
 
 
 def ids(batch=2, length=12, seed=0):
@@ -22,7 +29,9 @@ def test_every_architecture_gets_memory_and_zero_memory_equals_base(arch):
     reference = copy.deepcopy(base)
     model = get_peft_model(base, LSTMemConfig())
     attn = [layer.self_attn for layer in model.base_model.model.model.layers]
-    assert all(isinstance(a.q_proj, LSTMemQueryLayer) and isinstance(a.o_proj, LSTMemOutputLayer) for a in attn)
+    assert all(
+        isinstance(a.q_proj, LSTMemQueryLayer) and isinstance(a.o_proj, LSTMemOutputLayer) for a in attn
+    )
     x = ids()
     with torch.no_grad():
         for layer in memory_layers(model):  # zero corrections: outputs must equal the base model's
@@ -59,7 +68,9 @@ def test_unsupported_model_and_bad_targets_explain_the_fix():
     with pytest.raises(ValueError, match="target_modules=\\[<query projection name>"):
         get_peft_model(gpt2, LSTMemConfig())
     with pytest.raises(ValueError, match="not found in the base model"):
-        get_peft_model(tiny_model(), LSTMemConfig(target_modules=["q_proj", "out_proj"], layers_to_transform=[9]))
+        get_peft_model(
+            tiny_model(), LSTMemConfig(target_modules=["q_proj", "out_proj"], layers_to_transform=[9])
+        )
     with pytest.raises(ValueError, match="does not have"):
         get_peft_model(tiny_model(), LSTMemConfig(layers_to_transform=[1, 7]))
 
@@ -129,9 +140,11 @@ def test_prefill_equals_one_token_steps_logits_and_states():
 
         kv = DynamicCache()
         for t in range(10):
-            out = model(input_ids=x[:, t : t + 1], past_key_values=kv, use_cache=True, memory_cache=step_cache)
+            out = model(
+                input_ids=x[:, t : t + 1], past_key_values=kv, use_cache=True, memory_cache=step_cache
+            )
             torch.testing.assert_close(out.logits[:, 0], full[:, t], atol=2e-5, rtol=2e-5)
-    for a, b in zip(full_cache.layers, step_cache.layers):
+    for a, b in zip(full_cache.layers, step_cache.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
     assert full_cache.tokens_written.tolist() == step_cache.tokens_written.tolist() == [10, 10]
@@ -171,7 +184,7 @@ def test_read_only_generation_leaves_memory_unchanged():
         write_history(model, ids(1, 20), cache)
         snap = cache.clone()
         model.generate(input_ids=ids(1, 5, seed=2), memory_cache=cache, max_new_tokens=4, do_sample=False)
-    for a, b in zip(cache.layers, snap.layers):
+    for a, b in zip(cache.layers, snap.layers, strict=True):
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
 
 
@@ -181,9 +194,11 @@ def test_num_return_sequences_expands_memory():
     with torch.no_grad():
         write_history(model, ids(2, 20), cache)
         before = [layer.cell.clone() for layer in cache.layers]
-        model.generate(input_ids=ids(2, 4), memory_cache=cache, max_new_tokens=3, do_sample=True, num_return_sequences=3)
+        model.generate(
+            input_ids=ids(2, 4), memory_cache=cache, max_new_tokens=3, do_sample=True, num_return_sequences=3
+        )
     assert cache.batch_size == 6
-    for layer, ref in zip(cache.layers, before):
+    for layer, ref in zip(cache.layers, before, strict=True):
         assert torch.equal(layer.cell, ref.repeat_interleave(3, dim=0))
 
 
@@ -206,15 +221,17 @@ def test_left_padded_batch_equals_each_row_alone(mask_kind):
     rows = [ids(1, n, seed=10 + i) for i, n in enumerate(lengths)]
     batch = torch.zeros(3, T, dtype=torch.long)
     mask = torch.zeros(3, T, dtype=torch.long)
-    for i, (row, n) in enumerate(zip(rows, lengths)):
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         batch[i, T - n :] = row[0]
         mask[i, T - n :] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     attn = mask if mask_kind == "2d" else _four_d_masks(mask, mask_kind)
     cache = MemoryCache()
     with torch.no_grad():
-        logits = model(input_ids=batch, attention_mask=attn, position_ids=positions, memory_cache=cache).logits
-        for i, (row, n) in enumerate(zip(rows, lengths)):
+        logits = model(
+            input_ids=batch, attention_mask=attn, position_ids=positions, memory_cache=cache
+        ).logits
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
             alone = MemoryCache()
             ref = model(input_ids=row, memory_cache=alone).logits
             torch.testing.assert_close(logits[i, T - n :], ref[0], atol=2e-5, rtol=2e-5)
@@ -228,7 +245,13 @@ def test_left_padded_generate_matches_rows_alone():
     batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long_])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
     with torch.no_grad():
-        out = model.generate(input_ids=batch, attention_mask=mask, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
+        out = model.generate(
+            input_ids=batch,
+            attention_mask=mask,
+            memory_cache=MemoryCache(),
+            max_new_tokens=4,
+            do_sample=False,
+        )
         a = model.generate(input_ids=short, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
         b = model.generate(input_ids=long_, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
     assert torch.equal(out[0, 3:], a[0]) and torch.equal(out[1], b[0])
@@ -247,7 +270,7 @@ def test_interleaved_sessions_equal_each_session_alone():
             la = model(input_ids=chunks_a[i], memory_cache=ca).logits
             lb = model(input_ids=chunks_b[i], memory_cache=cb).logits
             assert torch.equal(la, ref_a[i]) and torch.equal(lb, ref_b[i])
-    for x, y in zip(ca.layers, alone_a.layers):
+    for x, y in zip(ca.layers, alone_a.layers, strict=True):
         assert torch.equal(x.cell, y.cell)
     assert not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values())
 
@@ -281,7 +304,7 @@ def test_snapshot_and_saved_cache_continue_bit_exactly(tmp_path):
         loaded = MemoryCache.load(tmp_path / "memory.safetensors", layout=memory_layout(model))
         assert torch.equal(model(input_ids=question, memory_cache=snap).logits, first)
         assert torch.equal(model(input_ids=question, memory_cache=loaded).logits, first)
-    for a, b in zip(cache.layers, loaded.layers):
+    for a, b in zip(cache.layers, loaded.layers, strict=True):
         assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
 
 
@@ -295,7 +318,7 @@ def test_write_history_feedback_after_every_block():
         for s in range(0, 40, 16):  # the same blocks written one by one
             write_history(model, hist[:, s : s + 16], blocks, block_size=16)
         no_fb = write_history(make(block_feedback=False), hist, MemoryCache(), block_size=16)
-    for a, b in zip(with_fb.layers, blocks.layers):
+    for a, b in zip(with_fb.layers, blocks.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell)
     assert not torch.allclose(with_fb.layers[0].cell, no_fb.layers[0].cell)
 
@@ -367,7 +390,9 @@ def test_write_history_peak_memory_does_not_grow_with_history_length():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     peak = {}
     for n in (1024, 16384):
-        out = subprocess.run([sys.executable, str(script), str(n)], capture_output=True, text=True, env=env, timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(script), str(n)], capture_output=True, text=True, env=env, timeout=300
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         peak[n] = int(out.stdout.strip().splitlines()[-1])  # KiB
     assert peak[16384] - peak[1024] < 16 * 1024, peak
@@ -385,7 +410,9 @@ def test_validity_from_masks_needs_no_host_read_off_cpu():
     assert valid_from_attention_mask(padded.bool(), 2, 3).tolist() == [[True] * 3, [False, True, True]]
     # off the CPU the mask is never read back (no device synchronisation): it is returned as is
     meta = valid_from_attention_mask(torch.ones(2, 6, dtype=torch.long, device="meta"), 2, 3)
-    assert meta is not None and meta.device.type == "meta" and meta.shape == (2, 3) and meta.dtype == torch.bool
+    assert (
+        meta is not None and meta.device.type == "meta" and meta.shape == (2, 3) and meta.dtype == torch.bool
+    )
 
 
 def test_generate_sees_weights_changed_between_calls():
@@ -419,7 +446,9 @@ def test_hooked_projections_take_the_unfused_path_with_the_same_result():
     torch.testing.assert_close(hooked, fused_prefill, atol=1e-5, rtol=1e-5)
     assert len(seen) == 1
     inputs, output = seen[0]
-    torch.testing.assert_close(output, torch.nn.functional.linear(inputs, q_proj.weight))  # no correction inside
+    torch.testing.assert_close(
+        output, torch.nn.functional.linear(inputs, q_proj.weight)
+    )  # no correction inside
 
 
 def test_memory_grads_in_training_mode_reach_every_memory_parameter():

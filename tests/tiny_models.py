@@ -16,8 +16,16 @@ from transformers import (
 
 VOCAB = 96
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 ARCHITECTURES = {

@@ -49,7 +49,7 @@ def score_answer(prediction: str, gold: str) -> dict[str, float]:
 def _passages(example: dict[str, Any]) -> list[tuple[str, list[str]]]:
     context = example["context"]
     if isinstance(context, dict):  # Hugging Face layout
-        return list(zip(context["title"], context["sentences"]))
+        return list(zip(context["title"], context["sentences"], strict=True))
     return [(title, sentences) for title, sentences in context]
 
 
@@ -66,7 +66,9 @@ def passages_text(example: dict[str, Any], passages: str = "all") -> str:
     if passages == "supporting":
         titles = _supporting_titles(example)
         if not titles:
-            raise ValueError(f"HotpotQA example {example.get('_id', example.get('id'))} has no supporting_facts")
+            raise ValueError(
+                f"HotpotQA example {example.get('_id', example.get('id'))} has no supporting_facts"
+            )
         chosen = [(t, s) for t, s in chosen if t in titles]
     return "".join(f"{title}: {''.join(sentences).strip()}\n\n" for title, sentences in chosen)
 
@@ -86,8 +88,14 @@ class HotpotQA(Benchmark):
     name = "hotpotqa"
     metrics = ("em", "f1")
 
-    def __init__(self, source: str, limit: int | None = None, passages: str = "all",
-                 max_new_tokens: int = K.HOTPOTQA_MAX_NEW_TOKENS, split: str = "validation") -> None:
+    def __init__(
+        self,
+        source: str,
+        limit: int | None = None,
+        passages: str = "all",
+        max_new_tokens: int = K.HOTPOTQA_MAX_NEW_TOKENS,
+        split: str = "validation",
+    ) -> None:
         from ..data import read_records
 
         if passages not in ("all", "supporting"):

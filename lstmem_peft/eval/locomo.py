@@ -147,17 +147,27 @@ class LoCoMo(Benchmark):
     name = "locomo"
     metrics = ("f1",)
 
-    def __init__(self, source: str, limit: int | None = None, max_new_tokens: int = K.LOCOMO_MAX_NEW_TOKENS,
-                 split: str = "train") -> None:
+    def __init__(
+        self,
+        source: str,
+        limit: int | None = None,
+        max_new_tokens: int = K.LOCOMO_MAX_NEW_TOKENS,
+        split: str = "train",
+    ) -> None:
         from ..data import read_records
 
         self.samples = list(read_records(source, split))[:limit]
         self.max_new_tokens = max_new_tokens
         require_fields(self.samples, ("conversation", "qa"), source, "the official locomo10.json schema")
-        scored = sum(int(qa["category"]) in SCORED_CATEGORIES for sample in self.samples for qa in sample["qa"])
+        scored = sum(
+            int(qa["category"]) in SCORED_CATEGORIES for sample in self.samples for qa in sample["qa"]
+        )
         if limit is None and len(self.samples) == 10 and scored != LOCOMO10_QUESTIONS:
-            warnings.warn(f"{source}: {scored} category 1-4 questions, not LoCoMo-10's {LOCOMO10_QUESTIONS}; "
-                          "is this the official locomo10.json?", stacklevel=2)
+            warnings.warn(
+                f"{source}: {scored} category 1-4 questions, not LoCoMo-10's {LOCOMO10_QUESTIONS}; "
+                "is this the official locomo10.json?",
+                stacklevel=2,
+            )
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -102,23 +102,41 @@ SOURCES: dict[str, SourceSpec] = {
     "longmemeval": SourceSpec("AR", "alias", 50, "LongMemEval"),
     "ruler_qa": SourceSpec("AR", "alias", 50, "RULER QA"),
     "icl_": SourceSpec(
-        "TTL", "alias", 20, "In-context classification", label="Text", cue="Label:",
+        "TTL",
+        "alias",
+        20,
+        "In-context classification",
+        label="Text",
+        cue="Label:",
         instruction="The context above gives example texts with their numerical labels. Reply with the label "
         f"of the text below and nothing else. {_ABSTAIN_RULE}",
     ),
     "recsys_redial": SourceSpec(
-        "TTL", "recall@5", 300, "Movie recommendation", label="Conversation", cue="Recommendations:",
+        "TTL",
+        "recall@5",
+        300,
+        "Movie recommendation",
+        label="Conversation",
+        cue="Recommendations:",
         instruction="The context above holds conversations between users and a movie recommender. Recommend "
         "20 movies for the user in the conversation below, best first, as a numbered list with one title "
         "per line and nothing else.",
     ),
     "infbench_sum": SourceSpec(
-        "LRU", "f1", 1200, "InfiniteBench summarisation", label="Task", cue="Summary:",
+        "LRU",
+        "f1",
+        1200,
+        "InfiniteBench summarisation",
+        label="Task",
+        cue="Summary:",
         instruction="Summarise the book above, using only the context. Write the summary and nothing else.",
     ),
     "detective_qa": SourceSpec("LRU", "alias", 2000, "Detective QA"),
     "factconsolidation": SourceSpec(
-        "SF", "alias", 10, "FactConsolidation",
+        "SF",
+        "alias",
+        10,
+        "FactConsolidation",
         instruction="Each fact in the context starts with a serial number; when facts conflict, the one with "
         f"the larger serial number is newer and holds. {_SHORT_ANSWER}",
     ),
@@ -304,8 +322,12 @@ class MemoryAgentBench(Benchmark):
         """``(where, split or None, rows)`` per data file (or Hub split), in split order."""
         src, order = self.source, list(SPLITS)
         if os.path.isdir(src):
-            paths = [os.path.join(d, f) for d, _, files in os.walk(src) for f in files
-                     if f.endswith((".parquet", ".jsonl", ".json")) and _split_of(f)]
+            paths = [
+                os.path.join(d, f)
+                for d, _, files in os.walk(src)
+                for f in files
+                if f.endswith((".parquet", ".jsonl", ".json")) and _split_of(f)
+            ]
             if not paths:
                 splits = ", ".join(SPLITS)
                 raise FileNotFoundError(f"{src}: no .parquet/.jsonl/.json file named after a split: {splits}")
@@ -337,7 +359,7 @@ class MemoryAgentBench(Benchmark):
                     continue
                 per_family[spec.family] += 1
                 history_id = f"{source}/{index}"
-                items = list(zip(questions, answers))[: self.max_questions]
+                items = list(zip(questions, answers, strict=True))[: self.max_questions]
                 asked = [self._question(history_id, j, *qa, spec, meta, at) for j, qa in enumerate(items)]
                 histories.append(History(history_id, f"Context:\n{context}", asked))
         return histories
@@ -361,7 +383,11 @@ class MemoryAgentBench(Benchmark):
             info.update(abstention=True, reference=gold)
             gold = [ABSTAIN]
         prompt = _prompt(spec, str(question))
-        limit = spec.max_new_tokens if self.max_new_tokens is None else min(spec.max_new_tokens, self.max_new_tokens)
+        limit = (
+            spec.max_new_tokens
+            if self.max_new_tokens is None
+            else min(spec.max_new_tokens, self.max_new_tokens)
+        )
         return Question(f"{history_id}/q{j}", prompt, gold, limit, source, info)
 
     def _entity_titles(self, ids: list[str], at: str) -> list[str]:
@@ -386,8 +412,10 @@ class MemoryAgentBench(Benchmark):
         candidates = [os.path.join(d, ENTITY_FILE) for d in (folder, os.path.dirname(folder))]
         found = next((c for c in candidates if os.path.isfile(c)), None)
         if found is None:
-            raise FileNotFoundError(f"ReDial answers are entity ids: put the snapshot's {ENTITY_FILE} at "
-                                    f"{' or '.join(candidates)}, or pass entity_map=")
+            raise FileNotFoundError(
+                f"ReDial answers are entity ids: put the snapshot's {ENTITY_FILE} at "
+                f"{' or '.join(candidates)}, or pass entity_map="
+            )
         return found
 
     def histories(self) -> Iterator[History]:

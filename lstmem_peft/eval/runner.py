@@ -82,17 +82,24 @@ class PromptBuilder:
         template_kwargs: extra arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
     """
 
-    def __init__(self, tokenizer, chat_template: bool | None = None, template_kwargs: dict | None = None) -> None:
+    def __init__(
+        self, tokenizer, chat_template: bool | None = None, template_kwargs: dict | None = None
+    ) -> None:
         has_template = getattr(tokenizer, "chat_template", None) is not None
         if chat_template and not has_template:
-            raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False")
+            raise ValueError(
+                "chat_template=True but the tokenizer has no chat template; pass chat_template=False"
+            )
         self.tokenizer = tokenizer
         self.chat_template = has_template if chat_template is None else chat_template
         self.template_kwargs = dict(template_kwargs or {})
 
     def _render(self, content: str) -> str:
         return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            [{"role": "user", "content": content}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.template_kwargs,
         )
 
     def _ids(self, text: str, special: bool) -> list[int]:
@@ -187,7 +194,12 @@ class _Run:
 
 def _prefill_plain(run: _Run, ids: torch.Tensor, kv) -> None:
     for start in range(0, ids.shape[1], run.block_size):
-        run.model(input_ids=ids[:, start : start + run.block_size], past_key_values=kv, use_cache=True, logits_to_keep=1)
+        run.model(
+            input_ids=ids[:, start : start + run.block_size],
+            past_key_values=kv,
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
 
 @torch.no_grad()
@@ -197,7 +209,10 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
 
     with_memory = system == "lstmem"
     in_prompt = not run.memory_only
-    pieces = [torch.tensor([p], dtype=torch.long, device=run.device) for p in run.builder.history_ids(history, in_prompt)]
+    pieces = [
+        torch.tensor([p], dtype=torch.long, device=run.device)
+        for p in run.builder.history_ids(history, in_prompt)
+    ]
     kv = DynamicCache(config=run.config) if in_prompt else None
     memory = MemoryCache() if with_memory else None  # reset before every independent history
     context = run.model.disable_adapter() if run.has_adapter and not with_memory else nullcontext()
@@ -207,8 +222,14 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
                 continue
             if with_memory:  # a bar of its own for long histories (MemoryAgentBench contexts)
                 long = piece.shape[1] > LONG_HISTORY_BLOCKS * run.block_size
-                write_history(run.model, piece, memory, block_size=run.block_size, past_key_values=kv,
-                              progress=run.progress and long)
+                write_history(
+                    run.model,
+                    piece,
+                    memory,
+                    block_size=run.block_size,
+                    past_key_values=kv,
+                    progress=run.progress and long,
+                )
             elif kv is not None:
                 _prefill_plain(run, piece, kv)
         snapshot = _KVSnapshot(kv) if kv is not None else None
@@ -252,12 +273,20 @@ def markdown_table(summary: dict[str, Any]) -> str:
             header.append(f"Δ {metric}")
     first = summary["systems"][systems[0]]
     levels = [("groups", name) for name in first["groups"]]
-    levels += [(level, name) for level, rows in first.items() if level not in ("groups", "overall") for name in rows]
+    levels += [
+        (level, name) for level, rows in first.items() if level not in ("groups", "overall") for name in rows
+    ]
     levels.append(("overall", None))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for level, name in levels:
-        cells = [summary["systems"][s][level] if name is None else summary["systems"][s][level][name] for s in systems]
-        row = ["**overall**" if name is None else (f"*{name}*" if level != "groups" else name), str(cells[0]["questions"])]
+        cells = [
+            summary["systems"][s][level] if name is None else summary["systems"][s][level][name]
+            for s in systems
+        ]
+        row = [
+            "**overall**" if name is None else (f"*{name}*" if level != "groups" else name),
+            str(cells[0]["questions"]),
+        ]
         for metric in metrics:
             row += [_percent(c[metric]) for c in cells]
             if len(systems) == 2:
@@ -272,8 +301,12 @@ def _versions() -> dict[str, str]:
 
     from .. import __version__
 
-    return {"lstmem_peft": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__}
+    return {
+        "lstmem_peft": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
 
 
 # ---------------------------------------------------------------------- loading
@@ -349,9 +382,16 @@ def evaluate(
         raise ValueError(f"block_size must be positive, got {block_size}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run = _Run(
-        model=model, tokenizer=tokenizer, builder=PromptBuilder(tokenizer, chat_template, template_kwargs),
-        decoding=decoding, block_size=block_size, memory_only=memory_only,
-        device=next(model.parameters()).device, pad_token_id=pad, has_adapter=tuner is not None, progress=progress,
+        model=model,
+        tokenizer=tokenizer,
+        builder=PromptBuilder(tokenizer, chat_template, template_kwargs),
+        decoding=decoding,
+        block_size=block_size,
+        memory_only=memory_only,
+        device=next(model.parameters()).device,
+        pad_token_id=pad,
+        has_adapter=tuner is not None,
+        progress=progress,
         config=getattr(model, "config", None),
     )
     out_dir = None if out_dir is None else os.fspath(out_dir).rstrip("/\\")
@@ -365,15 +405,25 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        bar = tqdm(benchmark.histories(), total=len(benchmark), desc=f"{benchmark.name}", unit="history",
-                   disable=not progress)
+        bar = tqdm(
+            benchmark.histories(),
+            total=len(benchmark),
+            desc=f"{benchmark.name}",
+            unit="history",
+            disable=not progress,
+        )
         for history in bar:
             for system in systems:
                 for question, prediction in _answer(run, history, system):
                     record = {
-                        "system": system, "history": history.id, "id": question.id, "group": question.group,
-                        "prediction": prediction, "gold": question.answer,
-                        "scores": benchmark.score(question, prediction), "meta": question.meta,
+                        "system": system,
+                        "history": history.id,
+                        "id": question.id,
+                        "group": question.group,
+                        "prediction": prediction,
+                        "gold": question.answer,
+                        "scores": benchmark.score(question, prediction),
+                        "meta": question.meta,
                     }
                     records[system].append(record)
                     if sink is not None:

@@ -29,6 +29,8 @@ def token_f1(prediction_tokens: list[str], gold_tokens: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def tokens(text: str, normalize: Callable[[str], str], transform: Callable[[str], str] | None = None) -> list[str]:
+def tokens(
+    text: str, normalize: Callable[[str], str], transform: Callable[[str], str] | None = None
+) -> list[str]:
     words = normalize(text).split()
     return [transform(w) for w in words] if transform else words
