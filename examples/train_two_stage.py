@@ -27,7 +27,7 @@ from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
 from lstmem_peft import constants as K
-from lstmem_peft.card import record_training
+from lstmem_peft.card import push_to_hub, record_training, write_model_card
 from lstmem_peft.data import load_episodes, tokenize_episode
 from lstmem_peft.trainer import LSTMemTrainer, LSTMemTrainingConfig
 
@@ -114,6 +114,7 @@ def main() -> None:
     )
     final = os.path.join(args.output_dir, "adapter")
     model.save_pretrained(final)
+    write_model_card(model, final)  # settings, the training facts above, the citation
     with open(os.path.join(final, "training.json"), "w") as fh:
         json.dump(
             {
@@ -128,7 +129,7 @@ def main() -> None:
             indent=2,
         )
     if args.push_to_hub and trainer.is_world_process_zero():
-        model.push_to_hub(args.push_to_hub)
+        push_to_hub(model, args.push_to_hub)  # the adapter with its LSTMem card
 
 
 if __name__ == "__main__":

@@ -6,16 +6,17 @@ Importing the package registers the ``LSTMEM`` method with PEFT, so ``get_peft_m
 
 from peft import mapping as _peft_mapping
 
-from . import card as _card
 from .cache import LayerState, MemoryCache, MemoryLayout
+from .card import push_to_hub, write_model_card
 from .config import LSTMemConfig, LSTMemPeftType
 from .engine import MemoryPass
 from .feedback import block_feedback, feedback_gradients, sample_feedback_positions
-from .history import memory_layers, memory_layout, write_history
+from .history import find_memory, generate, memory_layers, memory_layout, write_history
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 from .memory import LSTMemLayer
 from .tuner import LSTMemModel
 
+# The one place the version is written: pyproject.toml reads it (setuptools' dynamic version).
 __version__ = "0.1.0"
 
 
@@ -28,7 +29,6 @@ def _register() -> None:
 
 
 _register()
-_card.install()
 
 __all__ = [
     "LSTMemConfig",
@@ -42,8 +42,12 @@ __all__ = [
     "MemoryPass",
     "block_feedback",
     "feedback_gradients",
+    "find_memory",
+    "generate",
     "memory_layers",
     "memory_layout",
+    "push_to_hub",
     "sample_feedback_positions",
     "write_history",
+    "write_model_card",
 ]

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .extras import missing_extra
+
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
     "tiny": dict(
@@ -416,7 +418,10 @@ def save_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:
 
 def _plot(folder: Path, record: dict, name: str, title: str, draw) -> str:
     """Draw one figure with ``draw(ax)``, save it as PNG in ``folder``; returns the markdown image line."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as err:
+        raise missing_extra(err, "bench", "Benchmark plots (lstmem bench report)") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

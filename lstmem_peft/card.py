@@ -1,17 +1,17 @@
 """The LSTMem section of an adapter's model card (README.md next to the adapter files).
 
-PEFT writes the card in ``PeftModel.save_pretrained`` through ``create_or_update_model_card``; on
-import, lstmem-peft extends that method so that, for LSTMem adapters only, the card also says what
-the adapter is, how it is configured, and cites the paper. The section is replaced, not duplicated,
-when the card is written again.
+PEFT writes a generic card in ``PeftModel.save_pretrained``. :func:`write_model_card` adds what the
+adapter is, how it is configured and trained, and the citation; :func:`push_to_hub` saves, writes the
+card and uploads; :class:`~lstmem_peft.trainer.LSTMemTrainer` writes it whenever it saves. Nothing of
+PEFT is patched. The section is replaced, not duplicated, when the card is written again.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
-from huggingface_hub import ModelCard
-from peft import PeftModel
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 
 from . import constants as K
 
@@ -78,39 +78,45 @@ def write_lstmem_section(output_dir: str, config, extra: str = "") -> None:
 
 
 def _lstmem_config(model):
-    config = model.peft_config.get(getattr(model, "active_adapter", None) or "default")
-    return config if getattr(config, "peft_type", None) == "LSTMEM" else None
+    """The active LSTMem adapter's config of a ``PeftModel`` (or any model with LSTMem layers)."""
+    from .history import find_memory
+
+    return find_memory(model).config()
 
 
-def install() -> None:
-    """Extend ``PeftModel``'s card writing and Hub upload once (idempotent).
+def write_model_card(model, output_dir: str) -> str:
+    """Write (or refresh) the LSTMem section of ``output_dir/README.md`` for ``model``'s active adapter.
 
-    ``save_pretrained`` writes the card through ``create_or_update_model_card``; ``push_to_hub``
-    then replaces README.md with the Hub's card (or a template) before ``_upload_modified_files``,
-    so the section is written in both places.
+    ``model.save_pretrained(output_dir)`` writes PEFT's card (tags, base model, versions); call this
+    after it to add what the adapter is, its settings, training facts recorded with
+    :func:`record_training`, and the citation. :class:`~lstmem_peft.trainer.LSTMemTrainer` calls it
+    whenever it saves, and :func:`push_to_hub` before it uploads. Returns the card's path.
     """
-    if getattr(PeftModel.create_or_update_model_card, "_lstmem", False):
-        return
-    original_card = PeftModel.create_or_update_model_card
-    original_upload = PeftModel._upload_modified_files
+    info = getattr(model, TRAINING_ATTR, None)
+    write_lstmem_section(output_dir, _lstmem_config(model), _training_table(info) if info else "")
+    return os.path.join(output_dir, "README.md")
 
-    def extra_of(model) -> str:
-        info = getattr(model, TRAINING_ATTR, None)
-        return _training_table(info) if info else ""
 
-    def create_or_update_model_card(self, output_dir: str):
-        original_card(self, output_dir)
-        config = _lstmem_config(self)
-        if config is not None:
-            write_lstmem_section(output_dir, config, extra_of(self))
+def push_to_hub(
+    model, repo_id: str, *, commit_message: str = "Upload LSTMem adapter", private=None, **kwargs
+):
+    """Save ``model``'s adapter with its LSTMem model card and upload the folder to ``repo_id``.
 
-    def _upload_modified_files(self, working_dir, *args, **kwargs):
-        config = _lstmem_config(self)
-        if config is not None:
-            write_lstmem_section(working_dir, config, extra_of(self))
-        return original_upload(self, working_dir, *args, **kwargs)
-
-    create_or_update_model_card._lstmem = True
-    create_or_update_model_card.__doc__ = original_card.__doc__
-    PeftModel.create_or_update_model_card = create_or_update_model_card
-    PeftModel._upload_modified_files = _upload_modified_files
+    The same files as ``model.save_pretrained`` (adapter_config.json, adapter_model.safetensors) plus
+    the card of :func:`write_model_card`. ``kwargs`` go to ``save_pretrained`` (e.g.
+    ``selected_adapters``). Returns the ``CommitInfo`` of the upload.
+    """
+    api = HfApi()
+    repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, **kwargs)
+        write_model_card(model, folder)
+        operations = [
+            CommitOperationAdd(
+                path_in_repo=os.path.relpath(os.path.join(root, name), folder),
+                path_or_fileobj=os.path.join(root, name),
+            )  # fmt: skip
+            for root, _, names in sorted(os.walk(folder))
+            for name in sorted(names)
+        ]
+        return api.create_commit(repo.repo_id, operations=operations, commit_message=commit_message)

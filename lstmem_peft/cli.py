@@ -5,7 +5,9 @@ lstmem demo --train         # retrain the adapters from scratch first (reports t
 lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
 lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
 lstmem bench report benchmarks/results                                   # RESULTS.md + plots
-lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR  # paper protocols
+lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
+lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
+lstmem serve [--model ID --adapter PATH] [--store DIR] [--port N]   # OpenAI-compatible server with memory
 """
 
 from __future__ import annotations
@@ -95,7 +97,25 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
     ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
-    ev.add_argument("--model", required=True, help="base model: Hub id or local folder")
+    ev.add_argument("--model", default=None, help="base model: Hub id or local folder (not with --rescore)")
+    ev.add_argument(
+        "--protocol",
+        default="official",
+        choices=["official", "paper"],
+        help="prompts and scoring: the benchmark's released code (official) or the code the paper names",
+    )
+    ev.add_argument(
+        "--rescore",
+        default=None,
+        metavar="PREDICTIONS",
+        help="re-score a run's predictions.jsonl under --protocol without generating (DATA gives the rules)",
+    )
+    ev.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the answers an interrupted run with the same settings left in OUT.partial",
+    )
+    ev.add_argument("--no-plot", action="store_true", help="do not write scores.png")
     ev.add_argument(
         "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
     )
@@ -126,6 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
     )
+    ev.add_argument(
+        "--chunk-tokenizer",
+        default="gpt-4o-mini",
+        choices=["gpt-4o-mini", "model"],
+        help="mab, official protocol: count chunk tokens with tiktoken's gpt-4o-mini encoding (the official "
+        "rule; needs tiktoken and its cached encoding) or with the evaluated model's tokenizer",
+    )
     ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -140,6 +167,34 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)",
+    )
+    sv = sub.add_parser(
+        "serve", help="OpenAI-compatible server; every session keeps a persistent LSTMem memory"
+    )
+    sv.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sv.add_argument("--model", default=None, help="backbone: Hub id or local folder (default: embedded demo)")
+    sv.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)")
+    sv.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    sv.add_argument("--name", default=None, help="model id served at /v1/models (default: from the adapter)")
+    sv.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
+    sv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    sv.add_argument(
+        "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
+    )
+    sv.add_argument("--max-batch", type=positive_int, default=32, help="most sessions per batched forward")
+    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="wait for more requests to batch")
+    sv.add_argument("--no-batching", action="store_true", help="run requests one at a time")
+    sv.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
+    sv.add_argument("--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests")
+    sv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 suits tiny models)",
     )
     return parser
 
@@ -162,9 +217,13 @@ def _dispatch(args) -> int:
         _check_paths(
             model=args.model,
             **({"adapter": args.adapter, "data": args.data} if args.command == "eval" else {}),
+            **({"rescore": args.rescore} if args.command == "eval" else {}),
         )
     if args.command == "eval":
         return _eval(args)
+    if args.command == "serve":
+        _check_paths(model=args.model, adapter=args.adapter)
+        return _serve(args)
     if args.command == "bench":
         from . import bench as benchmarks
 
@@ -200,6 +259,36 @@ def _dispatch(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    keys = list(args.api_key)
+    if args.api_keys_file is not None:
+        with open(args.api_keys_file) as fh:
+            keys += [line.strip() for line in fh if line.strip() and not line.startswith("#")]
+        if not keys:
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+    from .serve import serve
+
+    serve(
+        model=args.model,
+        adapter=args.adapter,
+        store=args.store,
+        host=args.host,
+        port=args.port,
+        name=args.name,
+        device=args.device,
+        dtype=args.dtype,
+        api_keys=keys,
+        threads=args.threads,
+        context_window=args.context_window,
+        max_batch=args.max_batch,
+        batch_wait_ms=args.batch_wait_ms,
+        batching=not args.no_batching,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.max_tokens,
+    )
+    return 0
+
+
 def _template_kwargs(pairs: list[str]) -> dict:
     import json
 
@@ -218,7 +307,7 @@ def _template_kwargs(pairs: list[str]) -> dict:
 def _eval(args) -> int:
     from .eval import runner
 
-    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens}
+    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "protocol": args.protocol}
     if args.split:
         if args.benchmark == "mab":
             raise SystemExit(
@@ -239,12 +328,23 @@ def _eval(args) -> int:
         from .eval.mab import MemoryAgentBench as make
 
         options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
+    if args.rescore is None and args.model is None:
+        raise SystemExit("lstmem eval: --model is required (unless --rescore re-scores an existing run)")
+    if args.rescore is not None and (args.model is not None or args.resume):
+        raise SystemExit("--rescore re-scores without a model: drop --model/--adapter/--resume")
     benchmark = make(args.data, **options)
+    out = args.out or f"eval-results/{args.benchmark}"
+    if args.rescore is not None:
+        summary = runner.rescore(args.rescore, benchmark, out, plot=not args.no_plot)
+        print(runner.markdown_table(summary))
+        print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
+        return 0
     model, tokenizer = runner.load_model(args.model, args.adapter, args.dtype, args.device)
+    if args.benchmark == "mab" and args.chunk_tokenizer == "model":  # histories are built when iterated
+        benchmark.count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
     decoding = runner.Decoding(greedy=args.greedy)
     if args.seed is not None:
         decoding.seed = args.seed
-    out = args.out or f"eval-results/{args.benchmark}"
     summary = runner.evaluate(
         model,
         tokenizer,
@@ -256,7 +356,10 @@ def _eval(args) -> int:
         compare_base=not args.no_base,
         chat_template=False if args.no_chat_template else None,
         template_kwargs=_template_kwargs(args.template_arg),
-        run_info={"model": args.model, "adapter": args.adapter, "data": args.data},
+        run_info={"model": args.model, "adapter": args.adapter, "data": args.data}
+        | ({"chunk_tokenizer": args.chunk_tokenizer} if args.benchmark == "mab" else {}),
+        resume=args.resume,
+        plot=not args.no_plot,
     )
     print(runner.markdown_table(summary))
     print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import inspect
 import math
+import os
 import uuid
 from dataclasses import dataclass, field
 
-from peft import PeftConfig
+from peft import PeftConfig, PeftModel
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
 from . import constants as K
 from .cache import STATE_DTYPES
@@ -169,6 +172,25 @@ class LSTMemConfig(PeftConfig):
                 )
             self.target_modules = list(self.target_modules)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
+        """Load the config from a folder or Hub repo (PEFT's ``PeftConfig.from_pretrained``).
+
+        A config-only load works from a folder that holds ``adapter_config.json`` alone. When the call
+        comes from ``PeftModel.from_pretrained`` or ``PeftModel.load_adapter`` (which load the config
+        first, then the weights), a local folder without ``adapter_model.safetensors`` or
+        ``adapter_model.bin`` is refused here, naming the folder: PEFT itself would go on to treat the
+        folder as a Hub repo id and fail with an unrelated error.
+        """
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_code if frame is not None and frame.f_back is not None else None
+        del frame  # a frame held in a local would keep this call's objects alive
+        if caller in _PEFT_ADAPTER_LOADERS:
+            folder = pretrained_model_name_or_path
+            require_adapter_weights(os.path.join(folder, subfolder) if subfolder else folder)
+        return config
+
     @property
     def query_module(self) -> str:
         return self.target_modules[0]
@@ -176,3 +198,25 @@ class LSTMemConfig(PeftConfig):
     @property
     def output_module(self) -> str:
         return self.target_modules[1]
+
+
+# PEFT's two entry points that load a config and then that adapter's weights from the same place.
+_PEFT_ADAPTER_LOADERS = (PeftModel.from_pretrained.__func__.__code__, PeftModel.load_adapter.__code__)
+
+
+def require_adapter_weights(folder: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` if the local folder ``folder`` has no adapter weights file.
+
+    A name that is not a local folder (a Hub repo id) is left to PEFT's own download and errors.
+    """
+    if not os.path.isdir(folder):
+        return
+    if not any(
+        os.path.isfile(os.path.join(folder, name)) for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)
+    ):
+        raise FileNotFoundError(
+            f"{os.fspath(folder)!r} has an adapter_config.json but no adapter weights: neither "
+            f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it. Save the adapter with "
+            "model.save_pretrained(folder) (it writes both config and weights), or load the config alone "
+            "with LSTMemConfig.from_pretrained(folder) and build a fresh adapter with get_peft_model."
+        )

@@ -4,7 +4,7 @@ A forward, drawn::
 
     model(input_ids, memory_cache=cache, memory_write=True, memory_feedback=False, past_key_values=kv)
       pre-hook (outermost hooked module): pop the memory_* kwargs, open a ModelPass over a staged copy
-          of the cache's states and set ACTIVE = Active(owner=tuner, module, pass, session)
+          of the cache's states and set ACTIVE = Active(owner=hooks, module, pass, session)
       q_proj wrapper of decoder layer l:  x -> pass.run_layer(l, x): memory layer l reads, writes -> Δq, Δo
           (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
       o_proj wrapper of decoder layer l:  adds Δo
@@ -36,8 +36,8 @@ class Active(NamedTuple):
     """The memory context of the running call.
 
     Attributes:
-        owner: the :class:`~lstmem_peft.tuner.LSTMemModel` whose memory runs (a forward of another
-            model, e.g. an assistant, ignores it).
+        owner: the :class:`~lstmem_peft.hooks.MemoryHooks` of the backbone whose memory runs (a
+            forward of another model, e.g. an assistant, ignores it).
         module: the hooked module whose forward opened ``model_pass`` (only it closes the pass).
         model_pass: the open :class:`ModelPass`, or ``None`` between the forwards of a ``generate``.
         session: the ``generate`` call in progress, or ``None``.

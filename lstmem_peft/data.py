@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import constants as K
+from .extras import missing_extra
 
 Episode = dict[str, str]
 
@@ -79,7 +80,10 @@ def data_files(folder: str, split: str) -> list[str]:
 def read_file(path: str) -> Iterator[dict[str, Any]]:
     """Records of one ``.parquet``, ``.jsonl`` or ``.json`` file (a JSON object maps ids to records)."""
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow.parquet as pq
+        except ModuleNotFoundError as err:
+            raise missing_extra(err, "eval", f"Reading {path}") from err
 
         yield from pq.read_table(path).to_pylist()
         return

@@ -234,10 +234,15 @@ def train_adapter(
     tokenizer=None,
 ):
     """Train a fresh adapter on the frozen backbone with :class:`LSTMemTrainer`; returns the PEFT model."""
-    from datasets import Dataset
     from peft import get_peft_model
 
+    from .extras import missing_extra
     from .trainer import LSTMemTrainer, LSTMemTrainingConfig
+
+    try:
+        from datasets import Dataset
+    except ModuleNotFoundError as err:
+        raise missing_extra(err, "train", "lstmem demo --train") from err
 
     tok = tokenizer or demo_tokenizer()
     torch.manual_seed(seed)
@@ -357,7 +362,62 @@ def build(
         model.save_pretrained(out / f"adapter_{name}")
         record[f"eval_{name}"] = evaluate(model)
     (out / "build.json").write_text(json.dumps(record, indent=2) + "\n")
+    publish(out)
     return record
+
+
+#: What the shipped adapters name as their base model: the backbone folder inside this package
+#: (never the temporary folder of the machine that built them).
+DEMO_BACKBONE = "lstmem_peft/assets/demo/backbone"
+
+
+def publish(folder: Path = ASSETS) -> None:
+    """Re-save the demo adapters in ``folder`` as they ship: the package-relative base model name, a
+    fixed ``memory_id`` (so saved memory stays valid across loads), and a model card with their
+    settings, how they were trained and evaluated (``build.json``) and the citation. The weights are
+    unchanged."""
+    import tempfile
+
+    from huggingface_hub import ModelCard
+    from peft import PeftModel
+
+    from .card import record_training, write_model_card
+
+    record = json.loads((folder / "build.json").read_text())
+    for name in ADAPTERS:
+        target = folder / f"adapter_{name}"
+        model = PeftModel.from_pretrained(load_backbone(folder), target)
+        config = model.peft_config["default"]
+        config.base_model_name_or_path = DEMO_BACKBONE
+        config.memory_id = f"lstmem-demo-{name}"
+        recall = record.get(f"eval_{name}", {})
+        record_training(
+            model,
+            base_model=f"the demo backbone ({DEMO_BACKBONE}), pretrained by `lstmem_peft.demo.build`",
+            training_data="synthetic key-value recall episodes (lstmem_peft.data.synthetic_recall_episodes)",
+            updates=600,
+            built=f"{record.get('date', 'unknown date')}, {record.get('machine', 'machine not recorded')}",
+            recall_from_memory=recall.get("recall_memory"),
+            recall_in_context=recall.get("recall_in_context"),
+            recall_no_history=recall.get("recall_no_history"),
+        )
+        model.get_base_model().config._name_or_path = DEMO_BACKBONE  # the card's base_model
+        with tempfile.TemporaryDirectory() as staging:  # a fresh card, not the one already there
+            intro = (
+                f"# LSTMem demo adapter: {name.replace('_', ' ')}\n\n"
+                "Shipped with lstmem-peft for `lstmem demo`: a tiny adapter on the package's tiny demo "
+                "backbone, trained to recall key-value pairs written into memory "
+                f"({'the full method' if not ADAPTERS[name] else 'ablation ' + json.dumps(ADAPTERS[name])}). "
+                "It is a working example of the method and the file format, not a model for real text.\n\n"
+            )
+            (Path(staging) / "README.md").write_text(intro)
+            model.save_pretrained(staging)  # PEFT adds its metadata to the card it finds
+            write_model_card(model, staging)
+            card = ModelCard.load(Path(staging) / "README.md")  # no tag may name the builder's folder
+            card.data["tags"] = [t for t in card.data.get("tags", []) if not t.startswith("base_model:")]
+            card.save(Path(staging) / "README.md")
+            for file in ("README.md", "adapter_config.json", "adapter_model.safetensors"):
+                (target / file).write_bytes((Path(staging) / file).read_bytes())
 
 
 if __name__ == "__main__":
@@ -365,6 +425,8 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["build"]:
         print(json.dumps(build(), indent=2))
+    elif sys.argv[1:2] == ["publish"]:
+        publish()
 
 
 # ---------------------------------------------------------------------- the `lstmem demo` command

@@ -178,7 +178,7 @@ class GenerateSession:
     """The memory of one ``generate`` call (see the module docstring).
 
     Args:
-        tuner: the :class:`~lstmem_peft.tuner.LSTMemModel`.
+        hooks: the backbone's :class:`~lstmem_peft.hooks.MemoryHooks`.
         adapter: the active adapter's name.
         cache: the caller's :class:`MemoryCache` (written only by :meth:`commit`).
         config: the resolved generation config.
@@ -186,15 +186,15 @@ class GenerateSession:
     """
 
     def __init__(
-        self, tuner, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict
+        self, hooks, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict
     ) -> None:
-        self.tuner = tuner
+        self.hooks = hooks
         self.adapter = adapter
         self.user_cache = cache
         self.expand = max(config.num_beams or 1, config.num_return_sequences or 1)
         self.beams = (config.num_beams or 1) > 1
         self.return_sequences = config.num_return_sequences or 1
-        self.write = tuner.peft_config[adapter].update_during_generation
+        self.write = hooks.config(adapter).update_during_generation
         self.work: MemoryCache | None = None
         self.kv = None
         self._kv_methods: dict[str, object] = {}
@@ -207,7 +207,7 @@ class GenerateSession:
         self.prompt: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, mask) before expansion (beams)
         if self.beams:
             ids = prompt_ids(kwargs)
-            self.prompt = (ids, prompt_mask(tuner.model, ids, kwargs.get("attention_mask")))
+            self.prompt = (ids, prompt_mask(hooks.model, ids, kwargs.get("attention_mask")))
         self.weights: list | None = None  # the memory layers' LayerWeights, derived once per call
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
 
@@ -372,8 +372,8 @@ class GenerateSession:
         """Recompute the memory after the first ``count`` tokens of the last forward from its inputs."""
         if count == 0:
             return
-        config = self.tuner.peft_config[self.adapter]
-        layers = self.tuner.memory_layers(self.adapter)
+        config = self.hooks.config(self.adapter)
+        layers = self.hooks.memory_layers(self.adapter)
         valid = None if last.valid is None else last.valid[:, :count]
         step = MemoryPass(
             self.work, valid, write=True, depth_coupling=config.depth_coupling, backend=config.scan_backend
@@ -419,7 +419,7 @@ class GenerateSession:
         full_mask = torch.cat([mask.to(ids.device), kept[:, :n]], dim=1)
         positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
         with torch.no_grad():
-            self.tuner.model(
+            self.hooks.model(
                 input_ids=full_ids,
                 attention_mask=full_mask,
                 position_ids=positions,

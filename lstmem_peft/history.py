@@ -9,26 +9,32 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cache import MemoryCache, MemoryLayout
+from .hooks import MemoryHooks
 from .memory import LSTMemLayer
 from .tuner import LSTMemModel
 
 
-def find_tuner(model: nn.Module) -> LSTMemModel:
-    """The :class:`LSTMemModel` inside a PeftModel, a DDP/accelerate wrapper or the tuner itself."""
+def find_memory(model: nn.Module) -> MemoryHooks:
+    """The :class:`~lstmem_peft.hooks.MemoryHooks` of a model with LSTMem layers: a ``PeftModel``,
+    the tuner, a backbone the adapter was injected into (``inject_adapter_in_model``, transformers'
+    ``load_adapter``), or any of them inside a DDP/accelerate wrapper."""
     seen = model
     while (
         hasattr(seen, "module") and isinstance(seen.module, nn.Module) and not isinstance(seen, LSTMemModel)
     ):
         seen = seen.module  # DistributedDataParallel and similar wrappers
-    if isinstance(seen, LSTMemModel):
-        return seen
     base = getattr(seen, "base_model", None)
     if isinstance(base, LSTMemModel):
-        return base
-    raise TypeError(
-        f"{type(model).__name__} carries no LSTMem adapter; wrap the model first with "
-        "peft.get_peft_model(model, LSTMemConfig(...)) or PeftModel.from_pretrained(model, path)"
-    )
+        seen = base
+    if isinstance(seen, LSTMemModel):
+        seen = seen.model
+    hooks = MemoryHooks.of(seen) if isinstance(seen, nn.Module) else None
+    if hooks is None:
+        raise TypeError(
+            f"{type(model).__name__} carries no LSTMem adapter; wrap the model first with "
+            "peft.get_peft_model(model, LSTMemConfig(...)) or PeftModel.from_pretrained(model, path)"
+        )
+    return hooks
 
 
 def memory_layers(model: nn.Module) -> list[LSTMemLayer]:
@@ -36,12 +42,23 @@ def memory_layers(model: nn.Module) -> list[LSTMemLayer]:
 
     Each has ``.layer_idx`` (its decoder layer) and ``paper_parameters()``.
     """
-    return find_tuner(model).memory_layers()
+    return find_memory(model).memory_layers()
 
 
 def memory_layout(model: nn.Module) -> MemoryLayout:
     """The :class:`MemoryLayout` a :class:`MemoryCache` for this model must have (e.g. to load one)."""
-    return find_tuner(model).memory_layout()
+    return find_memory(model).memory_layout()
+
+
+def generate(model: nn.Module, *args, memory_cache: MemoryCache | None = None, **kwargs):
+    """``model.generate(*args, memory_cache=..., **kwargs)`` for any model with LSTMem layers.
+
+    ``PeftModel.generate`` already takes ``memory_cache``. A backbone that received the adapter
+    through transformers' ``load_adapter`` or ``inject_adapter_in_model`` keeps transformers' own
+    ``generate``, which refuses unknown keyword arguments; call this function for it instead (it is
+    the same exact, transactional generation; see :mod:`lstmem_peft.generation`).
+    """
+    return find_memory(model).generate(*args, memory_cache=memory_cache, **kwargs)
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
@@ -83,8 +100,8 @@ def write_history(
     Returns:
         ``memory_cache``.
     """
-    tuner = find_tuner(model)
-    config = tuner.peft_config[tuner._single_active_adapter()]
+    hooks = find_memory(model)
+    config = hooks.config()
     block = config.block_size if block_size is None else block_size
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"block_size must be a positive integer (or None for the adapter's), got {block!r}")
@@ -105,7 +122,7 @@ def write_history(
             f"attention_mask must have shape {(B, T)} (or {(B, past + T)} with the KV cache's {past} tokens), "
             f"got {tuple(attention_mask.shape)}"
         )
-    extra = {"logits_to_keep": 1} if _accepts(tuner.model, "logits_to_keep") else {}
+    extra = {"logits_to_keep": 1} if _accepts(hooks.model, "logits_to_keep") else {}
     valid = full_mask[:, past:].bool()
     if not bool(valid.all()):  # padding: every row is cut into blocks of its own tokens
         if past_key_values is not None:
@@ -154,7 +171,7 @@ def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show)
     B = input_ids.shape[0]
     tokens = [input_ids[b][valid[b]] for b in range(B)]
     count = max(-(-len(t) // block) for t in tokens)
-    memory_cache.bind(find_tuner(model).memory_layout())  # all rows exist before sub-batches are cut
+    memory_cache.bind(find_memory(model).memory_layout())  # all rows exist before sub-batches are cut
     memory_cache.ensure(B, input_ids.device)
     for k in tqdm(
         range(count), desc="writing history", unit="block", disable=not (count > 1 if show is None else show)

@@ -19,6 +19,7 @@ from torch.nn.modules import module as _module
 
 from . import context
 from .memory import LayerOutput, LSTMemLayer
+from .quant import dense_weight
 
 # the context variable's getter without a Python frame: the wrappers ask it in every projection call
 _active = context.ACTIVE.get
@@ -36,29 +37,48 @@ class LSTMemTunerLayer(BaseTunerLayer):
     def unmerge(self) -> None:
         """Nothing to undo: LSTMem never merges."""
 
-    def __repr__(self) -> str:
-        return "lstmem." + super().__repr__()
+    @property
+    def in_features(self) -> int:
+        """Input width of the wrapped projection."""
+        return self.get_base_layer().in_features
+
+    @property
+    def out_features(self) -> int:
+        """Output width of the wrapped projection."""
+        return self.get_base_layer().out_features
 
 
 class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
     """Query projection with LSTMem memory. ``forward(x)``: ``(B, T, d) -> (B, T, d_q)``."""
 
     adapter_layer_names = ("lstmem_memory",)
-    other_param_names = ()
+    # per-adapter facts written at injection (PEFT deletes an adapter's entry with its layers)
+    other_param_names = ("lstmem_config", "lstmem_depth")
 
     def __init__(self, base_layer: nn.Module, layer_idx: int) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.layer_idx = layer_idx
         self.lstmem_memory = nn.ModuleDict()
+        self.lstmem_config: dict[str, object] = {}  # adapter -> its LSTMemConfig
+        self.lstmem_depth: dict[str, int] = {}  # adapter -> depth index among its memory layers
         self._disable_adapters = False
         self.merged_adapters = []
         self.kwargs = {}
 
     def update_layer(self, adapter_name: str, config, output_weight: torch.Tensor) -> None:
-        """Create the memory of ``adapter_name`` and initialise ``W_dq``/``W_do`` from the backbone."""
+        """Create the memory of ``adapter_name`` and initialise ``W_dq``/``W_do`` from the backbone.
+
+        Sizes and the correction init come from the dense weights (:func:`~lstmem_peft.quant.dense_weight`:
+        a quantised projection is dequantised, never sliced). The memory is created on the
+        projection's device, in its dtype when that is a floating dtype (else float32); PEFT then
+        casts float16/bfloat16 adapters to float32 unless ``autocast_adapter_dtype=False``.
+        ``output_weight``: the ``(d, d_q)`` dense weight of the output projection.
+        """
         base = self.get_base_layer()
-        weight = base.weight
+        weight = dense_weight(base)  # (d_q, d) float32
+        stored = getattr(base, "weight", None)
+        dtype = stored.dtype if stored is not None and stored.dtype.is_floating_point else torch.float32
         memory = LSTMemLayer(
             hidden_size=weight.shape[1],
             query_size=weight.shape[0],
@@ -67,11 +87,24 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
             alpha=config.alpha,
             layer_idx=self.layer_idx,
             device=weight.device,
-            dtype=torch.float32,
+            dtype=dtype,
         )
         memory.init_corrections(weight, output_weight)
         self.lstmem_memory[adapter_name] = memory
+        self.lstmem_config[adapter_name] = config
         self.set_adapter(self.active_adapters)
+
+    def _freeze_non_trainable_peft_weights(self, adapter_names=None) -> None:
+        """PEFT calls this after marking adapter weights trainable (``set_adapter``): keep
+        ``W_pred^full`` frozen in memory layers without a depth input (it could get no gradient)."""
+        super()._freeze_non_trainable_peft_weights(adapter_names)
+        names = (
+            [adapter_names] if isinstance(adapter_names, str) else adapter_names or list(self.lstmem_memory)
+        )
+        for name in names:
+            memory = self.lstmem_memory[name] if name in self.lstmem_memory else None
+            if memory is not None and not memory.depth_input:
+                memory.w_pred_full.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
@@ -86,6 +119,9 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         if memory is None:
             return base(x, *args, **kwargs)
         return _base_plus(base, x, active.run_layer(self, memory, x), 0, args, kwargs)
+
+    def __repr__(self) -> str:
+        return "lstmem." + super().__repr__()
 
 
 class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
@@ -111,13 +147,19 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
             return base(x, *args, **kwargs)
         return _base_plus(base, x, out, 1, args, kwargs)
 
+    def __repr__(self) -> str:
+        return "lstmem." + super().__repr__()
+
 
 def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
     """Whether ``base(x)`` is exactly ``F.linear(x, base.weight)``: a bias-free ``nn.Linear`` of
-    ``x``'s dtype without hooks or a patched forward (then the correction can enter its product)."""
+    ``x``'s dtype without hooks or a patched forward (then the correction can enter its product).
+    A weight that is not a plain dense tensor (a torchao tensor subclass, say) is not plain: such a
+    projection runs its own forward."""
     params = base._parameters
     return (
         type(base) is nn.Linear
+        and type(params["weight"]) in (nn.Parameter, torch.Tensor)
         and params["bias"] is None
         and not args
         and not kwargs

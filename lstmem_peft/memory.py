@@ -227,6 +227,9 @@ class LSTMemLayer(nn.Module):
         self.b_gate = nn.Parameter(torch.empty(4 * ds, **kw))
         self.w_dq = nn.Parameter(torch.empty(query_size, ds, **kw))
         self.w_do = nn.Parameter(torch.empty(hidden_size, ds, **kw))
+        # whether a depth input D^(l-1) reaches this layer (set at injection: not for the first
+        # memory layer, nor without depth coupling); without one, P_dep can never get a gradient
+        self.depth_input = True
         self.reset_parameters()
         self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
 
@@ -239,6 +242,15 @@ class LSTMemLayer(nn.Module):
     def scale(self) -> float:
         """``alpha / r``."""
         return self.alpha / self.head_dim
+
+    def set_depth_input(self, receives: bool) -> None:
+        """Declare whether a depth input reaches this layer. Without one, ``W_pred^full`` (whose
+        ``P_dep`` only ever multiplies the depth input) is frozen, so that every trainable
+        parameter receives a gradient (DDP's and PEFT's invariant); it stays in the adapter file.
+        The query wrapper re-freezes it whenever PEFT marks adapter weights trainable."""
+        self.depth_input = bool(receives)
+        if not self.depth_input:
+            self.w_pred_full.requires_grad_(False)
 
     # ------------------------------------------------------------------ initialisation (App. C.4)
     @torch.no_grad()

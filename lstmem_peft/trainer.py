@@ -20,13 +20,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from trl import SFTConfig, SFTTrainer
 
 from . import constants as K
 from .cache import MemoryCache
-from .card import record_training
+from .card import record_training, write_model_card
 from .data import left_pad
-from .history import find_tuner, write_history
+from .extras import missing_extra
+from .history import find_memory, write_history
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ModuleNotFoundError as err:
+    raise missing_extra(err, "train", "LSTMem training (lstmem_peft.trainer)") from err
 
 HISTORY_MODES = ("stage1", "stage2")
 
@@ -181,7 +186,7 @@ class LSTMemTrainer(SFTTrainer):
             )
         if processing_class is None:
             raise ValueError("pass processing_class=<tokenizer>: LSTMemTrainer never downloads one")
-        find_tuner(model)  # fails early, with the fix, when the model has no LSTMem adapter
+        find_memory(model)  # fails early, with the fix, when the model has no LSTMem adapter
         if data_collator is None:
             pad = (
                 processing_class.pad_token_id
@@ -220,6 +225,20 @@ class LSTMemTrainer(SFTTrainer):
         )
         return output
 
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Save the adapter (every checkpoint and the final model) with its LSTMem model card."""
+        super()._save(output_dir, state_dict=state_dict)
+        self._write_card(output_dir or self.args.output_dir)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """TRL's card for ``push_to_hub``, with the LSTMem section (settings, training, citation)."""
+        super().create_model_card(*args, **kwargs)
+        self._write_card(self.args.output_dir)
+
+    def _write_card(self, output_dir: str) -> None:
+        if self.args.should_save:
+            write_model_card(self.accelerator.unwrap_model(self.model), output_dir)
+
     def write_episode_history(
         self, model, history_ids: torch.Tensor, history_mask: torch.Tensor
     ) -> MemoryCache:
@@ -236,7 +255,7 @@ class LSTMemTrainer(SFTTrainer):
                 model, history_ids, cache, attention_mask=history_mask, block_size=block, progress=False
             )
             return cache
-        block = block or find_tuner(model).peft_config[find_tuner(model)._single_active_adapter()].block_size
+        block = block or find_memory(model).config().block_size
         with torch.no_grad():
             for start in range(0, history_ids.shape[1], block):
                 write_history(

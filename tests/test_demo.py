@@ -1,7 +1,6 @@
 """`lstmem demo` on the shipped backbone and adapters, and a scaled-down training run."""
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import pytest
 from lstmem_peft import demo
 
 
+@pytest.mark.slow
 def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "PATH": __import__("os").environ["PATH"]}
     result = subprocess.run(
@@ -32,14 +32,7 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
     assert summary["recall_memory"] >= 0.8 > summary["bag_of_values"]
 
 
-def test_console_script_is_installed():
-    import sysconfig
-    from pathlib import Path
-
-    script = Path(sysconfig.get_path("scripts")) / "lstmem"
-    assert script.exists() or shutil.which("lstmem"), "pip install -e . should install the `lstmem` command"
-
-
+@pytest.mark.slow
 def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
     """A fresh adapter on the shipped backbone: the loss falls and memory recall beats no history."""
     model, trainer = demo.train_adapter(
@@ -56,6 +49,7 @@ def test_missing_assets_name_the_rebuild_command(tmp_path):
         demo.load_backbone(tmp_path)
 
 
+@pytest.mark.slow
 def test_demo_runs_on_a_model_given_by_path(tmp_path):
     """`--model` takes any causal LM and tokenizer (a Hub id or, here, a local folder)."""
     from lstmem_peft.offline import char_tokenizer, tiny_qwen3

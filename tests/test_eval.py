@@ -1,5 +1,6 @@
 """The evaluation harness end to end on a tiny random model: protocols, snapshots, outputs, CLI."""
 
+import copy
 import json
 import math
 import os
@@ -13,7 +14,16 @@ from peft import get_peft_model
 
 import lstmem_peft.engine
 from lstmem_peft import LSTMemConfig
-from lstmem_peft.eval import Benchmark, Decoding, History, HotpotQA, LoCoMo, PromptBuilder, evaluate
+from lstmem_peft.eval import (
+    Benchmark,
+    Decoding,
+    History,
+    HotpotQA,
+    LoCoMo,
+    PromptBuilder,
+    Question,
+    evaluate,
+)
 from lstmem_peft.offline import char_tokenizer, tiny_qwen3
 
 TEMPLATE = (
@@ -66,26 +76,41 @@ def predictions(path):
 
 
 # ---------------------------------------------------------------------- LoCoMo and HotpotQA protocols
-def test_locomo_replays_sessions_in_order_with_dates_and_the_official_prompt(locomo):
+def test_locomo_official_protocol_replays_sessions_in_order_with_the_official_prompt(locomo):
     first, second = list(locomo.histories())
-    assert len(first.segments) == 2 and "".join(first.segments) == first.text
+    assert len(first.segments) == 2 and "".join(first.segments) == first.text and first.system is None
     assert first.segments[0].startswith("Below is a conversation between two people: Ann and Bo.")
     assert first.text.index("DATE: 1:56 pm on 8 May, 2023") < first.text.index("DATE: 4:10 pm on 9 May, 2023")
-    assert 'Ann said, "Well done!" and shared a photo of a medal.' in first.text
+    assert 'Ann said, "Well done!"\n' in first.text and "shared" not in first.text  # no img_file field
+    assert first.text.endswith('"\n' + "\n\n" * 2)  # the code's per-session "\n\n", all at the end
     categories = [q.meta["category"] for q in first.questions]
     assert categories == [1, 2, 3, 4]  # category 5 excluded
     temporal = first.questions[1]
+    assert temporal.prompt.startswith("\n\n\nBased on the above context, write an answer")
     assert temporal.prompt.endswith(
-        "Question: When did Bo run a race? Use DATE of CONVERSATION to answer with an approximate date. Short answer:"
+        "Question: When did Bo run a race? Use DATE of CONVERSATION to answer with an approximate date. "
+        "Short answer:\n"
     )
     assert "Use DATE" not in first.questions[3].prompt
     assert all(q.max_new_tokens == 5 for q in first.questions)
     assert second.questions[1].answer == "2020"  # integer answers scored as text
 
 
-def test_locomo_default_answer_limit_is_the_papers(tmp_path):
-    bench = LoCoMo(write_locomo(tmp_path / "l.json"), limit=1)
-    assert len(bench) == 1 and {q.max_new_tokens for h in bench.histories() for q in h.questions} == {50}
+def test_locomo_paper_protocol_has_its_system_prompt_and_question_prompt(tmp_path):
+    first = next(LoCoMo(write_locomo(tmp_path / "l.json"), protocol="paper").histories())
+    assert first.system.startswith("You are a helpful, respectful and honest assistant")
+    assert first.segments[1].startswith("\nDATE: 4:10 pm on 9 May, 2023\nCONVERSATION:\n")  # oldest first
+    assert 'Ann said, "Well done!"\n and shared a photo of a medal.\n' in first.text
+    assert first.questions[0].prompt.startswith("\n\nBased on the above conversations, write a short answer")
+
+
+def test_locomo_default_answer_limits_are_the_protocols(tmp_path):
+    data = write_locomo(tmp_path / "l.json")
+    for protocol, tokens in (("official", 32), ("paper", 50)):
+        bench = LoCoMo(data, limit=1, protocol=protocol)
+        assert len(bench) == 1 and {q.max_new_tokens for h in bench.histories() for q in h.questions} == {
+            tokens
+        }
 
 
 def test_locomo_rejects_files_in_another_schema(tmp_path):
@@ -258,6 +283,7 @@ def test_a_plain_model_is_evaluated_as_the_backbone_only(tok, tmp_path):
 
 
 # ---------------------------------------------------------------------- command line
+@pytest.mark.slow
 def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
     model.get_base_model().save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
@@ -305,8 +331,12 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
     assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == 8
 
 
-def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
+def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, monkeypatch):
+    import nltk
     from eval_fixtures import ROWS, write_snapshot
+
+    # the official sentence splitter needs nltk's punkt data, which offline test machines may lack
+    monkeypatch.setattr(nltk, "sent_tokenize", lambda text: [s + "." for s in text.split(". ")])
 
     from lstmem_peft import cli
 
@@ -330,15 +360,35 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path):
             "3",
             "--limit",
             "1",
+            "--chunk-tokenizer",
+            "model",
         ]
     )
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["protocol"] == "official" and summary["settings"]["chunk_tokens"] == "custom"
     families = summary["systems"]["lstmem"]["families"]
     assert list(families) == ["AR", "TTL", "LRU", "SF"]
     assert sum(f["questions"] for f in families.values()) == summary["questions"] == 2 + 2 + 1 + 2
     table = (out / "results.md").read_text()
     assert "| *AR* | 2 |" in table and "| ruler_qa1_197K | 2 |" in table
+    assert "LSTMem score (official)" in table and "backbone score (paper)" in table
+    assert "LSTMem score (paper)" in table and (out / "scores.png").stat().st_size > 0
+    assert summary["by_protocol"]["official"] == summary["systems"]
+
+    # re-scored under the paper protocol without generating: the paper column of the same run
+    rescored = tmp_path / "rescored"
+    code = cli.main(
+        ["eval", "mab", str(snapshot), "--rescore", str(out / "predictions.jsonl")]
+        + ["--protocol", "paper", "--out", str(rescored)]
+    )
+    assert code == 0
+    again = json.loads((rescored / "summary.json").read_text())
+    assert again["protocol"] == "paper" and again["generated"]["protocol"] == "official"
+    assert again["systems"] == summary["by_protocol"]["paper"]
+    before = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    after = [json.loads(line) for line in (rescored / "predictions.jsonl").read_text().splitlines()]
+    assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
     with pytest.raises(SystemExit, match="--split does not apply"):
         cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
 
@@ -381,8 +431,8 @@ def test_a_failed_eval_run_leaves_the_previous_outputs_intact(model, tok, tmp_pa
     bench = HotpotQA(write_hotpot(tmp_path / "dev.json"), max_new_tokens=2)
     out = tmp_path / "out"
     evaluate(model, tok, bench, out, progress=False, decoding=Decoding(greedy=True))
-    before = {p.name: p.read_text() for p in out.iterdir()}
-    assert set(before) == {"predictions.jsonl", "summary.json", "results.md"}
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"predictions.jsonl", "summary.json", "results.md", "scores.png"}
     calls = []
     original = runner._answer
 
@@ -395,7 +445,7 @@ def test_a_failed_eval_run_leaves_the_previous_outputs_intact(model, tok, tmp_pa
     monkeypatch.setattr(runner, "_answer", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         evaluate(model, tok, bench, out, progress=False, decoding=Decoding(greedy=True))
-    assert {p.name: p.read_text() for p in out.iterdir()} == before  # nothing truncated or mixed
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing truncated or mixed
 
 
 # ---------------------------------------------------------------------- Hub dataset ids (offline cache)
@@ -444,9 +494,14 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
 
     files = {f"data/{split}-00000-of-00001.parquet": parquet(rows) for split, rows in ROWS.items()}
     hub_dataset(offline_hub, "ai-hyz/MemoryAgentBench", {**files, "entity2id.json": json.dumps(ENTITIES)})
-    mab = MemoryAgentBench("ai-hyz/MemoryAgentBench", families=("TTL",))
+    mab = MemoryAgentBench(
+        "ai-hyz/MemoryAgentBench", families=("TTL",), count_tokens=len, split_sentences=str.splitlines
+    )
     redial = [q for h in mab.histories() for q in h.questions if q.group == "recsys_redial_full"]
-    assert redial and redial[0].answer == ["Spider-Man", "Up"]  # entity ids mapped through entity2id.json
+    assert redial and redial[0].meta["gold_titles"] == [
+        "Spider Man",
+        "Up",
+    ]  # ids named through entity2id.json
 
 
 def test_a_hub_id_missing_from_the_offline_cache_fails_clearly(offline_hub):
@@ -463,3 +518,61 @@ def test_a_ten_conversation_file_is_checked_against_locomo10s_question_count(tmp
     (tmp_path / "l.json").write_text(json.dumps(samples))
     with pytest.warns(UserWarning, match="30 category 1-4 questions, not LoCoMo-10's 1540"):
         LoCoMo(str(tmp_path / "l.json"))
+
+
+# ---------------------------------------------------------------------- system prompts, resume
+def test_prompt_builder_puts_the_protocols_system_message_first(tok):
+    tok = copy.deepcopy(tok)
+    tok.chat_template = TEMPLATE
+    history = History("h", "HISTORY TEXT. ", [], system="SYSTEM TEXT")
+    question = Question("q", "QUESTION?", "a", 1, "g")
+    builder = PromptBuilder(tok)
+    ids = [i for part in builder.history_ids(history) for i in part] + builder.question_ids(history, question)
+    assert tok.decode(ids) == "[system] SYSTEM TEXT\n[user] HISTORY TEXT. QUESTION?\n[assistant] "
+    plain = PromptBuilder(tok, chat_template=False)
+    ids = [i for part in plain.history_ids(history) for i in part] + plain.question_ids(history, question)
+    assert tok.decode(ids, skip_special_tokens=True) == "SYSTEM TEXT\n\nHISTORY TEXT. QUESTION?"
+
+
+def test_an_interrupted_run_resumes_to_the_outputs_of_an_uninterrupted_run(model, tok, tmp_path, monkeypatch):
+    from lstmem_peft.eval import runner
+
+    bench = LoCoMo(write_locomo(tmp_path / "locomo10.json"), max_new_tokens=3)
+    settings = dict(progress=False, block_size=64, run_info={"model": "tiny"})
+    evaluate(model, tok, bench, tmp_path / "whole", **settings)
+
+    original, answered = runner._answer, []
+
+    def interrupted(run, history, system):  # fails on the second history's LSTMem pass
+        answered.append((history.id, system))
+        if len(answered) == 4:
+            raise KeyboardInterrupt
+        yield from original(run, history, system)
+
+    monkeypatch.setattr(runner, "_answer", interrupted)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(model, tok, bench, out, **settings)
+    partial = (tmp_path / "resumed.partial" / "predictions.jsonl").read_text().splitlines()
+    first, second = (len(h.questions) for h in bench.histories())
+    assert len(partial) == 2 * first + second  # conversation 1 for both systems, 2 for the backbone
+
+    calls = []
+
+    def counting(run, history, system):
+        calls.append((history.id, system))
+        yield from original(run, history, system)
+
+    monkeypatch.setattr(runner, "_answer", counting)
+    with pytest.raises(ValueError, match="other settings.*block_size: 64 then, 32 now"):
+        evaluate(model, tok, bench, out, **{**settings, "block_size": 32}, resume=True)
+    assert calls == []
+    evaluate(model, tok, bench, out, **settings, resume=True)
+    assert calls == [("conv-b", "base"), ("conv-b", "lstmem")]  # the finished conversation is kept
+    assert (out / "predictions.jsonl").read_text() == (tmp_path / "whole" / "predictions.jsonl").read_text()
+    whole, resumed = (json.loads((d / "summary.json").read_text()) for d in (tmp_path / "whole", out))
+    assert {k: v for k, v in resumed.items() if k != "date"} == {
+        k: v for k, v in whole.items() if k != "date"
+    }
+    assert (out / "results.md").read_text() == (tmp_path / "whole" / "results.md").read_text()
+    assert not (tmp_path / "resumed.partial").exists() and not (out / "settings.json").exists()

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_runs_offline(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "4"],
@@ -20,6 +23,7 @@ def test_quickstart_runs_offline(tmp_path):
     assert result.stdout.count("Q: ") == 2
 
 
+@pytest.mark.slow
 def test_two_stage_recipe_smoke_run(tmp_path):
     import json
 

@@ -7,9 +7,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_models import history_then_question_logits, make
+
+from lstmem_peft import write_model_card
 
 TESTS = Path(__file__).parent
 
@@ -40,6 +43,7 @@ def run_child(code: str, cwd: Path, env: dict | None = None) -> None:
 def test_adapter_files_are_peft_format_and_cite_the_paper(tmp_path):
     model = make(layers_to_transform=[0, 2])
     model.save_pretrained(tmp_path)
+    write_model_card(model, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LSTMEM" and config["layers_to_transform"] == [0, 2]
@@ -48,10 +52,12 @@ def test_adapter_files_are_peft_format_and_cite_the_paper(tmp_path):
     assert len(keys) == 2 * 10  # two memory layers, ten parameter tensors each
     card = (tmp_path / "README.md").read_text()
     assert "LSTMem: Hierarchical Long Short-Term Online Memory" in card and "library_name: peft" in card
-    model.save_pretrained(tmp_path)  # writing again replaces the section
+    model.save_pretrained(tmp_path)  # PEFT keeps the card; writing the section again replaces it
+    write_model_card(model, tmp_path)
     assert (tmp_path / "README.md").read_text().count("## LSTMem adapter") == 1
 
 
+@pytest.mark.slow
 def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path):
     model = make()
     model.save_pretrained(tmp_path / "adapter")
@@ -67,6 +73,7 @@ def test_reload_in_a_fresh_process_gives_identical_logits(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_offline_hub_round_trip(tmp_path):
     """push_to_hub writes a real Hub cache snapshot; from_pretrained("user/repo") reads it offline."""
     model = make()
@@ -80,6 +87,7 @@ def test_offline_hub_round_trip(tmp_path):
         import hashlib, os, shutil, types
         from huggingface_hub import HfApi, constants
         from peft import get_peft_model
+        import lstmem_peft
         from lstmem_peft import LSTMemConfig
 
         def create_repo(self, repo_id, **kwargs):
@@ -100,7 +108,7 @@ def test_offline_hub_round_trip(tmp_path):
         HfApi.create_repo, HfApi.create_commit = create_repo, create_commit
         model = get_peft_model(tiny_model(), LSTMemConfig())
         model.load_state_dict(torch.load({str(tmp_path / "weights.pt")!r}), strict=False)
-        model.push_to_hub("user/repo")
+        lstmem_peft.push_to_hub(model, "user/repo")
         """,
         cwd=workdir,
         env=env,
@@ -116,3 +124,70 @@ def test_offline_hub_round_trip(tmp_path):
         cwd=workdir,
         env=env,
     )
+
+
+def test_a_folder_with_a_config_but_no_weights_is_refused_naming_the_folder(tmp_path):
+    """PEFT would go on to read the folder as a Hub repo id; LSTMem names the folder and the file."""
+    from peft import PeftModel
+    from tiny_models import tiny_model
+
+    from lstmem_peft import LSTMemConfig
+
+    saved = LSTMemConfig(r=4, num_heads=2, layers_to_transform=[1])
+    saved.save_pretrained(tmp_path / "config-only")
+    saved.save_pretrained(tmp_path / "outer" / "inner")
+    loaded = LSTMemConfig.from_pretrained(str(tmp_path / "config-only"))  # config alone: fine
+    assert loaded.to_dict() == saved.to_dict()
+    loaders = {
+        "PeftModel.from_pretrained": lambda: PeftModel.from_pretrained(
+            tiny_model(), str(tmp_path / "config-only")
+        ),
+        "subfolder": lambda: PeftModel.from_pretrained(
+            tiny_model(), str(tmp_path / "outer"), subfolder="inner"
+        ),
+        "load_adapter": lambda: make().load_adapter(str(tmp_path / "config-only"), adapter_name="other"),
+    }
+    for name, load in loaders.items():
+        try:
+            load()
+        except FileNotFoundError as err:
+            message = str(err)
+        else:
+            raise AssertionError(f"{name}: a folder without weights loaded")
+        folder = tmp_path / "outer" / "inner" if name == "subfolder" else tmp_path / "config-only"
+        assert str(folder) in message, (name, message)
+        assert "adapter_model.safetensors" in message and "adapter_model.bin" in message, (name, message)
+
+
+def test_lstmem_eval_with_an_adapter_folder_without_weights_prints_one_line(tmp_path, capsys):
+    from eval_fixtures import write_hotpot
+
+    from lstmem_peft import LSTMemConfig
+    from lstmem_peft.cli import main
+    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+
+    tok = char_tokenizer()
+    tiny_qwen3(len(tok), hidden_size=64).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    LSTMemConfig(r=4, num_heads=2).save_pretrained(tmp_path / "adapter")
+    data = write_hotpot(tmp_path / "dev.json")
+    capsys.readouterr()  # the set-up's own progress bars
+    argv = [
+        "eval",
+        "hotpotqa",
+        data,
+        "--model",
+        str(tmp_path / "base"),
+        "--adapter",
+        str(tmp_path / "adapter"),
+    ]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--device", "cpu", "--limit", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line.strip() for line in err.splitlines()]
+    messages = [line for line in lines if line and not line.startswith("Loading weights")]  # progress bar
+    assert len(messages) == 1, err
+    err = messages[0]
+    assert err.startswith("lstmem eval: error: ") and str(tmp_path / "adapter") in err
+    assert "adapter_model.safetensors" in err and "FileNotFoundError" in err
+    assert not (tmp_path / "out").exists()

@@ -215,6 +215,7 @@ def test_trainer_refuses_models_without_adapter_and_missing_tokenizer(tmp_path):
         LSTMemTrainer(model=model, args=args)
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_end_with_identical_adapters(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [

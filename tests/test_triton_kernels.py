@@ -131,8 +131,9 @@ SCAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "B, T, H, R, dtype, depth, valid, initial", [c[1:] for c in SCAN_CASES], ids=[c[0] for c in SCAN_CASES]
+@pytest.mark.parametrize(  # the long sequence (thousands of interpreted steps) is in the slow tier
+    "B, T, H, R, dtype, depth, valid, initial",
+    [pytest.param(*c[1:], id=c[0], marks=pytest.mark.slow if c[2] > 1000 else ()) for c in SCAN_CASES],
 )
 def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
     inputs = make_inputs(B, T, H, R, dtype, depth=depth, valid=valid, initial=initial)
@@ -148,11 +149,19 @@ def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
         assert_close(grads[name], e, dtype, f"grad {name}")
 
 
-def test_chunked_reference_is_the_naive_scan():
+@pytest.mark.parametrize("scan", [scan_naive, scan_triton], ids=["naive", "triton"])
+def test_a_scan_resumed_from_its_final_states_equals_one_scan(scan):
+    """Writing history block by block relies on it (and ``scan_reference`` above on the naive scan)."""
     inputs = make_inputs(3, 10, 2, 8, torch.float32)
-    chunked = scan_reference(**inputs, chunk=3)
-    for a, e in zip(chunked, scan_naive(**inputs), strict=True):
-        torch.testing.assert_close(a, e, atol=0, rtol=0)
+    whole = scan(**inputs)
+    per_token = ("q", "k", "w", "f", "o", "depth", "valid")
+    first = scan(**{n: x[:, :4] if n in per_token else x for n, x in inputs.items()})
+    rest = {n: x[:, 4:] if n in per_token else x for n, x in inputs.items()}
+    second = scan(**{**rest, "initial_cell": first[2], "initial_hidden": first[3]})
+    for name, index in (("read", 0), ("hidden", 1)):
+        assert_close(torch.cat([first[index], second[index]], 1), whole[index], torch.float32, name)
+    assert_close(second[2], whole[2], torch.float32, "final_cell")
+    assert_close(second[3], whole[3], torch.float32, "final_hidden")
 
 
 @pytest.mark.parametrize(

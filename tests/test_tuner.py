@@ -378,6 +378,7 @@ def test_merge_is_refused_and_unload_restores_the_plain_model():
     torch.testing.assert_close(plain(input_ids=ids()).logits, ref(input_ids=ids()).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_write_history_peak_memory_does_not_grow_with_history_length():
     """16x the history, same peak RSS (fresh processes); retaining each block's depth sequence
     would add about 32 MB here."""
@@ -400,7 +401,7 @@ def test_write_history_peak_memory_does_not_grow_with_history_length():
 
 # ---------------------------------------------------------------------- fast paths inside the model
 def test_validity_from_masks_needs_no_host_read_off_cpu():
-    from lstmem_peft.tuner import valid_from_attention_mask
+    from lstmem_peft.hooks import valid_from_attention_mask
 
     ones = torch.ones(2, 6, dtype=torch.long)
     assert valid_from_attention_mask(ones, 2, 3) is None  # CPU, no padding: nothing to mask

@@ -1,17 +1,30 @@
-"""Evaluation: the paper's benchmark protocols, official-rule scorers, and a runner that reports the
+"""Evaluation: LoCoMo, HotpotQA and MemoryAgentBench under two protocols (``official``: the
+benchmark's released code; ``paper``: the code the paper names), and a runner that reports the
 adapter beside its plain backbone.
 
-    from lstmem_peft.eval import evaluate, LoCoMo
+    from lstmem_peft.eval import evaluate, rescore, LoCoMo
     summary = evaluate(model, tokenizer, LoCoMo("locomo10.json"), "eval-results/locomo")
+    rescore("eval-results/locomo/predictions.jsonl", LoCoMo("locomo10.json", protocol="paper"), "paper")
 
-or from the shell: ``lstmem eval locomo locomo10.json --model <id> --adapter <path>``.
+or from the shell: ``lstmem eval locomo locomo10.json --model <id> --adapter <path> [--protocol paper]``.
+General capabilities: :mod:`lstmem_peft.eval.lm_eval_model` (lm-evaluation-harness).
 """
 
 from .hotpotqa import HotpotQA
 from .locomo import LoCoMo
 from .mab import MemoryAgentBench
 from .protocol import Benchmark, History, Question, question_weighted, require_fields
-from .runner import Decoding, PromptBuilder, evaluate, load_model, markdown_table
+from .runner import (
+    Decoding,
+    PromptBuilder,
+    evaluate,
+    load_model,
+    markdown_table,
+    plot_scores,
+    protocols_table,
+    rescore,
+)
+from .scorers import PROTOCOLS
 
 __all__ = [
     "Benchmark",
@@ -20,11 +33,15 @@ __all__ = [
     "HotpotQA",
     "LoCoMo",
     "MemoryAgentBench",
+    "PROTOCOLS",
     "PromptBuilder",
     "Question",
     "evaluate",
     "load_model",
     "markdown_table",
+    "plot_scores",
+    "protocols_table",
     "question_weighted",
     "require_fields",
+    "rescore",
 ]

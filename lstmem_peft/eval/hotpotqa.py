@@ -2,8 +2,14 @@
 
 Protocol (paper App. B): validation questions of the distractor setting, each with its passages in
 the prompt (one history per question; memory reset before each), answers limited to 32 new tokens,
-scored by exact match and token F1 after SQuAD-style normalisation. As in the official HotpotQA
-evaluation, a yes/no/noanswer answer gets F1 0 unless the prediction normalises to the same word.
+scored by exact match and token F1. Two protocols:
+
+* ``official`` -- scoring exactly as ``hotpot_evaluate_v1.py`` (SQuAD normalisation; a yes/no/noanswer
+  answer gets F1 0 unless the prediction normalises to the same word) on the whole reply. HotpotQA's
+  release has no prompt; the prompt is ours (:data:`QA_PROMPT`, passages as ``Title: sentences``).
+* ``paper`` -- δ-Mem's ``benchmark_compare.py``: its ``HOTPOTQA_PROMPT_TEMPLATE`` (instructions, then
+  ``Passage <i> - <title>:`` paragraphs, then the question), the reply's first line, its normalisation,
+  F1 rounded to 4 decimals (:func:`~lstmem_peft.eval.scorers.hotpot_paper_scores`).
 
 Data: the official ``hotpot_dev_distractor_v1.json`` (a list of examples whose ``context`` is a list
 of ``[title, [sentence, ...]]``), or rows in the Hugging Face ``hotpot_qa`` layout (``context`` as
@@ -19,10 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import constants as K
+from . import scorers
 from .protocol import Benchmark, History, Question, require_fields
-from .text import squad_normalize, token_f1
-
-_SPECIAL = ("yes", "no", "noanswer")
 
 QA_PROMPT = (
     "\nAnswer the question using the passages above. Reply with the answer only: a few words, or yes or no."
@@ -30,20 +34,17 @@ QA_PROMPT = (
 )
 
 
-def exact_match(prediction: str, gold: str) -> float:
-    return float(squad_normalize(prediction) == squad_normalize(gold))
+# Source: declare-lab/delta-Mem, deltamem/eval/benchmark_compare.py, HOTPOTQA_PROMPT_TEMPLATE (split at
+# {context}: the part before it opens the history, the part after it is the question prompt).
+PAPER_HEAD = "Answer the question using only the passages below.\nReply with a short span or yes/no only.\n\n"
+PAPER_QUESTION = "\n\nQuestion: {}\nAnswer:"
 
 
-def f1(prediction: str, gold: str) -> float:
-    pred, ref = squad_normalize(prediction), squad_normalize(gold)
-    if (pred in _SPECIAL or ref in _SPECIAL) and pred != ref:
-        return 0.0
-    return token_f1(pred.split(), ref.split())
-
-
-def score_answer(prediction: str, gold: str) -> dict[str, float]:
-    """``{"em": ..., "f1": ...}`` for one question."""
-    return {"em": exact_match(prediction, gold), "f1": f1(prediction, gold)}
+def score_answer(prediction: str, gold: str, protocol: str = "official") -> dict[str, float]:
+    """``{"em": ..., "f1": ...}`` for one question under ``protocol``."""
+    if scorers.check_protocol(protocol) == "official":
+        return scorers.hotpot_official_scores(prediction, gold)
+    return scorers.hotpot_paper_scores(prediction, gold)
 
 
 def _passages(example: dict[str, Any]) -> list[tuple[str, list[str]]]:
@@ -60,8 +61,9 @@ def _supporting_titles(example: dict[str, Any]) -> set[str]:
     return {title for title, _ in facts}
 
 
-def passages_text(example: dict[str, Any], passages: str = "all") -> str:
-    """The example's passages, one paragraph per title: ``Title: sentence sentence ...``."""
+def passages_text(example: dict[str, Any], passages: str = "all", protocol: str = "official") -> str:
+    """The example's passages: ``Title: sentence sentence ...`` paragraphs (official), or δ-Mem's
+    ``Passage <i> - <title>:`` blocks (paper; ``i`` counts every passage, empty ones are skipped)."""
     chosen = _passages(example)
     if passages == "supporting":
         titles = _supporting_titles(example)
@@ -70,6 +72,13 @@ def passages_text(example: dict[str, Any], passages: str = "all") -> str:
                 f"HotpotQA example {example.get('_id', example.get('id'))} has no supporting_facts"
             )
         chosen = [(t, s) for t, s in chosen if t in titles]
+    if protocol == "paper":
+        blocks = []
+        for i, (title, sentences) in enumerate(chosen, start=1):
+            text = " ".join(str(s).strip() for s in sentences if str(s).strip()).strip()
+            if text:
+                blocks.append(f"Passage {i} - {title}:\n{text}")
+        return PAPER_HEAD + ("\n\n".join(blocks) if blocks else "No passages provided.")
     return "".join(f"{title}: {''.join(sentences).strip()}\n\n" for title, sentences in chosen)
 
 
@@ -83,6 +92,7 @@ class HotpotQA(Benchmark):
         passages: ``"all"`` passages of each example in the prompt, or only the ``"supporting"`` ones.
         max_new_tokens: answer limit (the paper: 32).
         split: which data file to read from a folder or Hub id (files named after the split).
+        protocol: ``"official"`` or ``"paper"`` (see the module docstring).
     """
 
     name = "hotpotqa"
@@ -95,9 +105,11 @@ class HotpotQA(Benchmark):
         passages: str = "all",
         max_new_tokens: int = K.HOTPOTQA_MAX_NEW_TOKENS,
         split: str = "validation",
+        protocol: str = "official",
     ) -> None:
         from ..data import read_records
 
+        self.protocol = scorers.check_protocol(protocol)
         if passages not in ("all", "supporting"):
             raise ValueError(f"passages must be 'all' or 'supporting', got {passages!r}")
         self.examples = list(read_records(source, split))[:limit]
@@ -113,13 +125,20 @@ class HotpotQA(Benchmark):
             example_id = str(example.get("_id", example.get("id", n)))
             question = Question(
                 id=example_id,
-                prompt=QA_PROMPT.format(example["question"]),
+                prompt=QA_PROMPT.format(example["question"])
+                if self.protocol == "official"
+                else PAPER_QUESTION.format(str(example["question"]).strip()),
                 answer=str(example["answer"]),
                 max_new_tokens=self.max_new_tokens,
                 group=str(example.get("type", "all")),
                 meta={"question": example["question"], "level": example.get("level")},
             )
-            yield History(id=example_id, text=passages_text(example, self.passages), questions=[question])
+            text = passages_text(example, self.passages, self.protocol)
+            yield History(id=example_id, text=text, questions=[question])
+
+    def settings(self) -> dict[str, Any]:
+        options = {"examples": len(self.examples), "passages": self.passages}
+        return {**super().settings(), **options, "max_new_tokens": self.max_new_tokens}
 
     def score(self, question: Question, prediction: str) -> dict[str, float]:
-        return score_answer(prediction, question.answer)
+        return score_answer(prediction, question.answer, self.protocol)

@@ -1,4 +1,4 @@
-"""MemoryAgentBench (Hu et al., 2025): data, prompts, per-source scoring and family aggregation.
+"""MemoryAgentBench (Hu et al., 2025): data, the ``official`` and ``paper`` protocols, family aggregation.
 
 Data. The official snapshot (Hub dataset ``ai-hyz/MemoryAgentBench``) holds one parquet file per split,
 ``data/<Split>-00000-of-00001.parquet``, for the splits Accurate_Retrieval, Test_Time_Learning,
@@ -7,56 +7,39 @@ Long_Range_Understanding and Conflict_Resolution. A row is one context with its 
 ``metadata`` (a struct: ``source`` names the sub-dataset, e.g. ``eventqa_full`` or
 ``factconsolidation_mh_32k``; ``qa_pair_ids`` per question; LongMemEval rows also carry ``question_ids``
 and ``question_types``). ReDial answers are movie entity ids; the snapshot's ``entity2id.json`` (entity
-URI -> id) turns them into titles. The full benchmark has 146 rows and 3,671 questions
+URI -> id) names the movies. The full benchmark has 146 rows and 3,671 questions
 (:data:`PAPER_QUESTIONS`). Each row is one :class:`History`; :data:`SOURCES` (keyed by source prefix)
-decides family, metric and generation limit, and a file named after a split may hold only that split's
-sources.
+decides family and generation limit, and a file named after a split may hold only that split's sources.
 
-Scoring, one ``"score"`` in [0, 1] per question (App. B of the paper we reproduce):
+Protocols (one ``"score"`` in [0, 1] per question; the rules are in :mod:`lstmem_peft.eval.scorers`):
 
-* ``alias`` -- :func:`alias_accuracy` for question answering and classification;
-* ``f1`` -- :func:`summary_f1` for InfiniteBench summarisation;
-* ``recall@5`` -- :func:`recall_at_5` for ReDial movie recommendation.
+* ``official`` -- MemoryAgentBench's long-context agent: the system message, each context chunk
+  (sentences packed into 4,096 ``gpt-4o-mini`` tiktoken tokens) wrapped in the source's ``memorize``
+  template, the chunks joined by line breaks, then a line break and the source's ``query`` template;
+  the per-source metric field of ``utils/eval_other_utils.py`` (substring match, exact match, F1,
+  ReDial recall@5).
+* ``paper`` -- δ-Mem's ``benchmark_compare.py`` as the paper's suite script runs it
+  (``--no-memory-agent-bench-use-official-prompt``): one user turn, ``MEMORY_CONTEXT_QA_PROMPT_TEMPLATE``
+  with the raw context, δ-Mem's alias accuracy / F1 and the official ReDial recall@5.
 
 Family and overall scores are means over questions, so families weigh by their question counts.
-
-Choices made here (where the paper is silent):
-
-* Alias accuracy is containment, not exact match: MemoryAgentBench's own ``substring_exact_match``
-  (SQuAD-normalised gold contained in the normalised prediction, best over aliases) scores RULER QA,
-  EventQA and FactConsolidation, and a short answer often carries a few extra words. Containment is
-  on whole tokens, so label ``"3"`` is not found in ``"13"`` (in-context classification labels are
-  numbers). An alias that normalises to nothing (``"A"``, an option letter) is compared with articles
-  kept, on both sides.
-* LongMemEval abstention questions (question id ending ``_abs``, LongMemEval's convention; whether the
-  snapshot's ``longmemeval_s*`` rows hold any is unconfirmed) expect the explicit abstention the prompt
-  asks for: their answer becomes ``[ABSTAIN]``, the dataset's explanation stays in ``meta["reference"]``.
-* Recall@5 matches titles by key (parenthesised parts such as years dropped, SQuAD-normalised); unlike
-  MemoryAgentBench's scorer it does not snap predicted titles to the nearest catalogue title by edit
-  distance, so a misspelt title misses.
-* Detective QA is scored by alias accuracy like the other QA sources (MemoryAgentBench uses exact match
-  after extracting the answer); its gold strings restate the chosen option, e.g. ``"C. <text>"``.
-* History text is ``"Context:\n" + context``; the question prompt is the source's instruction (the
-  shared short-answer one with the abstention rule, except where a source needs other output: numeric
-  label, ranked movie list, summary; FactConsolidation adds its rule that a larger serial number marks
-  the newer fact), then the question, then an answer cue.
+Deviations from the released code are listed in the README ("Evaluate against the paper's
+protocols").
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from ..data import hub_dataset_folder, read_file
+from . import scorers
 from .protocol import Benchmark, History, Question, question_weighted
-from .text import squad_normalize, token_f1
 
 FAMILIES = ("AR", "TTL", "LRU", "SF")
 SPLITS = {
@@ -66,165 +49,198 @@ SPLITS = {
     "Conflict_Resolution": "SF",
 }
 PAPER_QUESTIONS = {"AR": 2000, "TTL": 700, "LRU": 171, "SF": 800}  # the full benchmark: 3,671 questions
-ABSTAIN = "unanswerable"
 ENTITY_FILE = "entity2id.json"
 COLUMNS = ("context", "questions", "answers", "metadata")
+CHUNK_TOKENS = 4096  # every source's chunk_size in the official data configs
+TIME_STAMP = "2025-01-01 00:00:00"  # fills {time_stamp}; the official code stamps the wall clock
 
-_ABSTAIN_RULE = f'If the context does not support an answer, reply "{ABSTAIN}".'
-_SHORT_ANSWER = f"Answer using only the context above. Give a short answer and nothing else. {_ABSTAIN_RULE}"
+# ---------------------------------------------------------------------- templates (data, word for word)
+# Source: HUST-AI-HYZ/MemoryAgentBench, utils/templates.py (SYSTEM_MESSAGE; BASE_TEMPLATES[...]["memorize"]
+# and ["query"]["long_context_agent"]), after Python's str.format: "\\n" in the memorize templates is a
+# backslash and an n, "{{label}}" became the literal "{label}".
+OFFICIAL_SYSTEM = (
+    "You are a helpful assistant that can read the context and memorize it for future retrieval."
+)
+OFFICIAL_MEMORIZE = {
+    "ruler_qa": "Dialogue between User and Assistant {time_stamp}\\n<User> The following context is the "
+    "documents I have read: \n{context}\n <Assistant> I have learned the documents and I will answer the "
+    "question you ask.",
+    "longmemeval": "Dialogue between User and Assistant \\n<User> The following context is the conversation "
+    "between the user and the assistant: \n{context}\n <Assistant> I have memorized the conversation and I "
+    "will answer the question you ask.",
+    "eventqa": "Dialogue between User and Assistant {time_stamp}\\n<User> The following context is the book "
+    "excerpt: \n{context}\n <Assistant> I have read the book excerpt and I will answer the question you ask.",
+    "icl_": "Dialogue between User and Assistant {time_stamp} \\n<User> The following context is the examples "
+    "I have learned: \n{context}\n <Assistant> I have learned the examples and I will answer the question "
+    "you ask.",
+    "recsys_redial": "Dialogue between User and Assistant {time_stamp} \\n<User> The following context is the "
+    "dialogues between a user and recommender system: \n{context}\n <Assistant> I have memorized the "
+    "dialogues and I will answer the question you ask.",
+    "infbench_sum": "Dialogue between User and Assistant {time_stamp} \\n<User> The following context is the "
+    "book I have read: \n{context}\n <Assistant> I have read the book and I will answer the question you ask.",
+    "detective_qa": "Dialogue between User and Assistant {time_stamp} \\n<User> The following context is the "
+    "book I have read: \n{context}\n <Assistant> I have read the book and I will answer the question you ask.",
+    "factconsolidation": "Dialogue between User and Assistant {time_stamp} \\n<User> The following context is "
+    "the facts I have learned: \n{context}\n <Assistant> I have learned the facts and I will answer the "
+    "question you ask.",
+}
+OFFICIAL_QUERY = {
+    "ruler_qa": "Answer the question based on the memorized documents. Only give me the answer and do not "
+    "output any other words. \n\nQuestion: {question} \n\n Answer:",
+    "longmemeval": "The history chats are between you and a user. Based on the relevant chat history, answer "
+    "the question as concisely as you can, using a single phrase if possible.\n\n {question} \n\n Answer:",
+    "eventqa": "Based on the context you memorized, complete the task below:\n\n{question}\n\n The event that "
+    "happens next is:",
+    "icl_": "Use the provided mapping from the context to numerical label to assign a numerical label to the "
+    'context. Only output "label: {{label}}" and nothing else. \n\n{question} \n\n label:',
+    "recsys_redial": "Pretend you are a movie recommender system. You need to recommend movies based on the "
+    "dialogues you have memorized. Now I will give you a new conversation between a user and you (a "
+    "recommender system). Based on the conversation, you reply me with 20 recommendations without extra "
+    "sentences. \n\nFor Example:\n\n[Conversation]\n\nThe recommendations are: \n1.movie1\n2.movie2\n...\n\n "
+    "Here is the conversation: {question} \n\n The recommendations are: \n",
+    "infbench_sum": "You are given a book above and you are tasked to summarize it. \n\n{question} \n\n Now "
+    "summarize the book.",
+    "detective_qa": "Based on the context you memorized, answer the question below. You are required to answer "
+    "the question based on the strict output format.\n\n {question} \n\n",
+    "factconsolidation": "Pretend you are a knowledge management system. Each fact in the knowledge pool is "
+    "provided with a serial number at the beginning, and the newer fact has larger serial number. \n You need "
+    "to solve the conflicts of facts in the knowledge pool by finding the newest fact with larger serial "
+    "number. You need to answer a question based on this rule. You should give a very concise answer without "
+    "saying other words for the question **only** from the knowledge pool you have memorized rather than the "
+    "real facts in real world. \n\nFor example:\n\n [Knowledge Pool] \n\n Question: Based on the provided "
+    "Knowledge Pool, what is the name of the current president of Russia? \nAnswer: Donald Trump \n\n Now "
+    "Answer the Question: Based on the provided Knowledge Pool, {question} \nAnswer:",
+}
+# Source: declare-lab/delta-Mem, deltamem/eval/benchmark_compare.py, MEMORY_CONTEXT_QA_PROMPT_TEMPLATE
+# (split at {context}: the part before it opens the history, the part after it is the question prompt).
+PAPER_HEAD = (
+    "Use only the memory context below to answer the question.\n"
+    "Reply with a short entity, phrase, number, or sentence only.\n"
+    "If the answer is not supported by the context, reply exactly: I don't know.\n\n"
+)
+PAPER_QUESTION = "\n\nQuestion: {question}\nAnswer:"
 
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """How one family of MemoryAgentBench sources is prompted and scored.
+    """One family of MemoryAgentBench sources.
 
     Attributes:
         family: ``"AR"``, ``"TTL"``, ``"LRU"`` or ``"SF"``.
-        metric: ``"alias"``, ``"f1"`` or ``"recall@5"`` (a key of :data:`SCORERS`).
-        max_new_tokens: generation limit.
+        metric: the reported metric's name (``"accuracy"``, ``"f1"`` or ``"recall@5"``).
+        max_new_tokens: generation limit (the official data configs' ``generation_max_length``).
         display: human-readable name.
-        instruction: the text between the context and the question.
-        label: what the question is called in the prompt.
-        cue: the answer cue ending the prompt.
     """
 
     family: str
     metric: str
     max_new_tokens: int
     display: str
-    instruction: str = _SHORT_ANSWER
-    label: str = "Question"
-    cue: str = "Answer:"
 
 
 SOURCES: dict[str, SourceSpec] = {
-    "eventqa": SourceSpec("AR", "alias", 40, "EventQA"),
-    "longmemeval": SourceSpec("AR", "alias", 50, "LongMemEval"),
-    "ruler_qa": SourceSpec("AR", "alias", 50, "RULER QA"),
-    "icl_": SourceSpec(
-        "TTL",
-        "alias",
-        20,
-        "In-context classification",
-        label="Text",
-        cue="Label:",
-        instruction="The context above gives example texts with their numerical labels. Reply with the label "
-        f"of the text below and nothing else. {_ABSTAIN_RULE}",
-    ),
-    "recsys_redial": SourceSpec(
-        "TTL",
-        "recall@5",
-        300,
-        "Movie recommendation",
-        label="Conversation",
-        cue="Recommendations:",
-        instruction="The context above holds conversations between users and a movie recommender. Recommend "
-        "20 movies for the user in the conversation below, best first, as a numbered list with one title "
-        "per line and nothing else.",
-    ),
-    "infbench_sum": SourceSpec(
-        "LRU",
-        "f1",
-        1200,
-        "InfiniteBench summarisation",
-        label="Task",
-        cue="Summary:",
-        instruction="Summarise the book above, using only the context. Write the summary and nothing else.",
-    ),
-    "detective_qa": SourceSpec("LRU", "alias", 2000, "Detective QA"),
-    "factconsolidation": SourceSpec(
-        "SF",
-        "alias",
-        10,
-        "FactConsolidation",
-        instruction="Each fact in the context starts with a serial number; when facts conflict, the one with "
-        f"the larger serial number is newer and holds. {_SHORT_ANSWER}",
-    ),
+    "eventqa": SourceSpec("AR", "accuracy", 40, "EventQA"),
+    "longmemeval": SourceSpec("AR", "accuracy", 50, "LongMemEval"),
+    "ruler_qa": SourceSpec("AR", "accuracy", 50, "RULER QA"),
+    "icl_": SourceSpec("TTL", "accuracy", 20, "In-context classification"),
+    "recsys_redial": SourceSpec("TTL", "recall@5", 300, "Movie recommendation"),
+    "infbench_sum": SourceSpec("LRU", "f1", 1200, "InfiniteBench summarisation"),
+    "detective_qa": SourceSpec("LRU", "accuracy", 2000, "Detective QA"),
+    "factconsolidation": SourceSpec("SF", "accuracy", 10, "FactConsolidation"),
 }
 
 
-def source_spec(source: str) -> SourceSpec:
-    """The :data:`SOURCES` entry whose prefix starts ``source`` (the longest one)."""
+def _prefix(source: str) -> str:
     prefixes = [p for p in SOURCES if source.startswith(p)]
     if not prefixes:
         known = ", ".join(SOURCES)
         raise ValueError(f"unknown MemoryAgentBench source {source!r}; known source prefixes: {known}")
-    return SOURCES[max(prefixes, key=len)]
+    return max(prefixes, key=len)
 
 
-# ---------------------------------------------------------------------- scorers
-def _strings(answers: Any) -> list[str]:
-    """Flatten a gold answer given as a string, a list of strings or a list of lists of strings."""
-    if isinstance(answers, (list, tuple)):
-        return [s for item in answers for s in _strings(item)]
-    return [] if answers is None else [str(answers)]
+def source_spec(source: str) -> SourceSpec:
+    """The :data:`SOURCES` entry whose prefix starts ``source`` (the longest one)."""
+    return SOURCES[_prefix(source)]
 
 
-def alias_accuracy(prediction: str, aliases: Any) -> float:
-    """1.0 when some alias, SQuAD-normalised, occurs in the normalised prediction as whole tokens, else 0.0.
+# ---------------------------------------------------------------------- official chunking
+def sentence_chunks(
+    text: str,
+    chunk_tokens: int = CHUNK_TOKENS,
+    count_tokens: Callable[[str], int] | None = None,
+    split_sentences: Callable[[str], list[str]] | None = None,
+) -> list[str]:
+    """The context cut as the official ``chunk_text_into_sentences``: sentences (nltk's punkt) packed
+    greedily while the chunk's summed sentence token counts stay within ``chunk_tokens``, sentences
+    of a chunk joined by one space. A sentence that alone exceeds the limit closes the chunk before
+    it, so a first sentence that long leaves an empty first chunk, as in the official code.
 
-    Normalisation lower-cases and drops punctuation, the articles a/an/the and extra whitespace; an alias
-    that normalises to nothing keeps its articles (on both sides). ``aliases``: str, list[str] or
-    list[list[str]]. Raises ValueError when there is no alias at all.
+    Args:
+        count_tokens: tokens in a sentence; default: tiktoken's ``gpt-4o-mini`` encoding (needs the
+            ``tiktoken`` package and its cached encoding file).
+        split_sentences: default ``nltk.sent_tokenize``.
     """
-    golds = _strings(aliases)
-    if not golds:
-        raise ValueError("alias_accuracy needs at least one gold alias")
-    for alias in golds:
-        articles = ("a", "an", "the") if squad_normalize(alias) else ()
-        gold = squad_normalize(alias, articles)
-        if gold and f" {gold} " in f" {squad_normalize(prediction, articles)} ":
-            return 1.0
-    return 0.0
+    if count_tokens is None:
+        count_tokens = _tiktoken_counter()
+    if split_sentences is None:
+        split_sentences = _punkt_sentences
+    chunks: list[str] = []
+    current: list[str] = []
+    used = 0
+    for sentence in split_sentences(text):
+        n = count_tokens(sentence)
+        if used + n > chunk_tokens:
+            chunks.append(" ".join(current))
+            current, used = [sentence], n
+        else:
+            current.append(sentence)
+            used += n
+    if current:
+        chunks.append(" ".join(current))
+    return chunks
 
 
-def summary_f1(prediction: str, reference: Any) -> float:
-    """Token F1 of the SQuAD-normalised prediction against the reference summary (best over several)."""
-    references = _strings(reference)
-    if not references:
-        raise ValueError("summary_f1 needs a reference summary")
-    predicted = squad_normalize(prediction).split()
-    return max(token_f1(predicted, squad_normalize(ref).split()) for ref in references)
+def _punkt_sentences(text: str) -> list[str]:
+    """``nltk.sent_tokenize``, with a clear error when its punkt data is not installed."""
+    import nltk
+
+    try:
+        return nltk.sent_tokenize(text)
+    except LookupError:
+        raise LookupError(
+            "the official MemoryAgentBench protocol splits contexts into sentences with nltk's punkt model, "
+            "which is not installed: python -m nltk.downloader punkt_tab (or pass split_sentences=)"
+        ) from None
 
 
-_LIST_ITEM = re.compile(r"^[ \t]*(?:\d+[.)]|[-*•])[ \t]*(.*\S)", re.MULTILINE)
-_PARENTHESISED = re.compile(r"\([^()]*\)")
+def _tiktoken_counter() -> Callable[[str], int]:
+    try:
+        import tiktoken
+    except ImportError:
+        raise ImportError(
+            "the official MemoryAgentBench protocol chunks contexts with tiktoken's gpt-4o-mini encoding: "
+            "pip install tiktoken (its encoding file must be cached for offline runs), or pass count_tokens="
+        ) from None
+    encoding = tiktoken.encoding_for_model("gpt-4o-mini")
+    return lambda text: len(encoding.encode(text, allowed_special={"<|endoftext|>"}))
 
 
-def _item_key(title: str) -> str:
-    """A title's matching key: parenthesised parts (years, "film") dropped, then SQuAD-normalised."""
-    return squad_normalize(_PARENTHESISED.sub(" ", title))
+def official_history(source: str, chunks: list[str], time_stamp: str = TIME_STAMP) -> str:
+    """The official long-context agent's memory text: each chunk in the ``memorize`` template, joined
+    by line breaks, stripped."""
+    template = OFFICIAL_MEMORIZE[_prefix(source)]
+    parts = [template.replace("{time_stamp}", time_stamp).replace("{context}", chunk) for chunk in chunks]
+    return "\n".join(parts).strip()
 
 
-def ranked_items(prediction: str) -> list[str]:
-    """The model's ranked list as matching keys, duplicates dropped (first occurrence kept).
-
-    Lines starting with a list marker (``1.``, ``2)``, ``-``, ``*``) are the items, one per line, and any
-    other line is ignored; a reply without such lines is split on commas and line breaks instead.
-    """
-    items = _LIST_ITEM.findall(prediction) or re.split(r"[,\n]", prediction)
-    return list(dict.fromkeys(key for key in map(_item_key, items) if key))
+def official_query(source: str, question: str) -> str:
+    """The source's official ``query`` template with the question filled in (``{{label}}`` stays literal)."""
+    return OFFICIAL_QUERY[_prefix(source)].format(question=question)
 
 
-def recall_at_5(prediction: str, gold_items: Any) -> float:
-    """Fraction of the gold titles found among the first 5 of :func:`ranked_items` (keys compared)."""
-    gold = {key for key in map(_item_key, _strings(gold_items)) if key}
-    if not gold:
-        raise ValueError("recall_at_5 needs at least one gold item")
-    return len(gold & set(ranked_items(prediction)[:5])) / len(gold)
-
-
-SCORERS: dict[str, Callable[[str, Any], float]] = {
-    "alias": alias_accuracy,
-    "f1": summary_f1,
-    "recall@5": recall_at_5,
-}
-
-
-def entity_title(uri: str) -> str:
-    """Title of a ReDial entity: ``'<http://dbpedia.org/resource/Up_(2009_film)>'`` -> ``'Up'``."""
-    name = unquote(uri.strip().strip("<>").rsplit("/", 1)[-1]).replace("_", " ")
-    return " ".join(_PARENTHESISED.sub(" ", name).split())
+def redial_catalogue(table: dict[str, Any]) -> dict[str, str]:
+    """``entity2id.json`` (URI -> id) as ``{id: official title}``."""
+    return {str(i): scorers.redial_entity_title(uri) for uri, i in table.items()}
 
 
 # ---------------------------------------------------------------------- data
@@ -267,12 +283,6 @@ def _check_row(row: Any, where: str) -> tuple[str, list[str], list[Any], dict[st
     return str(row["context"]), questions, answers, meta
 
 
-def _prompt(spec: SourceSpec, question: str) -> str:
-    """Text following the history: instruction, the question (when there is one), the answer cue."""
-    body = f"{spec.label}: {question.strip()}\n\n" if question.strip() else ""
-    return f"\n\n{spec.instruction}\n\n{body}{spec.cue}"
-
-
 class MemoryAgentBench(Benchmark):
     """MemoryAgentBench histories (one per dataset row), per-source scoring, family aggregation.
 
@@ -285,7 +295,11 @@ class MemoryAgentBench(Benchmark):
         max_questions: at most this many questions per history.
         entity_map: path of ``entity2id.json`` for ReDial; by default looked up next to the data.
         max_new_tokens: cap on every source's generation limit (smoke runs); ``None`` keeps the
-            paper's per-source limits.
+            official per-source limits (the paper's).
+        protocol: ``"official"`` or ``"paper"`` (prompts and scoring; see the module docstring).
+        count_tokens, split_sentences: the official protocol's chunking (:func:`sentence_chunks`);
+            defaults: tiktoken's ``gpt-4o-mini`` encoding and ``nltk.sent_tokenize``.
+        time_stamp: fills the official ``memorize`` templates' ``{time_stamp}``.
     """
 
     name = "mab"
@@ -299,7 +313,13 @@ class MemoryAgentBench(Benchmark):
         max_questions: int | None = None,
         entity_map: str | None = None,
         max_new_tokens: int | None = None,
+        protocol: str = "official",
+        count_tokens: Callable[[str], int] | None = None,
+        split_sentences: Callable[[str], list[str]] | None = None,
+        time_stamp: str = TIME_STAMP,
     ) -> None:
+        self.protocol = scorers.check_protocol(protocol)
+        self.count_tokens, self.split_sentences, self.time_stamp = count_tokens, split_sentences, time_stamp
         chosen = set(FAMILIES if families is None else families)
         if unknown := sorted(chosen - set(FAMILIES)):
             raise ValueError(f"unknown MemoryAgentBench families {unknown}; known families: {FAMILIES}")
@@ -310,6 +330,7 @@ class MemoryAgentBench(Benchmark):
         self.entity_map = entity_map
         self.max_new_tokens = max_new_tokens
         self._titles: dict[str, str] | None = None
+        self._catalogue: list[str] | None = None
         self._histories = self._load()
         loaded = Counter(q.meta["family"] for h in self._histories for q in h.questions)
         full_run = families is None and limit is None and max_questions is None and max_new_tokens is None
@@ -361,28 +382,38 @@ class MemoryAgentBench(Benchmark):
                 history_id = f"{source}/{index}"
                 items = list(zip(questions, answers, strict=True))[: self.max_questions]
                 asked = [self._question(history_id, j, *qa, spec, meta, at) for j, qa in enumerate(items)]
-                histories.append(History(history_id, f"Context:\n{context}", asked))
+                histories.append(History(history_id, context, asked, system=source))
         return histories
+
+    def _history(self, row: History) -> History:
+        """A loaded row (raw context; its source in ``system``) as the protocol's history: the paper's
+        template head and the raw context, or the official chunks in ``memorize`` templates and the
+        official system message. Built when iterated, so scoring alone never chunks."""
+        if self.protocol == "paper":
+            return History(row.id, PAPER_HEAD + row.text, row.questions)
+        chunks = sentence_chunks(row.text, CHUNK_TOKENS, self.count_tokens, self.split_sentences)
+        text = official_history(row.system, chunks, self.time_stamp)
+        return History(row.id, text, row.questions, system=OFFICIAL_SYSTEM)
 
     def _question(
         self, history_id: str, j: int, question: Any, answer: Any, spec: SourceSpec, meta: dict, at: str
     ) -> Question:
-        """Question ``j`` of a row: prompt, gold (ReDial ids as titles, abstention), metadata."""
+        """Question ``j`` of a row: the protocol's prompt, the gold strings as given, metadata."""
         source = str(meta["source"])
-        gold = _strings(answer)
+        gold = scorers.flatten_golds(answer)
         if not gold:
             raise ValueError(f"{at}: question {j} has no gold answer")
-        if spec.metric == "recall@5" and all(g.strip().isdigit() for g in gold):
-            gold = self._entity_titles(gold, at)
         info: dict[str, Any] = {"family": spec.family, "source": source, "metric": spec.metric}
+        if spec.metric == "recall@5":
+            info["gold_titles"] = self._entity_titles(gold, at)
         for key in ("qa_pair_ids", "question_ids", "question_types"):
             values = meta.get(key) or []
             if j < len(values) and values[j] is not None:
                 info[key[:-1]] = values[j]
-        if str(info.get("question_id", "")).endswith("_abs"):
-            info.update(abstention=True, reference=gold)
-            gold = [ABSTAIN]
-        prompt = _prompt(spec, str(question))
+        if self.protocol == "paper":
+            prompt = PAPER_QUESTION.format(question=str(question).strip())
+        else:
+            prompt = "\n" + official_query(source, str(question))
         limit = (
             spec.max_new_tokens
             if self.max_new_tokens is None
@@ -390,19 +421,30 @@ class MemoryAgentBench(Benchmark):
         )
         return Question(f"{history_id}/q{j}", prompt, gold, limit, source, info)
 
-    def _entity_titles(self, ids: list[str], at: str) -> list[str]:
-        """ReDial entity ids -> movie titles through ``entity2id.json``."""
+    def _entity_table(self) -> dict[str, str]:
+        """``{entity id: official title}`` from ``entity2id.json`` (read once)."""
         if self._titles is None:
             path = self._entity_path()
             with open(path, encoding="utf-8") as fh:
                 table = json.load(fh)
             if not isinstance(table, dict):
                 raise ValueError(f"{path}: expected an object mapping entity URIs to ids")
-            self._titles = {str(i): entity_title(uri) for uri, i in table.items()}
-        unknown = [i for i in ids if i.strip() not in self._titles]
+            self._titles = redial_catalogue(table)
+        return self._titles
+
+    def _entity_titles(self, ids: list[str], at: str) -> list[str]:
+        """ReDial gold entity ids -> official titles (one per id, repeats kept)."""
+        table = self._entity_table()
+        unknown = [i for i in ids if i.strip() not in table]
         if unknown:
             raise ValueError(f"{at}: ReDial entity id(s) {unknown} are not in {ENTITY_FILE}")
-        return [self._titles[i.strip()] for i in ids]
+        return [table[i.strip()] for i in ids]
+
+    def catalogue(self) -> list[str]:
+        """Every movie title of ``entity2id.json``: the targets ReDial replies are snapped to."""
+        if self._catalogue is None:
+            self._catalogue = list(self._entity_table().values())
+        return self._catalogue
 
     def _entity_path(self) -> str:
         if self.entity_map is not None:
@@ -419,13 +461,38 @@ class MemoryAgentBench(Benchmark):
         return found
 
     def histories(self) -> Iterator[History]:
-        return iter(self._histories)
+        return (self._history(row) for row in self._histories)
 
     def __len__(self) -> int:
         return len(self._histories)
 
+    def settings(self) -> dict[str, Any]:
+        options = {"families": list(self.families), "limit": self.limit, "max_questions": self.max_questions}
+        options.update(max_new_tokens=self.max_new_tokens, time_stamp=self.time_stamp)
+        if self.protocol == "official":  # how chunk tokens were counted
+            options["chunk_tokens"] = "gpt-4o-mini" if self.count_tokens is None else "custom"
+        return {**super().settings(), **options, "histories": len(self._histories)}
+
     def score(self, question: Question, prediction: str) -> dict[str, float]:
-        return {"score": SCORERS[source_spec(question.group).metric](prediction, question.answer)}
+        """``{"score": ...}`` under this benchmark's protocol (only ``answer``, ``group`` and ``meta``
+        of the question are read, so a question rebuilt from a predictions file scores the same)."""
+        source, gold = question.group, question.answer
+        if source_spec(source).metric == "recall@5":
+            titles = question.meta["gold_titles"]
+            if self.protocol == "paper":  # δ-Mem de-duplicates the gold ids first (paper_aliases)
+                seen: set[str] = set()
+                kept = []
+                for entity_id, title in zip(gold, titles, strict=True):
+                    if entity_id.strip() and entity_id.strip() not in seen:
+                        seen.add(entity_id.strip())
+                        kept.append(title)
+                titles = kept
+            return {"score": scorers.redial_recall_at_5(prediction, titles, self.catalogue())}
+        if self.protocol == "official":
+            return {"score": scorers.mab_official_score(source, prediction, gold)}
+        if source_spec(source).metric == "f1":
+            return {"score": scorers.mab_paper_f1(prediction, gold)}
+        return {"score": scorers.mab_paper_correct(prediction, gold)}
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Question-weighted means per source (``"groups"``), per family (``"families"``, in

@@ -13,6 +13,7 @@ A benchmark subclasses :class:`Benchmark` and implements :meth:`~Benchmark.histo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,12 +53,14 @@ class History:
         segments: optionally, ``text`` cut into parts that are replayed into memory one after
             another (LoCoMo sessions); block boundaries then also fall between segments. They must
             concatenate to ``text``. ``None``: the text is one stream.
+        system: the protocol's system message (a system turn of the chat template), or ``None``.
     """
 
     id: str
     text: str
     questions: list[Question]
     segments: list[str] | None = None
+    system: str | None = None
 
 
 class Benchmark:
@@ -83,6 +86,18 @@ class Benchmark:
     def score(self, question: Question, prediction: str) -> dict[str, float]:
         """``{metric: value}`` for one prediction, every metric in :attr:`metrics`."""
         raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """What decides this benchmark's histories, prompts and scores (recorded in ``summary.json``,
+        and compared when an interrupted run is resumed). Subclasses add their options."""
+        return {"benchmark": self.name, "protocol": getattr(self, "protocol", None)}
+
+    def with_protocol(self, protocol: str) -> Benchmark:
+        """A copy that *scores* under ``protocol`` (its histories and prompts are unchanged): used to
+        re-score predictions under the other protocol."""
+        clone = copy.copy(self)
+        clone.protocol = protocol
+        return clone
 
     def summarize(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Aggregate per-question records into the summary.

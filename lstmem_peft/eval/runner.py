@@ -22,9 +22,12 @@ question, so a question's answer does not depend on which questions came before 
 
 Outputs (``out_dir``): ``predictions.jsonl`` (one line per system and question: prediction, gold,
 scores), ``summary.json`` (per-group and overall scores per system, with the settings, versions and
-date) and ``results.md`` (the backbone and the adapter side by side). They are written into
-``<out_dir>.partial`` and moved over ``out_dir`` only when the run completes, so a run that fails
-never leaves a mix of two runs' files.
+date, the protocol, and the same predictions scored under both protocols), ``results.md`` (the
+backbone and the adapter side by side, then both protocols side by side) and ``scores.png``. They are
+written into ``<out_dir>.partial`` and moved over ``out_dir`` only when the run completes, so a run
+that fails never leaves a mix of two runs' files; ``resume=True`` continues an interrupted run from
+the histories it finished (same settings only). :func:`rescore` re-scores a predictions file under
+another protocol without generating.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import datetime
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -44,8 +48,9 @@ from tqdm.auto import tqdm
 
 from .. import constants as K
 from ..cache import MemoryCache
-from ..history import find_tuner, write_history
+from ..history import find_memory, write_history
 from .protocol import Benchmark, History, Question
+from .scorers import PROTOCOLS
 
 SYSTEMS = ("base", "lstmem")
 LONG_HISTORY_BLOCKS = 8  # histories longer than this many blocks get their own progress bar
@@ -94,9 +99,12 @@ class PromptBuilder:
         self.chat_template = has_template if chat_template is None else chat_template
         self.template_kwargs = dict(template_kwargs or {})
 
-    def _render(self, content: str) -> str:
+    def _render(self, content: str, system: str | None = None) -> str:
+        messages = [{"role": "user", "content": content}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}],
+            messages,
             tokenize=False,
             add_generation_prompt=True,
             **self.template_kwargs,
@@ -117,7 +125,7 @@ class PromptBuilder:
         if in_prompt and self.chat_template:
             # a non-space character after the history, as templates that trim the message would
             # otherwise eat the history's trailing whitespace
-            full = self._render(history.text + "?")
+            full = self._render(history.text + "?", history.system)
             start = full.find(history.text)
             if start < 0:
                 raise ValueError(
@@ -126,17 +134,20 @@ class PromptBuilder:
                 )
             segments = [full[:start] + segments[0]] + segments[1:]
             return [self._ids(s, special=False) for s in segments]
+        if in_prompt and history.system is not None:  # no chat template: the system text opens the prompt
+            segments = [history.system + "\n\n" + segments[0]] + segments[1:]
         return [self._ids(s, special=i == 0) for i, s in enumerate(segments)]
 
     def question_ids(self, history: History, question: Question, in_prompt: bool = True) -> list[int]:
         """Token ids that follow the history (``in_prompt``), or the question as a prompt of its own."""
         if not in_prompt:
             if self.chat_template:
-                return self._ids(self._render(question.prompt.lstrip()), special=False)
-            return self._ids(question.prompt.lstrip(), special=True)
+                return self._ids(self._render(question.prompt.lstrip(), history.system), special=False)
+            opening = "" if history.system is None else history.system + "\n\n"
+            return self._ids(opening + question.prompt.lstrip(), special=True)
         if not self.chat_template:
             return self._ids(question.prompt, special=False)
-        full = self._render(history.text + question.prompt)
+        full = self._render(history.text + question.prompt, history.system)
         start = full.find(history.text)
         if start < 0:
             raise ValueError("the chat template changes the prompt text; evaluate with chat_template=False")
@@ -295,6 +306,79 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def protocols_table(summary: dict[str, Any]) -> str:
+    """The primary metric per group (and family) and overall, each system under each protocol.
+
+    Reads ``summary["by_protocol"]``; scores are percentages.
+    """
+    by_protocol = summary["by_protocol"]
+    protocols = [p for p in PROTOCOLS if p in by_protocol]
+    systems = [s for s in SYSTEMS if s in by_protocol[protocols[0]]]
+    metric = summary["metrics"][0]
+    header = ["", "questions"] + [f"{SYSTEM_NAMES[s]} {metric} ({p})" for p in protocols for s in systems]
+    first = by_protocol[protocols[0]][systems[0]]
+    levels = [("groups", name) for name in first["groups"]]
+    levels += [(lvl, n) for lvl, rows in first.items() if lvl not in ("groups", "overall") for n in rows]
+    levels.append(("overall", None))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for level, name in levels:
+
+        def cell(p: str, s: str, level=level, name=name) -> dict:
+            block = by_protocol[p][s][level]
+            return block if name is None else block[name]
+
+        label = "**overall**" if name is None else (f"*{name}*" if level != "groups" else name)
+        row = [label, str(cell(protocols[0], systems[0])["questions"])]
+        row += [_percent(cell(p, s)[metric]) for p in protocols for s in systems]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_scores(summary: dict[str, Any], path: str) -> str | None:
+    """Bar chart of the primary metric per group (and family) and overall, one bar per system and
+    protocol, written to ``path``. Returns ``path``, or ``None`` (with a warning) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no scores.png (pip install matplotlib)", stacklevel=2)
+        return None
+    by_protocol = summary.get("by_protocol") or {summary.get("protocol") or "own": summary["systems"]}
+    metric = summary["metrics"][0]
+    bars = [(p, s) for p in by_protocol for s in SYSTEMS if s in by_protocol[p]]
+    first = by_protocol[bars[0][0]][bars[0][1]]
+    names = list(first["groups"]) + [
+        n for lvl in first if lvl not in ("groups", "overall") for n in first[lvl]
+    ]
+
+    def value(block: dict, name: str | None) -> float:
+        if name is None:
+            return block["overall"][metric]
+        for level, rows in block.items():
+            if level != "overall" and name in rows:
+                return rows[name][metric if metric in rows[name] else "score"]
+        return float("nan")
+
+    labels = names + ["overall"]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) * len(bars) / 2 + 2), 4))
+    for i, (protocol, system) in enumerate(bars):
+        heights = [100 * value(by_protocol[protocol][system], n) for n in names + [None]]
+        offsets = [x + (i - (len(bars) - 1) / 2) * width for x in range(len(labels))]
+        ax.bar(offsets, heights, width, label=f"{SYSTEM_NAMES[system]} ({protocol})")
+    ax.set_ylim(0, 100)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    ax.set_ylabel(f"{metric} (%)")
+    ax.set_title(f"{summary['benchmark']}: LSTMem against its backbone")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _versions() -> dict[str, str]:
     import peft
     import transformers
@@ -344,6 +428,8 @@ def evaluate(
     template_kwargs: dict | None = None,
     progress: bool = True,
     run_info: dict | None = None,
+    resume: bool = False,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Evaluate ``model`` (with its LSTMem adapter, and its backbone with the adapter disabled).
 
@@ -362,20 +448,27 @@ def evaluate(
         chat_template, template_kwargs: see :class:`PromptBuilder`.
         progress: show progress bars.
         run_info: extra fields for ``summary.json`` (e.g. model and adapter names).
+        resume: keep the predictions an interrupted run left in ``<out_dir>.partial`` (histories whose
+            every question was answered by every system) and answer only the rest; a partial run made
+            with other settings is refused (ValueError naming what differs).
+        plot: also write ``scores.png`` (per-group scores, backbone beside LSTMem; needs matplotlib).
 
     Returns:
-        The summary (also written to ``summary.json``): ``{"benchmark", "mode", "metrics",
-        "systems": {"base": ..., "lstmem": ...}, ...}`` with each system's
-        :meth:`Benchmark.summarize` output.
+        The summary (also written to ``summary.json``): ``{"benchmark", "protocol", "mode", "metrics",
+        "systems": {"base": ..., "lstmem": ...}, "by_protocol": {"official": ..., "paper": ...}, ...}``
+        with each system's :meth:`Benchmark.summarize` output; ``by_protocol`` holds the same
+        predictions scored under each protocol (the prompts are ``protocol``'s).
     """
     decoding = decoding or Decoding()
     try:
-        tuner = find_tuner(model)
+        memory = find_memory(model)
     except TypeError:
-        tuner = None
-    systems = (["base"] if compare_base or tuner is None else []) + (["lstmem"] if tuner is not None else [])
-    if tuner is not None:
-        config = tuner.peft_config[tuner._single_active_adapter()]
+        memory = None
+    systems = (["base"] if compare_base or memory is None else []) + (
+        ["lstmem"] if memory is not None else []
+    )
+    if memory is not None:
+        config = memory.config()
         block_size = block_size or config.block_size
     block_size = block_size or K.BLOCK_SIZE
     if block_size < 1:
@@ -390,17 +483,33 @@ def evaluate(
         memory_only=memory_only,
         device=next(model.parameters()).device,
         pad_token_id=pad,
-        has_adapter=tuner is not None,
+        has_adapter=memory is not None,
         progress=progress,
         config=getattr(model, "config", None),
     )
+    settings = {
+        **benchmark.settings(),
+        "mode": "memory-only" if memory_only else "history+memory",
+        "systems": systems,
+        "decoding": asdict(decoding),
+        "block_size": block_size,
+        "chat_template": run.builder.chat_template,
+        "template_kwargs": run.builder.template_kwargs,
+        **(run_info or {}),
+    }
+    settings = json.loads(json.dumps(settings))  # as it reads back from settings.json
     out_dir = None if out_dir is None else os.fspath(out_dir).rstrip("/\\")
     sink = stage = None
+    kept: dict[str, list[dict]] = {}
     if out_dir is not None:  # written into <out>.partial, moved over <out> only when the run completes
         stage = out_dir + ".partial"
-        shutil.rmtree(stage, ignore_errors=True)
-        os.makedirs(stage)
-        sink = open(os.path.join(stage, "predictions.jsonl"), "w", encoding="utf-8")
+        kept = _resumable(stage, settings) if resume else {}
+        if not kept:
+            shutil.rmtree(stage, ignore_errors=True)
+            os.makedirs(stage)
+            with open(os.path.join(stage, SETTINGS_FILE), "w", encoding="utf-8") as fh:
+                json.dump(settings, fh, indent=2, ensure_ascii=False)
+        sink = open(os.path.join(stage, "predictions.jsonl"), "a" if kept else "w", encoding="utf-8")
     records: dict[str, list[dict]] = {s: [] for s in systems}
     was_training = model.training
     model.eval()
@@ -413,7 +522,11 @@ def evaluate(
             disable=not progress,
         )
         for history in bar:
+            done = _complete(kept.pop(history.id, []), history, systems)
             for system in systems:
+                if done is not None:
+                    records[system].extend(r for r in done if r["system"] == system)
+                    continue
                 for question, prediction in _answer(run, history, system):
                     record = {
                         "system": system,
@@ -437,7 +550,8 @@ def evaluate(
         model.train(was_training)
     summary = {
         "benchmark": benchmark.name,
-        "mode": "memory-only" if memory_only else "history+memory",
+        "protocol": getattr(benchmark, "protocol", None),
+        "mode": settings["mode"],
         "metrics": list(benchmark.metrics),
         "decoding": asdict(decoding),
         "block_size": block_size,
@@ -445,16 +559,165 @@ def evaluate(
         "questions": len(records[systems[0]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(),
+        "settings": settings,
         **(run_info or {}),
         "systems": {s: benchmark.summarize(records[s]) for s in systems},
     }
+    summary["by_protocol"] = _by_protocol(benchmark, records)
     if out_dir is not None:
-        with open(os.path.join(stage, "summary.json"), "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2, ensure_ascii=False)
-        with open(os.path.join(stage, "results.md"), "w", encoding="utf-8") as fh:
-            fh.write(f"# {benchmark.name} ({summary['mode']})\n\n{markdown_table(summary)}")
+        if resume:  # the file now holds the kept histories' lines first: write it in run order
+            _write_records(os.path.join(stage, "predictions.jsonl"), records, systems)
+        _write_reports(stage, summary, plot)
+        os.remove(os.path.join(stage, SETTINGS_FILE))
         _replace_folder(stage, out_dir)
     return summary
+
+
+SETTINGS_FILE = "settings.json"
+
+
+def _resumable(stage: str, settings: dict[str, Any]) -> dict[str, list[dict]]:
+    """Records an interrupted run left in ``stage``, by history id; ``{}`` when there is nothing to
+    resume. Raises ValueError when that run used other settings."""
+    path = os.path.join(stage, SETTINGS_FILE)
+    predictions = os.path.join(stage, "predictions.jsonl")
+    if not (os.path.isfile(path) and os.path.isfile(predictions)):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        previous = json.load(fh)
+    differ = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
+    if differ:
+        details = "; ".join(f"{k}: {previous.get(k)!r} then, {settings.get(k)!r} now" for k in differ)
+        raise ValueError(
+            f"cannot resume {stage}: it was started with other settings ({details}); "
+            "run again with the same settings, or without --resume to start over"
+        )
+    kept: dict[str, list[dict]] = {}
+    with open(predictions, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the interruption
+                    continue
+                kept.setdefault(record["history"], []).append(record)
+    return kept
+
+
+def _complete(records: list[dict], history: History, systems: list[str]) -> list[dict] | None:
+    """``records`` when they answer every question of ``history`` for every system, else ``None``."""
+    wanted = {q.id for q in history.questions}
+    for system in systems:
+        got = [r["id"] for r in records if r["system"] == system]
+        if len(got) != len(wanted) or set(got) != wanted:
+            return None
+    return records
+
+
+def _write_records(path: str, records: dict[str, list[dict]], systems: list[str]) -> None:
+    """Per-question records in run order (history by history, system by system), atomically."""
+    by_history: dict[str, list[dict]] = {}
+    for system in systems:
+        for record in records[system]:
+            by_history.setdefault(record["history"], []).append(record)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        for rows in by_history.values():
+            for system in systems:
+                for record in rows:
+                    if record["system"] == system:
+                        fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def _by_protocol(benchmark: Benchmark, records: dict[str, list[dict]]) -> dict[str, Any]:
+    """Each system's summary with the same predictions scored under every protocol."""
+    if getattr(benchmark, "protocol", None) is None:
+        return {}
+    out = {}
+    for protocol in PROTOCOLS:
+        scorer = benchmark if protocol == benchmark.protocol else benchmark.with_protocol(protocol)
+        out[protocol] = {s: scorer.summarize(rescore_records(scorer, rows)) for s, rows in records.items()}
+    return out
+
+
+def rescore_records(benchmark: Benchmark, records: list[dict]) -> list[dict]:
+    """The records with ``scores`` recomputed by ``benchmark`` (its protocol) from prediction and gold."""
+    out = []
+    for record in records:
+        question = Question(record["id"], "", record["gold"], 0, record["group"], record.get("meta") or {})
+        out.append({**record, "scores": benchmark.score(question, record["prediction"])})
+    return out
+
+
+def rescore(
+    predictions: str | os.PathLike,
+    benchmark: Benchmark,
+    out_dir: str | os.PathLike,
+    plot: bool = True,
+) -> dict[str, Any]:
+    """Re-score a run's ``predictions.jsonl`` under ``benchmark``'s protocol, without generating.
+
+    ``benchmark`` supplies the scoring rules (and, for MemoryAgentBench's ReDial, the movie
+    catalogue); the predictions' gold answers and metadata are used as recorded. Writes
+    ``predictions.jsonl`` (new scores), ``summary.json`` and ``results.md`` to ``out_dir`` (through
+    ``<out_dir>.partial``); the run's own ``summary.json``, when next to the predictions, is kept under
+    ``"generated"``.
+    """
+    predictions = os.fspath(predictions)
+    with open(predictions, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    if not rows:
+        raise ValueError(f"{predictions}: no predictions")
+    missing = [k for k in ("system", "history", "id", "group", "prediction", "gold") if k not in rows[0]]
+    if missing:
+        raise ValueError(f"{predictions}: not an lstmem eval predictions file (no {missing[0]!r} field)")
+    origin = os.path.join(os.path.dirname(predictions), "summary.json")
+    generated = None
+    if os.path.isfile(origin):
+        with open(origin, encoding="utf-8") as fh:
+            generated = json.load(fh)
+        if generated.get("benchmark") not in (None, benchmark.name):
+            raise ValueError(f"{predictions} is a {generated['benchmark']} run, not {benchmark.name}")
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    records = {s: rescore_records(benchmark, [r for r in rows if r["system"] == s]) for s in systems}
+    summary = {
+        "benchmark": benchmark.name,
+        "protocol": getattr(benchmark, "protocol", None),
+        "rescored_from": predictions,
+        "metrics": list(benchmark.metrics),
+        "mode": (generated or {}).get("mode", "unknown"),
+        "histories": len({r["history"] for r in records[systems[0]]}),
+        "questions": len(records[systems[0]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "generated": None
+        if generated is None
+        else {k: v for k, v in generated.items() if k != "by_protocol"},
+        "systems": {s: benchmark.summarize(records[s]) for s in systems},
+    }
+    summary["by_protocol"] = _by_protocol(benchmark, records)
+    out_dir = os.fspath(out_dir).rstrip("/\\")
+    stage = out_dir + ".partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    _write_records(os.path.join(stage, "predictions.jsonl"), records, systems)
+    _write_reports(stage, summary, plot)
+    _replace_folder(stage, out_dir)
+    return summary
+
+
+def _write_reports(folder: str, summary: dict[str, Any], plot: bool) -> None:
+    """``summary.json``, ``results.md`` (both protocols side by side) and, with ``plot``, ``scores.png``."""
+    with open(os.path.join(folder, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2, ensure_ascii=False)
+    title = f"# {summary['benchmark']} ({summary['mode']}, {summary.get('protocol') or 'own'} protocol)"
+    text = f"{title}\n\n{markdown_table(summary)}"
+    if summary.get("by_protocol"):
+        text += f"\n## Scored under both protocols\n\n{protocols_table(summary)}"
+    with open(os.path.join(folder, "results.md"), "w", encoding="utf-8") as fh:
+        fh.write(text)
+    if plot:
+        plot_scores(summary, os.path.join(folder, "scores.png"))
 
 
 def _replace_folder(new: str, target: str) -> None:

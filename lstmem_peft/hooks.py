@@ -1,0 +1,451 @@
+"""``MemoryHooks``: the one object per backbone that carries LSTMem memory through its forwards.
+
+PEFT offers several doors to the same injected layers: ``get_peft_model`` / ``PeftModel`` (a tuner
+object), ``inject_adapter_in_model`` (no tuner kept), transformers' ``load_adapter`` /
+``set_adapter`` / ``delete_adapter`` (a tuner per loaded adapter, then dropped) and
+``peft.functional``. So nothing about a forward is read from a tuner: a backbone with LSTMem layers
+carries exactly one ``MemoryHooks`` (found through its forward pre-hook, :meth:`MemoryHooks.of`),
+and every fact a forward needs is read from the layers themselves, where PEFT keeps per-adapter
+state: the active adapter and the enabled flag (:class:`~peft.tuners.tuners_utils.BaseTunerLayer`),
+each adapter's configuration and depth index (``lstmem_config`` / ``lstmem_depth`` on the query
+wrappers, written at injection, removed by PEFT's ``delete_adapter``).
+
+The forward path is drawn in :mod:`lstmem_peft.context`. The hooks hold no handles and no state
+about a forward (that lives in the ``ACTIVE`` context variable), so ``copy.deepcopy`` and pickling
+the model carry a working, independent copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import MemoryCache, MemoryLayout
+from .context import ACTIVE, Active, ModelPass
+from .engine import MemoryPass
+from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, resolve_generation_config
+from .layer import LSTMemOutputLayer, LSTMemQueryLayer
+
+
+def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> torch.Tensor | None:
+    """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
+
+    Args:
+        mask: ``None``; 2-D ``(B, S)`` with 1 for tokens (the last ``length`` columns are the
+            current tokens); 4-D ``(B, 1, T, S)`` boolean (``True`` = attend) or float (0 = attend),
+            where a token is valid when it may attend to itself; or a dict of such masks (``None``
+            values: no padding).
+        past: tokens already in the KV cache. In a 4-D mask token ``t``'s own column is ``past + t``
+            (static caches have ``S`` = their capacity), or ``S - length + t`` when the mask is
+            narrower than that (sliding windows keep only the last columns).
+    Returns:
+        ``(B, length)`` bool, or ``None`` when every token is valid. On CPU tensors the "every
+        token" check is a cheap host read; on accelerators it would synchronise the device on every
+        forward, so the mask is returned as it is (padding is applied with ``torch.where``, which
+        is exact for an all-valid mask too).
+    """
+    if isinstance(mask, dict):
+        mask = next((m for m in mask.values() if m is not None), None)
+    if mask is None:
+        return None
+    if mask.dim() == 2:
+        valid = mask[:, -length:]
+        host = valid.shape == (batch, length) and valid.device.type == "cpu" and not valid.is_floating_point()
+        if host and valid.numpy().all():  # the common case, read on the host: no tensor ops
+            return None
+        if valid.dtype != torch.bool:
+            valid = valid != 0
+    elif mask.dim() == 4:
+        S = mask.shape[-1]
+        t = torch.arange(length, device=mask.device)
+        own = past + t if S >= past + length else S - length + t
+        diag = mask[:, 0, -length:, :][:, t, own]
+        valid = diag if diag.dtype == torch.bool else diag == 0
+        if valid.shape[0] == 1 and batch > 1:
+            valid = valid.expand(batch, length)
+    else:
+        raise ValueError(f"cannot read token validity from an attention mask of shape {tuple(mask.shape)}")
+    if valid.shape != (batch, length):
+        raise ValueError(
+            f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}"
+        )
+    if valid.device.type != "cpu":
+        return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
+    return None if bool(valid.all()) else valid
+
+
+ADAPTER_NAMES_REFUSED = (
+    "adapter_names= (a different adapter per batch row) is not supported by LSTMem: each row's memory "
+    "belongs to one adapter's layout. Run one adapter per call (set_adapter(name)), or split the batch "
+    "by adapter and pass each part its own MemoryCache"
+)
+
+
+def _refuse_packed(kwargs: dict, length: int) -> None:
+    """Packed (padding-free) batches restart positions inside a row; memory would carry one example
+    into the next. Refuse them clearly (one host read per multi-token forward with ``position_ids``
+    and no attention mask; decode steps and padded batches are never packed)."""
+    packed = any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"))
+    position_ids = kwargs.get("position_ids")
+    if not packed and length > 1 and position_ids is not None and kwargs.get("attention_mask") is None:
+        pos = position_ids.reshape(-1, position_ids.shape[-1])
+        packed = bool((pos[:, 1:] <= pos[:, :-1]).any())
+    if packed:
+        raise ValueError(
+            "LSTMem memory got a packed batch (positions restart inside a row): memory would carry one example into "
+            "the next. Train without packing (TRL: SFTConfig(packing=False, padding_free=False)) or write each "
+            "example with its own MemoryCache"
+        )
+
+
+def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a & b.to(a.device)
+
+
+class MemoryHooks:
+    """The memory controller of one backbone: its forward hooks, its ``generate``, its layers.
+
+    Use :meth:`of` to get (or :meth:`attach` to create) the controller of a model; ``model`` is the
+    backbone (the ``*ForCausalLM`` module).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._plans: dict[str, tuple] = {}
+        self._wrappers: list[nn.Module] | None = None
+        self._handles: list = []
+
+    # ------------------------------------------------------------------ finding and attaching
+    @classmethod
+    def of(cls, model: nn.Module) -> MemoryHooks | None:
+        """The controller attached to backbone ``model``, or ``None``."""
+        for hook in model._forward_pre_hooks.values():
+            owner = getattr(hook, "__self__", None)
+            if isinstance(owner, cls):
+                return owner
+        return None
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> MemoryHooks:
+        """The controller of ``model``, created and hooked in on first use (idempotent: a second
+        adapter, or a second tuner over the same backbone, shares it)."""
+        hooks = cls.of(model)
+        if hooks is None:
+            hooks = cls(model)
+            handles = [model.register_load_state_dict_post_hook(hooks._refuse_partial_adapter_weights)]
+            for target in hooks._targets():
+                handles.append(target.register_forward_pre_hook(hooks._open_pass, with_kwargs=True))
+                handles.append(
+                    target.register_forward_hook(hooks._close_pass, with_kwargs=True, always_call=True)
+                )
+            hooks._handles = handles  # torch's handles pickle and deep-copy with the model
+        hooks.refresh()
+        return hooks
+
+    def detach(self) -> None:
+        """Remove every hook this controller put on the backbone (``unload``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.refresh()
+
+    def _targets(self) -> list[nn.Module]:
+        targets = [self.model]
+        decoder = getattr(self.model, "model", None)
+        if isinstance(decoder, nn.Module):
+            targets.append(decoder)
+        return targets
+
+    def refresh(self) -> None:
+        """Forget the layer lists (an adapter was added, deleted or unloaded)."""
+        self._plans = {}
+        self._wrappers = None
+
+    # ------------------------------------------------------------------ what the layers say
+    def wrappers(self) -> list[nn.Module]:
+        """Every LSTMem wrapper of the backbone (found once, then kept until :meth:`refresh`)."""
+        if self._wrappers is None:
+            self._wrappers = [
+                m for m in self.model.modules() if isinstance(m, (LSTMemQueryLayer, LSTMemOutputLayer))
+            ]
+        return self._wrappers
+
+    def adapters(self) -> list[str]:
+        """Names of the LSTMem adapters the layers hold."""
+        names: dict[str, None] = {}
+        for wrapper in self.wrappers():
+            if isinstance(wrapper, LSTMemQueryLayer):
+                names.update(dict.fromkeys(wrapper.lstmem_memory))
+        return list(names)
+
+    def enabled(self) -> bool:
+        """Whether the adapter layers are enabled: all of them, or none.
+
+        PEFT toggles every wrapper together (``disable_adapter()``, ``disable_adapter_layers()``,
+        transformers' ``disable_adapters()``). Disabling single wrappers would cut the depth chain of
+        the memory (and leave a ``Δo`` without its ``Δq``), so mixed states are refused.
+        """
+        wrappers = self.wrappers()
+        if not wrappers:
+            return False
+        disabled = [w.disable_adapters for w in wrappers]
+        if any(disabled) and not all(disabled):
+            off = sorted({w.layer_idx for w, d in zip(wrappers, disabled, strict=True) if d})
+            raise RuntimeError(
+                f"LSTMem adapter layers are disabled in decoder layers {off} only: memory runs through every "
+                "memory layer or none. Disable the whole adapter (model.disable_adapter() as a context, "
+                "disable_adapter_layers(), or transformers' disable_adapters()), or choose the memory layers "
+                "with LSTMemConfig(layers_to_transform=[...])"
+            )
+        return not disabled[0]
+
+    def active_adapter(self) -> str:
+        """The one active adapter, as the layers report it (every door sets it on the layers)."""
+        wrappers = self.wrappers()
+        active = list(wrappers[0].active_adapters) if wrappers else []
+        if len(active) == 1 and active[0] in self._plans:  # the common case: no walk over the wrappers
+            return active[0]
+        ours = [name for name in active if name in self.adapters()]
+        if len(ours) != 1:
+            raise ValueError(
+                f"LSTMem runs one adapter at a time, but the active adapters are {active}; call "
+                f"set_adapter() with one of {self.adapters()}"
+            )
+        return ours[0]
+
+    def config(self, adapter: str | None = None):
+        """The :class:`~lstmem_peft.config.LSTMemConfig` of ``adapter`` (default: the active one)."""
+        adapter = adapter or self.active_adapter()
+        return self._plan(adapter)[3][0].lstmem_config[adapter]
+
+    def memory_layers(self, adapter: str | None = None) -> list:
+        """The adapter's :class:`~lstmem_peft.memory.LSTMemLayer` modules in depth order."""
+        return list(self._plan(adapter or self.active_adapter())[2])
+
+    def memory_layout(self, adapter: str | None = None) -> MemoryLayout:
+        """The :class:`~lstmem_peft.cache.MemoryLayout` of ``adapter`` (default: the active one)."""
+        return self._plan(adapter or self.active_adapter())[0]
+
+    def _plan(self, adapter: str) -> tuple[MemoryLayout, dict[int, int], list, list]:
+        """The adapter's layout, decoder layer -> depth index map, memory layers in depth order and
+        their query wrappers, built from the facts injection wrote on the layers (once per adapter,
+        so a forward does no model walk; rebuilt if PEFT deleted the adapter from the layers)."""
+        plan = self._plans.get(adapter)
+        if plan is not None and adapter in plan[3][0].lstmem_memory:
+            return plan
+        queries = [
+            w for w in self.wrappers() if isinstance(w, LSTMemQueryLayer) and adapter in w.lstmem_memory
+        ]
+        if not queries:
+            raise KeyError(f"no LSTMem adapter named {adapter!r}; the model has {self.adapters()}")
+        queries.sort(key=lambda q: q.lstmem_depth[adapter])
+        layers = [q.lstmem_memory[adapter] for q in queries]
+        depth_index = {q.layer_idx: q.lstmem_depth[adapter] for q in queries}
+        plan = (self._layout(adapter, queries), depth_index, layers, queries)
+        self._plans[adapter] = plan
+        return plan
+
+    def _layout(self, adapter: str, queries: list) -> MemoryLayout:
+        config = queries[0].lstmem_config[adapter]
+        base = getattr(self.model, "config", None)
+        identity = "|".join(
+            str(x)
+            for x in (
+                getattr(base, "model_type", type(self.model).__name__),
+                getattr(base, "hidden_size", ""),
+                getattr(config, "base_model_name_or_path", "") or "",
+                f"alpha={config.alpha}",
+                f"depth_coupling={config.depth_coupling}",
+                f"memory_id={getattr(config, 'memory_id', None) or ''}",
+            )
+        )
+        return MemoryLayout(
+            layer_indices=tuple(q.layer_idx for q in queries),
+            num_heads=config.num_heads,
+            head_dim=config.r,
+            state_dtype=config.state_dtype,
+            identity=identity,
+        )
+
+    # ------------------------------------------------------------------ loading
+    def _refuse_partial_adapter_weights(self, module: nn.Module, incompatible_keys) -> None:
+        """After a state dict is loaded (an adapter file, a checkpoint): an adapter whose memory
+        weights are partly missing (a damaged file, renamed keys, another version's layout) is an
+        error, where PEFT would only warn and leave those weights at their initialisation. An
+        adapter with none of its weights in the file is another adapter that this file does not
+        carry."""
+        missing = set(incompatible_keys.missing_keys)
+        if not missing:
+            return
+        for adapter in self.adapters():
+            ours = [n for n, _ in self.model.named_parameters() if f".lstmem_memory.{adapter}." in n]
+            lost = [n for n in ours if any(key.endswith(n) for key in missing)]
+            if lost and len(lost) < len(ours):
+                names = sorted({n.rsplit(".", 1)[-1] for n in lost})
+                raise ValueError(
+                    f"the weights loaded for LSTMem adapter {adapter!r} lack {len(lost)} of its {len(ours)} "
+                    f"tensors (e.g. {lost[0]}; parameters {names}): the adapter file is damaged, was renamed, "
+                    "or comes from another version of lstmem-peft. Re-save it, or load the checkpoint it was "
+                    "saved from"
+                )
+
+    # ------------------------------------------------------------------ one forward
+    def _checkpointing(self) -> bool:
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(type(self.model), name):
+                return bool(getattr(self.model, name))
+        return False
+
+    def _open_pass(self, module: nn.Module, args, kwargs):
+        """Forward pre-hook: pop ``memory_cache`` / ``memory_write`` / ``memory_feedback`` and open the pass."""
+        cache = kwargs.pop("memory_cache", None)
+        write = kwargs.pop("memory_write", None)
+        feedback = kwargs.pop("memory_feedback", None)
+        active = ACTIVE.get()
+        if active is not None and active.owner is self and active.model_pass is not None:
+            if active.module is not module:  # the inner decoder of the forward that opened the pass
+                if cache is not None:
+                    raise RuntimeError(
+                        "memory_cache was passed to a nested forward of a model whose memory pass is already open"
+                    )
+                return args, kwargs
+            # the same module opens again: its last forward was interrupted (KeyboardInterrupt skips the
+            # closing hook). That pass never committed, so its cache is as it was; drop it for good.
+            active = None if active.session is None else Active(self, None, None, active.session)
+            ACTIVE.set(active)
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(ADAPTER_NAMES_REFUSED)
+        if not self.enabled():
+            return args, kwargs
+        adapter = self.active_adapter()
+        config = self.config(adapter)
+        if self.model.training and torch.is_grad_enabled() and self._checkpointing():
+            raise RuntimeError(
+                "LSTMem does not support gradient checkpointing: the recomputed layers would run outside the "
+                "memory pass and memory gradients would be wrong. Call model.gradient_checkpointing_disable() "
+                "(with TRL: gradient_checkpointing=False in the trainer config)"
+            )
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        if ref is None:
+            raise ValueError("LSTMem needs input_ids or inputs_embeds to size the memory pass")
+        batch, length = ref.shape[0], ref.shape[1]
+        _refuse_packed(kwargs, length)
+        kv = kwargs.get("past_key_values")
+        past = 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
+        layout, depth_index, layers, _ = self._plan(adapter)
+        session = active.session if active is not None and active.owner is self and cache is None else None
+        if session is not None:
+            memory = session.memory_for(layout, kwargs, batch, length, ref.device)
+            write = session.write if write is None else write
+        else:
+            if cache is None:
+                if past:
+                    raise ValueError(
+                        f"past_key_values holds {past} tokens but no memory_cache was passed: LSTMem memory would "
+                        "start empty while attention sees that context. Pass the MemoryCache that was written "
+                        "with those tokens (memory_cache=...), or no past_key_values"
+                    )
+                cache = MemoryCache()  # a fresh memory for this call only
+            if not isinstance(cache, MemoryCache):
+                raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+            cache.bind(layout)
+            cache.ensure(batch, ref.device)
+            memory = cache
+        write = True if write is None else bool(write)
+        feedback = bool(feedback) and config.block_feedback
+        if feedback and not write:
+            raise ValueError(
+                "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
+            )
+        valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
+        if session is not None:
+            valid = _and(valid, session.extra_valid(length, ref.device))
+        memory_pass = MemoryPass(
+            memory,
+            valid,
+            write=write,
+            feedback=feedback,
+            depth_coupling=config.depth_coupling,
+            feedback_positions=config.feedback_positions,
+            backend=config.scan_backend,
+            weights=self._layer_weights(layers, session),
+        )
+        model_pass = ModelPass(
+            adapter, depth_index, memory_pass, record_inputs=session is not None and length <= RECORD_LIMIT
+        )
+        model_pass.length = length
+        model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
+        return args, kwargs
+
+    @staticmethod
+    def _layer_weights(layers: list, session: GenerateSession | None) -> list | None:
+        """The memory layers' :class:`~lstmem_peft.memory.LayerWeights` for a forward of a
+        ``generate`` call, derived on its first forward (the parameters cannot change within a
+        call); ``None`` elsewhere (each layer derives its own, differentiably)."""
+        if session is None:
+            return None
+        if session.weights is None:
+            with torch.no_grad():
+                session.weights = [layer.weights(step=True) for layer in layers]
+        return session.weights
+
+    def _close_pass(self, module: nn.Module, args, kwargs, output):
+        """Forward hook (also called when the forward raised): commit the pass, or drop it."""
+        active = ACTIVE.get()
+        if (
+            active is None
+            or active.owner is not self
+            or active.module is not module
+            or active.model_pass is None
+        ):
+            return output
+        model_pass = active.model_pass
+        ACTIVE.reset(model_pass.token)
+        completed = output is not None and model_pass.memory_pass.layers_run > 0
+        model_pass.close(completed)
+        if completed and active.session is not None:
+            active.session.forward_done(model_pass.length, model_pass.inputs, model_pass.memory_pass.valid)
+        return output
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, *args, memory_cache: MemoryCache | None = None, **kwargs):
+        """``generate`` of the backbone with LSTMem memory (see :mod:`lstmem_peft.generation`).
+
+        Args:
+            memory_cache: the sessions' memory; updated in place when the call succeeds (with
+                ``update_during_generation``), untouched when it raises. Without it the call uses a
+                fresh memory.
+            *args, **kwargs: as for ``transformers.GenerationMixin.generate``.
+        """
+        generate = self.model.generate
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(ADAPTER_NAMES_REFUSED)
+        if not self.enabled():
+            return generate(*args, **kwargs)
+        if args:  # generate(inputs, ...): the prompt is the first positional argument
+            kwargs["inputs"], args = args[0], args[1:]
+        adapter = self.active_adapter()
+        config = resolve_generation_config(self.model, kwargs)
+        refuse_inexact_modes(config, kwargs)
+        cache = MemoryCache() if memory_cache is None else memory_cache
+        if not isinstance(cache, MemoryCache):
+            raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+        cache.check_layout(self._plan(adapter)[0])
+        session = GenerateSession(self, adapter, cache, config, kwargs=kwargs)
+        criteria = session.stopping_criteria(
+            config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer")
+        )
+        if criteria is not None:
+            kwargs["stopping_criteria"] = criteria
+        token = ACTIVE.set(Active(self, None, None, session))
+        try:
+            output = generate(*args, **kwargs)
+        finally:
+            ACTIVE.reset(token)
+            session.unbind()
+        session.commit(output)
+        return output

@@ -1,0 +1,54 @@
+"""``lstmem serve``: an OpenAI-compatible HTTP server whose sessions keep a persistent LSTMem memory.
+
+Needs the ``serve`` extra (``pip install "lstmem-peft[serve]"``); ``import lstmem_peft`` never imports
+this package. Modules: :mod:`.runtime` (model, chat format, batched memory operations),
+:mod:`.store` (sessions on disk), :mod:`.scheduler` (batching, turns), :mod:`.schemas` (request
+bodies), :mod:`.app` (routes), :mod:`.page` (the page at ``/``).
+"""
+
+from __future__ import annotations
+
+from ..extras import missing_extra
+
+try:
+    import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import uvicorn  # noqa: F401
+except ModuleNotFoundError as err:  # depends on the environment
+    raise missing_extra(err, "serve", "lstmem serve (lstmem_peft.serve)") from err
+
+from .app import create_app
+from .runtime import LoadedModel, load_model
+
+
+def serve(
+    model: str | None = None,
+    adapter: str | None = None,
+    store: str = "lstmem-sessions",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    api_keys: list[str] | None = None,
+    threads: int | None = None,
+    log_level: str = "info",
+    **options,
+) -> None:
+    """Load the model and run the server until interrupted (what ``lstmem serve`` does).
+
+    ``options`` go to :func:`~lstmem_peft.serve.app.create_app` (``context_window``, ``max_batch``,
+    ``batch_wait_ms``, ``batching``, ``max_body_bytes``, ``default_max_tokens``).
+    """
+    import torch
+    import uvicorn
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
+    app = create_app(loaded, store, api_keys=api_keys, **options)
+    print(f"lstmem serve: model {loaded.name!r}, sessions in {store}, http://{host}:{port}", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+__all__ = ["LoadedModel", "create_app", "load_model", "serve"]

@@ -1,0 +1,487 @@
+"""The model side of the server: loading, the chat format, and batched memory operations.
+
+Everything here runs on the scheduler's single worker thread (the model is never entered by two
+threads at once). Memory is handled only through the library's public API: a batch of sessions is
+gathered into one :class:`~lstmem_peft.MemoryCache` with ``batch_repeat_interleave`` +
+``update_rows``, written with :func:`~lstmem_peft.write_history`, answered with
+``model.generate(memory_cache=...)``, and scattered back with ``clone`` + ``batch_select_indices``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from ..cache import MemoryCache, MemoryLayout
+from ..history import memory_layers, memory_layout, write_history
+
+DEMO_MODEL_NAME = "lstmem-demo"
+
+
+# ---------------------------------------------------------------------- loading
+@dataclass
+class LoadedModel:
+    """A model with an active LSTMem adapter, its tokenizer and what the server says about it.
+
+    Attributes:
+        model: a PeftModel (or anything :func:`~lstmem_peft.history.find_memory` accepts), eval mode.
+        tokenizer: a transformers tokenizer of the backbone.
+        name: the model id clients pass as ``model``.
+        layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
+        max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
+        block_size: the adapter's history block length (``write_history`` writes in such blocks).
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    layout: MemoryLayout = field(init=False)
+    max_positions: int | None = field(init=False)
+    block_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = memory_layout(self.model)
+        self.max_positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        configs = getattr(self.model, "peft_config", None)
+        adapter = getattr(self.model, "active_adapter", None)
+        if not isinstance(configs, dict) or adapter not in configs:
+            raise TypeError(
+                f"{type(self.model).__name__} is not a PeftModel with an active LSTMem adapter; load one with "
+                "PeftModel.from_pretrained(backbone, adapter_path)"
+            )
+        self.block_size = int(configs[adapter].block_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def load_model(
+    model: str | None = None,
+    adapter: str | None = None,
+    name: str | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+) -> LoadedModel:
+    """Load the embedded demo (no arguments) or a backbone + LSTMem adapter (local folders or Hub ids).
+
+    Args:
+        model: backbone, Hub id or local folder; ``None`` with ``adapter=None``: the embedded demo.
+        adapter: LSTMem adapter folder or Hub id (required with ``model``).
+        name: the model id served at ``/v1/models`` (default: ``lstmem-demo`` or the adapter's name).
+        device: ``cpu`` or ``cuda`` (default: cuda when available).
+        dtype: backbone dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
+    """
+    from peft import PeftModel
+
+    import lstmem_peft  # noqa: F401  (registers the LSTMEM method with PEFT)
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model is None and adapter is None:
+        from ..demo import ASSETS, demo_tokenizer, load_backbone
+
+        check_saved_memory_id(str(ASSETS / "adapter_full"))
+        peft_model = PeftModel.from_pretrained(load_backbone(), ASSETS / "adapter_full")
+        return LoadedModel(peft_model.to(device).eval(), demo_tokenizer(), name or DEMO_MODEL_NAME)
+    if model is None or adapter is None:
+        raise ValueError(
+            "pass both --model and --adapter (a backbone and the LSTMem adapter trained on it), or neither "
+            "for the embedded demo"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_saved_memory_id(adapter)
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    backbone = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    peft_model = PeftModel.from_pretrained(backbone, adapter)
+    source = adapter if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else model
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    served = name or os.path.basename(os.path.normpath(adapter))
+    return LoadedModel(peft_model.to(device).eval(), tokenizer, served)
+
+
+def check_saved_memory_id(adapter: str) -> None:
+    """Refuse an adapter whose saved ``adapter_config.json`` has no ``memory_id``.
+
+    Such an adapter draws a new random ``memory_id`` at every load, so the memory a server stored
+    would be refused (another layout) after a restart.
+    """
+    path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(path):
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(adapter, "adapter_config.json")
+    with open(path) as fh:
+        saved = json.load(fh)
+    if not saved.get("memory_id"):
+        raise ValueError(
+            f"{path} has no memory_id, so the adapter gets a new identity at every load and stored session "
+            "memory could not be reloaded after a restart; load it once and save it again "
+            "(PeftModel.from_pretrained(...).save_pretrained(...)) to give it a fixed memory_id"
+        )
+
+
+# ---------------------------------------------------------------------- chat format
+def message_hash(role: str, content: str) -> str:
+    """The identity of a chat message in a session's record (role and exact content)."""
+    return hashlib.sha256(json.dumps([role, content]).encode()).hexdigest()[:32]
+
+
+class ChatFormat:
+    """How chat messages become tokens, one message at a time.
+
+    With a tokenizer that has a chat template, a message is the template applied to that message
+    alone and the generation prompt is what ``add_generation_prompt=True`` adds. Without one (the
+    embedded demo), a message is the BOS token (when the tokenizer has one) followed by the content,
+    and the generation prompt is empty: the demo's own ``<s> k07 v19 ; ...`` / ``<s> ? k07`` format.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self._generation_prompt: list[int] | None = None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text (memory writes, completions prompts): no special tokens added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def message(self, role: str, content: str) -> list[int]:
+        """Token ids of one message."""
+        if self.templated:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": role, "content": content}], tokenize=True, add_generation_prompt=False
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + self.encode_text(content)
+
+    def generation_prompt(self) -> list[int]:
+        """The tokens that open the assistant's answer (empty without a chat template)."""
+        if self._generation_prompt is None:
+            if not self.templated:
+                self._generation_prompt = []
+            else:
+                probe = [{"role": "user", "content": "x"}]
+                bare = self.tokenizer.apply_chat_template(probe, tokenize=False)
+                full = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+                self._generation_prompt = self.encode_text(full[len(bare) :]) if full.startswith(bare) else []
+        return self._generation_prompt
+
+
+# ---------------------------------------------------------------------- gathering and scattering rows
+def fresh_memory(layout: MemoryLayout, device: torch.device) -> MemoryCache:
+    """A one-row memory with zero states (a session that has written nothing yet)."""
+    cache = MemoryCache(layout)
+    cache.ensure(1, device)
+    return cache
+
+
+def gather(rows: list[MemoryCache]) -> MemoryCache:
+    """One batch cache whose row ``i`` is ``rows[i]`` (each a one-row cache of the same layout)."""
+    batch = rows[0].clone()
+    batch.batch_repeat_interleave(len(rows))
+    for i, row in enumerate(rows[1:], start=1):
+        batch.update_rows(torch.tensor([i]), row)
+    return batch
+
+
+def scatter(batch: MemoryCache, index: int) -> MemoryCache:
+    """Row ``index`` of a batch cache as an independent one-row cache."""
+    row = batch.clone()
+    row.batch_select_indices(torch.tensor([index]))
+    return row
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)``, both ``(len(rows), longest)`` long, rows right-aligned."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+# ---------------------------------------------------------------------- gate statistics
+class GateProbe:
+    """Per-row means of the output gate ``o_t`` and depth gate ``g_t`` of every memory layer while
+    :func:`~lstmem_peft.write_history` writes a batch (forward hooks on the memory layers; the
+    memory math is untouched).
+
+    ``write_history`` on a padded batch runs block ``k`` on the rows that still have tokens at
+    ``k * block_size`` (its documented scheme); the probe follows the same rule to attribute each
+    block's rows. Use as a context manager around one ``write_history`` call.
+
+    Args:
+        model: the served model.
+        lengths: valid tokens of each batch row.
+        block_size: the ``block_size`` passed to ``write_history``.
+    """
+
+    def __init__(self, model, lengths: list[int], block_size: int) -> None:
+        self.layers = memory_layers(model)
+        self.lengths = lengths
+        self.block = block_size
+        num = len(self.layers)
+        self.sums = torch.zeros(len(lengths), num, 2, dtype=torch.float64)  # (rows, layers, [o, g])
+        self.counts = torch.zeros(len(lengths), num, dtype=torch.float64)
+        self._forward = [0] * num
+        self._handles = []
+
+    def __enter__(self) -> GateProbe:
+        for index, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_hook(self._hook(index)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, index: int):
+        def hook(module, args, output) -> None:
+            k = self._forward[index]
+            self._forward[index] += 1
+            if output.out_gate is None or output.depth_gate is None:
+                return
+            rows = [b for b, n in enumerate(self.lengths) if n > k * self.block]
+            if len(rows) != output.out_gate.shape[0]:
+                return  # not the scheme this probe follows: no statistics rather than wrong ones
+            valid = args[4] if len(args) > 4 else None
+            o = output.out_gate.detach().double().mean(dim=(-1, -2))  # (B, T)
+            g = output.depth_gate.detach().double().mean(dim=(-1, -2))
+            w = torch.ones_like(o) if valid is None else valid.to(o.dtype)
+            index_rows = torch.tensor(rows)
+            self.sums[index_rows, index, 0] += (o * w).sum(dim=1).cpu()
+            self.sums[index_rows, index, 1] += (g * w).sum(dim=1).cpu()
+            self.counts[index_rows, index] += w.sum(dim=1).cpu()
+
+        return hook
+
+    def row(self, b: int) -> dict[str, list[float]] | None:
+        """``{"out_gate": [...], "depth_gate": [...]}`` (one mean per layer) for row ``b``, or
+        ``None`` when nothing was observed for it."""
+        counts = self.counts[b]
+        if not bool((counts > 0).all()):
+            return None
+        means = self.sums[b] / counts[:, None]
+        return {"out_gate": means[:, 0].tolist(), "depth_gate": means[:, 1].tolist()}
+
+
+def state_norms(cache: MemoryCache) -> dict[str, list[float]]:
+    """Frobenius norms of ``C`` and ``D`` of every memory layer (row 0), for the record and page."""
+    if not cache.is_initialized:
+        return {"cell": [], "hidden": []}
+    return {
+        "cell": [float(layer.cell[0].double().norm()) for layer in cache.layers],
+        "hidden": [float(layer.hidden[0].double().norm()) for layer in cache.layers],
+    }
+
+
+def write_rows(
+    loaded: LoadedModel, rows: list[MemoryCache], tokens: list[list[int]]
+) -> tuple[list[MemoryCache], list[dict | None]]:
+    """Write ``tokens[i]`` into ``rows[i]`` as history (blocks + feedback) in one batched call.
+
+    Args:
+        loaded: the served model.
+        rows: one-row caches (not modified).
+        tokens: token ids per row; rows with none are returned as they are.
+
+    Returns:
+        new one-row caches (same order) and the gate statistics of each row's write (or ``None``).
+    """
+    out = list(rows)
+    gates: list[dict | None] = [None] * len(rows)
+    active = [i for i, t in enumerate(tokens) if t]
+    if not active:
+        return out, gates
+    pad = loaded.tokenizer.pad_token_id
+    pad = 0 if pad is None else pad
+    ids, mask = left_pad([tokens[i] for i in active], pad, loaded.device)
+    batch = gather([rows[i] for i in active])
+    lengths = [len(tokens[i]) for i in active]
+    with torch.no_grad(), GateProbe(loaded.model, lengths, loaded.block_size) as probe:
+        write_history(
+            loaded.model, ids, batch, attention_mask=mask, block_size=loaded.block_size, progress=False
+        )
+    for j, i in enumerate(active):
+        out[i] = scatter(batch, j)
+        gates[i] = probe.row(j)
+    return out, gates
+
+
+# ---------------------------------------------------------------------- generation
+@dataclass(frozen=True)
+class Sampling:
+    """The decoding parameters of one request (requests batch together only when these agree)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    stop: tuple[str, ...]
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one ``generate`` call; a seeded request runs alone
+        (one RNG stream per call), which the scheduler enforces."""
+        if self.greedy:
+            return ("greedy", self.max_tokens, self.n, self.stop)
+        return ("sample", self.max_tokens, self.temperature, self.top_p, self.n, self.stop)
+
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments of ``model.generate`` for these parameters (``top_k`` off: OpenAI has none)."""
+        if self.greedy:
+            kwargs = {"do_sample": False}
+        else:
+            kwargs = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        kwargs["max_new_tokens"] = self.max_tokens
+        if self.n > 1:
+            kwargs["num_return_sequences"] = self.n
+        return kwargs
+
+
+class _StopRows(StoppingCriteria):
+    """Marks a row finished once its decoded answer contains a stop string, or when its request
+    was cancelled (the client went away)."""
+
+    def __init__(self, tokenizer, prompt_width: int, stops: list[tuple[str, ...]], cancelled) -> None:
+        self.tokenizer = tokenizer
+        self.width = prompt_width
+        self.stops = stops
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for row in range(input_ids.shape[0]):
+            if self.cancelled(row):
+                done[row] = True
+            elif self.stops[row]:
+                text = self.tokenizer.decode(input_ids[row, self.width :], skip_special_tokens=True)
+                done[row] = any(s in text for s in self.stops[row])
+        return done
+
+
+class RowStreamer(BaseStreamer):
+    """Sends each generated token to ``on_token(row, token_id)`` (rows of the expanded batch).
+
+    transformers calls ``put`` first with the prompt, then with one ``(B,)`` tensor per step.
+    """
+
+    def __init__(self, on_token) -> None:
+        self.on_token = on_token
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for row, token in enumerate(value.reshape(-1).tolist()):
+            self.on_token(row, token)
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class Answer:
+    """One generated choice: its token ids (after the stop cut), text and why it ended."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[str, ...]) -> Answer:
+    """The answer a client sees: tokens up to EOS (excluded), text cut before the first stop string.
+
+    Returns:
+        :class:`Answer`; ``token_ids`` are the tokens up to EOS, or the tokens whose decoding
+        reaches the stop string.
+    """
+    ids, finish = [], "length"
+    for t in token_ids:
+        if t in eos_ids:
+            finish = "stop"
+            break
+        ids.append(t)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if stops:
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+            for k in range(len(ids) + 1):  # the shortest token prefix that decodes past the cut
+                if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut:
+                    ids = ids[:k]
+                    break
+    return Answer(ids, text, finish)
+
+
+def generate_rows(
+    loaded: LoadedModel,
+    rows: list[MemoryCache],
+    prompts: list[list[int]],
+    sampling: Sampling,
+    stops: list[tuple[str, ...]] | None = None,
+    on_token=None,
+    cancelled=None,
+) -> list[list[Answer]]:
+    """Answer ``prompts[i]`` from memory ``rows[i]`` with one left-padded ``generate`` call.
+
+    The memory a row answers from is a copy (generate writes prompt and answer into it while
+    decoding, as ``model.generate(memory_cache=...)`` does in process); ``rows`` are not modified.
+
+    Args:
+        loaded: the served model.
+        rows: one-row caches.
+        prompts: prompt token ids per row (non-empty).
+        sampling: the shared decoding parameters.
+        stops: stop strings per row (default: ``sampling.stop``).
+        on_token: ``on_token(expanded_row, token_id)`` per generated token (streaming).
+        cancelled: ``cancelled(expanded_row) -> bool``: stop decoding that row.
+
+    Returns:
+        per row, ``sampling.n`` :class:`Answer` objects.
+    """
+    tok = loaded.tokenizer
+    n = sampling.n
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = 0 if pad is None else pad
+    ids, mask = left_pad(prompts, pad, loaded.device)
+    memory = gather(rows)
+    stops = stops or [sampling.stop] * len(rows)
+    expanded_stops = [s for s in stops for _ in range(n)]
+    config = getattr(loaded.model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = tok.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+    kwargs = sampling.generate_kwargs()
+    if any(expanded_stops) or cancelled is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [_StopRows(tok, ids.shape[1], expanded_stops, cancelled or (lambda row: False))]
+        )
+    if on_token is not None:
+        kwargs["streamer"] = RowStreamer(on_token)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    with torch.no_grad():
+        out = loaded.model.generate(
+            input_ids=ids, attention_mask=mask, memory_cache=memory, pad_token_id=pad, **kwargs
+        )
+    generated = out[:, ids.shape[1] :].tolist()
+    answers = [cut_answer(tok, generated[r], eos_ids, expanded_stops[r]) for r in range(len(generated))]
+    return [answers[i * n : (i + 1) * n] for i in range(len(rows))]

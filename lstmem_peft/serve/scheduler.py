@@ -1,0 +1,587 @@
+"""The batching scheduler: one worker thread owns the model; requests queue up as jobs.
+
+Rules:
+
+* Jobs on **different** sessions that are waiting together, of the same kind and with the same
+  decoding parameters, run as one batch: the sessions' memory rows are gathered into one cache,
+  prompts are left-padded, and rows are scattered back after the forward(s).
+* Jobs on the **same** session run one after another, in arrival order (a session appears at most
+  once per batch, and a job is never taken ahead of an earlier job of its session).
+* A request with a ``seed`` runs alone (one RNG stream per ``generate`` call), so the seed alone
+  fixes its tokens.
+
+A turn (:meth:`Scheduler._run_turns`):
+
+1. the messages of the request that the session has not written yet are found (the written
+   record's prefix is skipped; see :func:`plan_chat`) and written into memory with
+   ``write_history`` (blocks + feedback);
+2. the answer is generated from that memory with the session's prompt policy: the latest messages
+   that fit the context window, older ones living only in memory;
+3. the answer message is written into memory (``write_history``), and the new memory and record
+   are committed to disk (:meth:`~lstmem_peft.serve.store.SessionStore.commit`) before the
+   response (or the stream's last event) is sent.
+
+A failure anywhere before the commit leaves the session as it was; so does a stream whose client
+went away before the commit (the job is marked cancelled, decoding of its rows stops early and
+nothing is committed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from ..cache import MemoryCache
+from .runtime import (
+    ChatFormat,
+    LoadedModel,
+    Sampling,
+    fresh_memory,
+    generate_rows,
+    message_hash,
+    state_norms,
+    write_rows,
+)
+from .store import Session, SessionStore
+
+log = logging.getLogger("lstmem.serve")
+
+
+class ServeError(Exception):
+    """An error with an HTTP status and an OpenAI error type/code, raised to the client as JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+
+# ---------------------------------------------------------------------- planning a turn
+@dataclass
+class Plan:
+    """What one turn writes and prompts with.
+
+    Attributes:
+        new_tokens: token ids written into memory before answering.
+        prompt: token ids of the prompt in the context window.
+        new_messages: record entries of the messages written now (chat).
+        commit_role: the role of the answer message that is committed after the turn (chat), or
+            ``None`` (completions commit the answer as text).
+        text_chain: completions only: the text chain the record covers after the turn, minus the
+            answer (prompt text).
+    """
+
+    new_tokens: list[int]
+    prompt: list[int]
+    new_messages: list[dict] = field(default_factory=list)
+    commit_role: str | None = "assistant"
+    text_chain: str | None = None
+
+
+def _fit(budget: int, what: str) -> None:
+    if budget <= 0:
+        raise ServeError(
+            400,
+            f"max_tokens leaves no room for the {what} in the context window; lower max_tokens or raise "
+            "--context-window",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+
+
+def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: int, max_tokens: int) -> Plan:
+    """Which messages are new, and the prompt, for a chat turn.
+
+    The session's record lists the messages written so far (hash of role and content). If the
+    request's messages start with that list, only the rest is new. If they share no first message
+    with it, all of them are new (a client that sends only its latest turn). If they share a first
+    part and then differ, the conversation was edited: memory cannot un-write, so this is refused
+    (409): reset the session or start another.
+
+    The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
+    the latest message must fit, or the request is refused (400).
+    """
+    written = [m["hash"] for m in session.messages]
+    hashes = [message_hash(m["role"], m["content"]) for m in messages]
+    k = 0
+    while k < min(len(written), len(hashes)) and written[k] == hashes[k]:
+        k += 1
+    if 0 < k < len(written):
+        raise ServeError(
+            409,
+            f"the conversation differs from what session {session.session!r} has written from message {k} on "
+            f"(it wrote {len(written)} messages); memory cannot un-write a turn: send the conversation as it was "
+            "written plus new messages, or DELETE /v1/memory/{session} to reset",
+            code="conversation_diverged",
+            param="messages",
+        )
+    encoded = [fmt.message(m["role"], m["content"]) for m in messages]
+    new = list(range(k, len(messages)))
+    new_tokens = [t for i in new for t in encoded[i]]
+    opening = fmt.generation_prompt()
+    budget = window - max_tokens - len(opening)
+    _fit(budget, "prompt")
+    prompt: list[int] = []
+    for ids in reversed(encoded):
+        if len(prompt) + len(ids) > budget:
+            break
+        prompt = ids + prompt
+    if not prompt:
+        raise ServeError(
+            400,
+            f"the latest message is {len(encoded[-1])} tokens but the context window leaves {budget} for the prompt "
+            f"(window {window} - max_tokens {max_tokens} - {len(opening)} generation-prompt tokens); write long "
+            "text into memory with POST /v1/memory/{session}/write, shorten the message, or lower max_tokens",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    new_messages = [{"hash": hashes[i], "role": messages[i]["role"], "tokens": len(encoded[i])} for i in new]
+    return Plan(new_tokens, prompt + opening, new_messages)
+
+
+def plan_completion(fmt: ChatFormat, session: Session, prompt: str, window: int, max_tokens: int) -> Plan:
+    """Which part of a completions prompt is new, and what stays in context.
+
+    If the text written by earlier completions of the session (prompt plus answer) is a prefix of
+    ``prompt``, only the rest is written; otherwise the whole prompt is. The context gets the
+    prompt's last ``window - max_tokens`` tokens (the rest lives in memory).
+    """
+    chain = session.completion_text
+    length = chain["length"]
+    if (
+        length
+        and len(prompt) >= length
+        and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]
+    ):
+        new_text = prompt[length:]
+    else:
+        new_text = prompt
+    budget = window - max_tokens
+    _fit(budget, "prompt")
+    ids = fmt.encode_text(prompt)
+    if not ids:
+        raise ServeError(400, "the prompt is empty after tokenization", param="prompt")
+    return Plan(fmt.encode_text(new_text), ids[-budget:], commit_role=None, text_chain=prompt)
+
+
+# ---------------------------------------------------------------------- jobs
+@dataclass
+class Job:
+    """One queued request.
+
+    Attributes:
+        kind: ``turn`` (chat or completion), ``write``, ``reset`` or ``import``.
+        namespace, session: the session (``session=None``: a fresh memory that is not stored).
+        payload: kind-specific (see the ``_run_*`` methods).
+        sampling: decoding parameters (turns).
+        stream: send token deltas as they come.
+    """
+
+    kind: str
+    namespace: str
+    session: str | None
+    payload: dict
+    sampling: Sampling | None = None
+    stream: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    def emit(self, event: tuple) -> None:
+        """Send an event to the request's coroutine (thread-safe)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def key(self) -> tuple:
+        """Jobs with equal keys may share a batch."""
+        if self.kind == "turn":
+            return ("turn", self.payload["mode"], self.sampling.batch_key())
+        return (self.kind,)
+
+    def batchable(self) -> bool:
+        return self.kind in ("turn", "write") and not (
+            self.sampling is not None and self.sampling.seed is not None
+        )
+
+
+class _StreamState:
+    """Incremental text of one streamed choice: emits only text that can no longer change."""
+
+    def __init__(self, job: Job, choice: int, tokenizer, stops: tuple[str, ...]) -> None:
+        self.job, self.choice, self.tok, self.stops = job, choice, tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.closed = False
+
+    def push(self, token: int, eos_ids: set[int]) -> None:
+        if self.closed:
+            return
+        if token in eos_ids:
+            self.closed = True
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if any(s in text for s in self.stops):
+            self.closed = True
+            return
+        safe = text[: len(text) - self.hold] if self.hold else text
+        if safe.endswith("\ufffd"):
+            return
+        if safe.startswith(self.sent) and len(safe) > len(self.sent):
+            self.job.emit(("delta", self.choice, safe[len(self.sent) :]))
+            self.sent = safe
+
+    def finish(self, final: str) -> None:
+        if final.startswith(self.sent) and len(final) > len(self.sent):
+            self.job.emit(("delta", self.choice, final[len(self.sent) :]))
+        self.sent = final
+
+
+# ---------------------------------------------------------------------- the scheduler
+class Scheduler:
+    """Owns the model: takes jobs from a queue and runs them in batches on one worker thread.
+
+    Args:
+        loaded: the served model.
+        store: the session store.
+        window: the context window (tokens) of the prompt policy.
+        max_batch: most sessions per batch.
+        batch_wait: seconds to wait for more jobs after the first one of a batch arrives.
+        batching: ``False`` runs one job at a time (the benchmark's baseline).
+        metrics: optional :class:`~lstmem_peft.serve.app.Metrics`.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: SessionStore,
+        window: int,
+        max_batch: int = 32,
+        batch_wait: float = 0.005,
+        batching: bool = True,
+        metrics=None,
+    ) -> None:
+        self.loaded = loaded
+        self.fmt = ChatFormat(loaded.tokenizer)
+        self.store = store
+        self.window = window
+        self.max_batch = max_batch if batching else 1
+        self.batch_wait = batch_wait
+        self.metrics = metrics
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="lstmem-serve-worker", daemon=True)
+        config = getattr(loaded.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None) if config is not None else None
+        eos = loaded.tokenizer.eos_token_id if eos is None else eos
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job; its events arrive on ``job.events`` of the calling event loop."""
+        job.loop = asyncio.get_running_loop()
+        job.events = asyncio.Queue()
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # ------------------------------------------------------------------ batching
+    def _next_batch(self) -> list[Job] | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            first = self._queue[0]
+            if first.batchable() and self.max_batch > 1 and self.batch_wait > 0:
+                deadline = time.monotonic() + self.batch_wait
+                while len(self._queue) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(timeout=left)
+            first = self._queue[0]
+            chosen, taken_sessions, blocked = [], set(), set()
+            for job in list(self._queue):
+                sk = (job.namespace, job.session) if job.session is not None else ("", id(job))
+                if sk in blocked:
+                    continue
+                fits = not chosen or (
+                    first.batchable()
+                    and job.batchable()
+                    and job.key() == first.key()
+                    and sk not in taken_sessions
+                    and len(chosen) < self.max_batch
+                )
+                if fits:
+                    chosen.append(job)
+                    taken_sessions.add(sk)
+                else:
+                    blocked.add(sk)  # later jobs of this session must wait for this one
+                if len(chosen) >= self.max_batch or not first.batchable():
+                    break
+            for job in chosen:
+                self._queue.remove(job)
+            return chosen
+
+    def _loop(self) -> None:
+        while True:
+            jobs = self._next_batch()
+            if jobs is None:
+                return
+            live = [j for j in jobs if not j.cancelled.is_set()]
+            for j in jobs:
+                if j.cancelled.is_set():
+                    j.emit(("error", ServeError(499, "request cancelled before it ran", code="cancelled")))
+            if not live:
+                continue
+            if self.metrics is not None:
+                self.metrics.batch_size.labels(kind=live[0].kind).observe(len(live))
+            try:
+                getattr(self, f"_run_{live[0].kind}s")(live)
+            except ServeError as err:
+                for j in live:
+                    j.emit(("error", err))
+            except Exception as err:  # a bug or a numerical failure: the sessions were not touched
+                log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
+                for j in live:
+                    j.emit(("error", ServeError(500, f"{type(err).__name__}: {err}", type="server_error")))
+
+    # ------------------------------------------------------------------ helpers
+    def _session(self, job: Job) -> Session:
+        if job.session is None:
+            return Session(job.namespace, "")
+        return self.store.get(job.namespace, job.session)
+
+    def _memory(self, session: Session) -> MemoryCache:
+        if session.memory is not None:
+            return session.memory
+        return fresh_memory(self.loaded.layout, self.loaded.device)
+
+    def _commit(self, job: Job, session: Session, memory: MemoryCache, turn: dict, **changes) -> Session:
+        """Durably commit the next version of a session (nothing for a session-less request)."""
+        turn = {
+            **turn,
+            "time": time.time(),
+            "tokens_written": int(memory.tokens_written[0]),
+            "norms": state_norms(memory),
+        }
+        new = replace(session, memory=memory, turns=session.turns + [turn], **changes)
+        if job.session is not None:
+            self.store.commit(new)
+        return new
+
+    # ------------------------------------------------------------------ turns
+    def _run_turns(self, jobs: list[Job]) -> None:
+        sampling = jobs[0].sampling
+        plans, sessions, ok = [], [], []
+        for job in jobs:
+            session = self._session(job)
+            try:
+                p = job.payload
+                if p["mode"] == "chat":
+                    plan = plan_chat(self.fmt, session, p["messages"], self.window, sampling.max_tokens)
+                else:
+                    plan = plan_completion(self.fmt, session, p["prompt"], self.window, sampling.max_tokens)
+            except ServeError as err:
+                job.emit(("error", err))
+                continue
+            plans.append(plan)
+            sessions.append(session)
+            ok.append(job)
+        if not ok:
+            return
+        jobs = ok
+        start = time.perf_counter()
+        memories, gates_in = write_rows(
+            self.loaded, [self._memory(s) for s in sessions], [p.new_tokens for p in plans]
+        )
+        n = sampling.n
+        streams = [
+            [_StreamState(job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)]
+            if job.stream
+            else None
+            for job in jobs
+        ]
+
+        def on_token(row: int, token: int) -> None:
+            state = streams[row // n]
+            if state is not None:
+                state[row % n].push(token, self.eos_ids)
+
+        answers = generate_rows(
+            self.loaded,
+            memories,
+            [p.prompt for p in plans],
+            sampling,
+            on_token=on_token if any(s is not None for s in streams) else None,
+            cancelled=lambda row: jobs[row // n].cancelled.is_set(),
+        )
+        commit_tokens = []
+        for plan, choices in zip(plans, answers, strict=True):
+            if n > 1:
+                commit_tokens.append([])  # the client picks a choice; it is written when sent back
+            elif plan.commit_role is not None:
+                commit_tokens.append(self.fmt.message(plan.commit_role, choices[0].text))
+            else:
+                commit_tokens.append(self.fmt.encode_text(choices[0].text))
+        finals, gates_out = write_rows(self.loaded, memories, commit_tokens)
+        elapsed = time.perf_counter() - start
+        for i, job in enumerate(jobs):
+            if job.cancelled.is_set():
+                job.emit(
+                    (
+                        "error",
+                        ServeError(499, "request cancelled; the session was not changed", code="cancelled"),
+                    )
+                )
+                continue
+            plan, session, choices = plans[i], sessions[i], answers[i]
+            changes = {}
+            if job.payload["mode"] == "chat":
+                answer_entries = []
+                if n == 1:
+                    text = choices[0].text
+                    answer_entries = [
+                        {
+                            "hash": message_hash("assistant", text),
+                            "role": "assistant",
+                            "tokens": len(commit_tokens[i]),
+                        }
+                    ]
+                changes["messages"] = session.messages + plan.new_messages + answer_entries
+            else:
+                chain = plan.text_chain + (choices[0].text if n == 1 else "")
+                changes["completion_text"] = {
+                    "length": len(chain),
+                    "sha256": hashlib.sha256(chain.encode()).hexdigest(),
+                }
+            turn = {
+                "kind": job.payload["mode"],
+                "input": job.payload.get("display", ""),
+                "answer": choices[0].text,
+                "written": len(plan.new_tokens) + len(commit_tokens[i]),
+                "prompt_tokens": len(plan.prompt),
+                "batch": len(jobs),
+                "gates": _merge_gates(gates_in[i], gates_out[i], len(plan.new_tokens), len(commit_tokens[i])),
+            }
+            try:
+                new = self._commit(job, session, finals[i], turn, **changes)
+            except Exception as err:
+                log.exception("commit of session %s failed", job.session)
+                job.emit(
+                    ("error", ServeError(500, f"could not store the session: {err}", type="server_error"))
+                )
+                continue
+            if streams[i] is not None:
+                for state, choice in zip(streams[i], choices, strict=True):
+                    state.finish(choice.text)
+            job.emit(
+                (
+                    "done",
+                    {
+                        "choices": choices,
+                        "prompt_tokens": len(plan.prompt),
+                        "written": turn["written"],
+                        "tokens_written": new.tokens_written,
+                        "batch": len(jobs),
+                        "seconds": elapsed,
+                    },
+                )
+            )
+
+    # ------------------------------------------------------------------ memory writes
+    def _run_writes(self, jobs: list[Job]) -> None:
+        sessions = [self._session(j) for j in jobs]
+        tokens = []
+        for job in jobs:
+            if "messages" in job.payload:
+                tokens.append(
+                    [t for m in job.payload["messages"] for t in self.fmt.message(m["role"], m["content"])]
+                )
+            else:
+                tokens.append(self.fmt.encode_text(job.payload["text"]))
+        memories, gates = write_rows(self.loaded, [self._memory(s) for s in sessions], tokens)
+        for job, session, memory, ids, gate in zip(jobs, sessions, memories, tokens, gates, strict=True):
+            changes = {}
+            if "messages" in job.payload:
+                changes["messages"] = session.messages + [
+                    {
+                        "hash": message_hash(m["role"], m["content"]),
+                        "role": m["role"],
+                        "tokens": len(self.fmt.message(m["role"], m["content"])),
+                    }
+                    for m in job.payload["messages"]
+                ]
+            turn = {
+                "kind": "write",
+                "input": job.payload.get("display", ""),
+                "answer": "",
+                "written": len(ids),
+                "prompt_tokens": 0,
+                "batch": len(jobs),
+                "gates": gate,
+            }
+            try:
+                new = self._commit(job, session, memory, turn, **changes)
+            except Exception as err:
+                log.exception("commit of session %s failed", job.session)
+                job.emit(
+                    ("error", ServeError(500, f"could not store the session: {err}", type="server_error"))
+                )
+                continue
+            job.emit(("done", {"written": len(ids), "tokens_written": new.tokens_written}))
+
+    def _run_resets(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            existed = self.store.delete(job.namespace, job.session)
+            job.emit(("done", {"deleted": existed}))
+
+    def _run_imports(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            memory: MemoryCache = job.payload["memory"]
+            session = self._session(job)
+            fresh = Session(job.namespace, job.session, created=session.created)
+            turn = {
+                "kind": "import",
+                "input": "",
+                "answer": "",
+                "written": 0,
+                "prompt_tokens": 0,
+                "batch": 1,
+                "gates": None,
+            }
+            new = self._commit(job, fresh, memory.to(self.loaded.device), turn)
+            job.emit(("done", {"tokens_written": new.tokens_written}))
+
+
+def _merge_gates(a: dict | None, b: dict | None, na: int, nb: int) -> dict | None:
+    """Token-weighted mean of two writes' gate statistics (either may be missing)."""
+    if a is None or b is None:
+        return a if b is None else b
+    total = na + nb
+    return {k: [(x * na + y * nb) / total for x, y in zip(a[k], b[k], strict=True)] for k in a}

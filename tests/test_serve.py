@@ -1,0 +1,717 @@
+"""`lstmem serve` through the real thing: uvicorn in a subprocess on 127.0.0.1, the `openai` client
+and httpx, a real `kill -9` and restart, and in-process `generate(memory_cache=...)` as the oracle.
+
+One server (the embedded demo model) is shared by most tests; a second one, with API keys, is
+killed with SIGKILL and restarted on its store. Every client and process wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the serve extra: pip install -e '.[serve,test]'")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import torch  # noqa: E402
+
+from lstmem_peft import MemoryCache, write_history  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "lstmem-demo"
+HISTORY = "<s> k07 v19 ; k12 v03 ; k01 v05 ; k02 v11 ; k30 v08 ; k21 v27 ; k09 v14 ; k16 v00"
+TIMEOUT = 60.0
+KEY, OTHER_KEY = "key-a", "key-b"  # the shared server's API keys
+
+
+# ---------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m lstmem_peft.cli serve` in a subprocess, with its log in a file."""
+
+    def __init__(self, store: Path, log: Path, *extra: str) -> None:
+        self.store, self.log, self.extra = store, log, extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "lstmem_peft.cli",
+            "serve",
+            "--store",
+            str(self.store),
+            "--port",
+            str(self.port),
+        ]
+        cmd += [
+            "--batch-wait-ms",
+            "20",
+            "--threads",
+            "1",
+        ]  # one thread: far faster for a tiny model on a busy CPU
+        cmd += list(self.extra)
+        with open(self.log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"server did not answer /health in 180 s:\n{self.log.read_text()[-3000:]}")
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, timeout=TIMEOUT, headers=headers)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    keys = root / "keys.txt"
+    keys.write_text(f"{KEY}\n{OTHER_KEY}\n")
+    srv = Server(root / "store", root / "server.log", "--api-keys-file", str(keys)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http(KEY) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from lstmem_peft.serve.runtime import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the in-process oracle runs a tiny model: one thread is fastest
+    yield load_model()
+    torch.set_num_threads(threads)
+
+
+def session(sid: str) -> dict:
+    return {"X-Session-Id": sid}
+
+
+def load_bytes(data: bytes, tmp_path: Path, name: str = "m.safetensors") -> MemoryCache:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return MemoryCache.load(path)
+
+
+def file_contents(path: Path) -> tuple[dict, dict]:
+    """Metadata and tensors of a safetensors file (its header's key order is not fixed)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        return fh.metadata(), {k: fh.get_tensor(k).numpy().tobytes() for k in fh.keys()}
+
+
+def same_memory(a: MemoryCache, b: MemoryCache, atol: float = 0.0) -> bool:
+    if not torch.equal(a.tokens_written, b.tokens_written):
+        return False
+    for x, y in zip(a.layers, b.layers, strict=True):
+        for s, t in ((x.cell, y.cell), (x.hidden, y.hidden)):
+            if not (torch.equal(s, t) if atol == 0 else torch.allclose(s, t, atol=atol, rtol=0)):
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------- OpenAI surface
+def test_models_health_and_metrics(server, http):
+    client = server.client()
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert http.get("/health").json()["status"] == "ok"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "? k01"}], max_tokens=2)
+    metrics = http.get("/metrics").text
+    for name in (
+        "lstmem_requests_total",
+        "lstmem_tokens_total",
+        "lstmem_sessions",
+        "lstmem_batch_size_bucket",
+        "lstmem_request_seconds_bucket",
+    ):
+        assert name in metrics, name
+    assert 'route="/v1/chat/completions"' in metrics
+
+
+def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded, tmp_path):
+    """The server's greedy answer is model.generate(memory_cache=...) in process from the same memory,
+    and its memory after the turn is that memory plus the written messages, bit for bit."""
+    from lstmem_peft.serve.runtime import ChatFormat
+
+    sid = "exact"
+    assert http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY}).status_code == 200
+    before = load_bytes(http.get(f"/v1/memory/{sid}/export").content, tmp_path, "before.safetensors")
+    question = "? k12"
+    reply = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=4,
+        temperature=0,
+        extra_headers=session(sid),
+    )
+    after = load_bytes(http.get(f"/v1/memory/{sid}/export").content, tmp_path, "after.safetensors")
+
+    fmt, model, tok = ChatFormat(loaded.tokenizer), loaded.model, loaded.tokenizer
+    ids = torch.tensor([fmt.message("user", question)])
+    memory = before.clone()
+    with torch.no_grad():
+        write_history(model, ids, memory, progress=False)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            memory_cache=memory.clone(),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    new = out[0, ids.shape[1] :].tolist()
+    if tok.eos_token_id in new:
+        new = new[: new.index(tok.eos_token_id)]
+    expected = tok.decode(new, skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == ids.shape[1]
+    assert reply.usage.completion_tokens == len(new)
+    with torch.no_grad():
+        write_history(model, torch.tensor([fmt.message("assistant", expected)]), memory, progress=False)
+    assert same_memory(after, memory)
+
+
+def test_resent_conversation_is_written_once_and_an_edited_one_is_refused(server, http):
+    client, sid = server.client(), "prefix"
+    messages = [{"role": "user", "content": HISTORY}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_headers=session(sid)
+    )
+    written = first.model_extra["lstmem"]["session_tokens_written"]
+    answer = first.choices[0].message.content
+    assert written == first.model_extra["lstmem"]["memory_tokens_written"] > 0
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "? k07"}]
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_headers=session(sid)
+    )
+    # only "<s> ? k07" and the new answer were written: the history and first answer were not repeated
+    new_answer = second.choices[0].message.content
+    expected = 3 + 1 + len(new_answer.split())  # "<s> ? k07" + "<s>" + answer words (word-level tokenizer)
+    assert second.model_extra["lstmem"]["memory_tokens_written"] == expected
+    assert second.model_extra["lstmem"]["session_tokens_written"] == written + expected
+    info = http.get(f"/v1/memory/{sid}").json()
+    assert info["messages_written"] == 4 and info["commit"] == 2
+    edited = [messages[0], {"role": "assistant", "content": "v00"}, messages[2]]
+    with pytest.raises(openai.ConflictError) as err:
+        client.chat.completions.create(model=MODEL, messages=edited, max_tokens=3, extra_headers=session(sid))
+    assert err.value.code == "conversation_diverged"
+    assert http.get(f"/v1/memory/{sid}").json()["commit"] == 2
+
+
+def test_request_without_session_stores_nothing(server, http):
+    before = http.get("/v1/sessions").json()["data"]
+    reply = server.client().completions.create(model=MODEL, prompt="<s> ? k07", max_tokens=2, temperature=0)
+    assert reply.choices[0].text and reply.model_extra["lstmem"]["session"] is None
+    assert http.get("/v1/sessions").json()["data"] == before
+
+
+def test_stream_equals_non_stream_and_commits_the_same_memory(server, http, tmp_path):
+    client = server.client()
+    assert http.post("/v1/memory/twin-a/write", json={"text": HISTORY}).status_code == 200
+    exported = http.get("/v1/memory/twin-a/export").content
+    assert http.put("/v1/memory/twin-b/import", content=exported).status_code == 200
+    messages = [{"role": "user", "content": "? k30"}]
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, extra_headers=session("twin-a")
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=session("twin-b"),
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == plain.choices[0].message.content
+    assert finish == plain.choices[0].finish_reason
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    a = load_bytes(http.get("/v1/memory/twin-a/export").content, tmp_path, "a.safetensors")
+    b = load_bytes(http.get("/v1/memory/twin-b/export").content, tmp_path, "b.safetensors")
+    assert same_memory(a, b)
+    # completions stream too
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="<s> ? k30", max_tokens=3, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert (
+        text
+        == client.completions.create(model=MODEL, prompt="<s> ? k30", max_tokens=3, temperature=0)
+        .choices[0]
+        .text
+    )
+
+
+def test_sampling_parameters_n_seed_and_stop(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=1.5, top_p=0.95, n=3, seed=7)
+    one, two = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert len(one.choices) == 3 and [c.text for c in one.choices] == [c.text for c in two.choices]
+    assert one.usage.completion_tokens == sum(len(c.text.split()) for c in one.choices)
+    greedy = client.completions.create(model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=0).choices[
+        0
+    ]
+    words = greedy.text.split()
+    assert len(words) >= 2 and greedy.finish_reason == "length"
+    cut = client.completions.create(
+        model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=0, stop=[words[1]]
+    )
+    assert cut.choices[0].text == greedy.text[: greedy.text.index(words[1])]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------- memory endpoints
+def test_memory_endpoints_write_info_export_import_reset(server, http, tmp_path):
+    sid = "mem"
+    reply = http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY}).json()
+    assert reply["tokens_written"] == len(HISTORY.split()) == reply["session_tokens_written"]
+    msgs = http.post(
+        f"/v1/memory/{sid}/write", json={"messages": [{"role": "user", "content": "k03 v04"}]}
+    ).json()
+    assert msgs["tokens_written"] == 3  # "<s> k03 v04"
+    info = http.get(f"/v1/memory/{sid}").json()
+    assert info["tokens_written"] == len(HISTORY.split()) + 3 and info["messages_written"] == 1
+    assert len(info["layers"]) == len(info["layout"]["layer_indices"]) == 2
+    for layer in info["layers"]:
+        assert layer["cell_norm"] > 0 and layer["hidden_norm"] > 0
+        assert 0 < layer["out_gate_mean"] < 1 and 0 < layer["depth_gate_mean"] < 1
+    assert (
+        info["fingerprint"] and info["adapter_fingerprint"] and info["state_bytes"] == 2 * 2 * 4 * 8 * 8 * 4
+    )
+    # export is the file MemoryCache.save wrote: the same tensors and metadata as saving what it loads
+    data = http.get(f"/v1/memory/{sid}/export").content
+    memory = load_bytes(data, tmp_path)
+    memory.save(tmp_path / "again.safetensors")
+    assert file_contents(tmp_path / "m.safetensors") == file_contents(tmp_path / "again.safetensors")
+    assert int(memory.tokens_written[0]) == info["tokens_written"]
+    # import into another session, then reset
+    assert (
+        http.put("/v1/memory/mem-copy/import", content=data).json()["tokens_written"]
+        == info["tokens_written"]
+    )
+    (tmp_path / "copy.safetensors").write_bytes(http.get("/v1/memory/mem-copy/export").content)
+    assert file_contents(tmp_path / "copy.safetensors") == file_contents(tmp_path / "m.safetensors")
+    assert http.delete("/v1/memory/mem-copy").json()["deleted"] is True
+    assert http.get("/v1/memory/mem-copy").json()["exists"] is False
+    assert http.get("/v1/memory/mem-copy/export").status_code == 404
+
+
+def test_import_refuses_another_layout_or_adapter_and_garbage(http, tmp_path):
+    from tiny_models import make
+
+    other = make("qwen3", r=8, num_heads=4)
+    cache = MemoryCache()
+    with torch.no_grad():
+        write_history(other, torch.randint(3, 90, (1, 12)), cache, progress=False)
+    cache.save(tmp_path / "other.safetensors")
+    before = http.get("/v1/memory/mem").json()
+    r = http.put("/v1/memory/mem/import", content=(tmp_path / "other.safetensors").read_bytes())
+    assert r.status_code == 409 and r.json()["error"]["code"] == "incompatible_memory"
+    r = http.put("/v1/memory/mem/import", content=b"not a safetensors file")
+    assert r.status_code == 400 and "error" in r.json()
+    after = http.get("/v1/memory/mem").json()
+    assert after["commit"] == before["commit"] and after["tokens_written"] == before["tokens_written"]
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_input_gets_openai_errors_and_touches_nothing(server, http):
+    sid = "guarded"
+    http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY})
+    state = http.get(f"/v1/memory/{sid}").json()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "? k07"}]}
+    cases = [
+        (dict(content=b"{not json", headers={"Content-Type": "application/json"}), 400),
+        (dict(json={**chat, "model": "gpt-unknown"}), 404),
+        (dict(json={**chat, "messages": "hello"}), 400),
+        (dict(json={**chat, "n": 100}), 400),
+        (dict(json={**chat, "temperature": 9}), 400),
+        (dict(json={**chat, "top_p": 0}), 400),
+        (dict(json={**chat, "max_tokens": 0}), 400),
+        (dict(json={**chat, "max_tokens": 10**6}), 400),
+        (dict(json={**chat, "messages": [{"role": "user", "content": "k01 " * 5000}]}), 400),
+        (dict(json={**chat, "messages": [{"role": "wizard", "content": "x"}]}), 400),
+        (dict(content=b"x" * (2 << 20), headers={"Content-Type": "application/json"}), 413),
+    ]
+    for kwargs, status in cases:
+        r = http.post("/v1/chat/completions", headers={**session(sid), **kwargs.pop("headers", {})}, **kwargs)
+        assert r.status_code == status, (kwargs, r.text[:300])
+        body = r.json()["error"]
+        assert body["message"] and "type" in body
+    for bad in ("../../etc", ".hidden", "a" * 200, "x/y"):
+        r = http.post("/v1/chat/completions", json=chat, headers=session(bad))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
+    assert http.get("/v1/memory/..%2F..%2Fetc").status_code in (400, 404)
+    assert http.post("/v1/memory/.x/write", json={"text": "k01"}).status_code == 400
+    assert not any(p.name == "etc" for p in server.store.rglob("*"))
+    after = http.get(f"/v1/memory/{sid}").json()
+    assert (after["commit"], after["tokens_written"]) == (state["commit"], state["tokens_written"])
+
+
+def test_openapi_schema_fuzz(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    failures = []
+
+    def fuzz(op) -> None:
+        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=op.as_strategy())
+        def check(case):
+            response = case.call(timeout=TIMEOUT, headers={"Authorization": f"Bearer {KEY}"})
+            if response.status_code >= 500:
+                failures.append((op.label, response.status_code, response.text[:200]))
+            if op.path.startswith("/v1/") and response.status_code >= 400:
+                assert "error" in response.json(), (op.label, response.text[:200])
+
+        check()
+
+    operations = [operation.ok() for operation in schema.get_all_operations()]
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/memory/{session}/write"} <= {
+        op.path for op in operations
+    }
+    for op in operations:
+        fuzz(op)
+    assert not failures, failures[:5]
+
+
+# ---------------------------------------------------------------------- cancellation
+def test_client_disconnect_mid_stream_leaves_the_session_as_it_was(server, http):
+    sid = "cancel"
+    http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY})
+    before = http.get(f"/v1/memory/{sid}").json()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "? k07"}],
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+    }
+    with server.http(KEY) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body, headers=session(sid)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in seen)
+    # the next request on the session runs after the cancelled one: it sees the memory as it was
+    after_write = http.post(f"/v1/memory/{sid}/write", json={"text": "k05 v06"}).json()
+    assert after_write["session_tokens_written"] == before["tokens_written"] + 2
+    info = http.get(f"/v1/memory/{sid}").json()
+    assert info["commit"] == before["commit"] + 1 and [t["kind"] for t in info["turns"]] == ["write", "write"]
+
+
+# ---------------------------------------------------------------------- concurrency
+def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, loaded, tmp_path):
+    """32 sessions x 2 turns at once through AsyncOpenAI: batches form, nothing is lost, and every
+    session ends with the answers and memory of its turns run alone in process (write_history of the
+    new messages, generate from that memory, write_history of the answer)."""
+    from lstmem_peft.serve.runtime import ChatFormat
+
+    sessions, facts = 32, HISTORY.split(" ; ")
+    histories = [" ; ".join(facts[i % 5 : i % 5 + 3]) for i in range(sessions)]
+    questions = [["? k07", "? k12"], ["? k01", "? k30"]]
+    batches: list[int] = []
+
+    async def conversation(client, i: int) -> list[str]:
+        messages, answers = [{"role": "user", "content": histories[i]}], []
+        for turn in range(2):
+            messages.append({"role": "user", "content": questions[i % 2][turn]})
+            reply = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=2,
+                temperature=0,
+                extra_headers=session(f"many-{i}"),
+            )
+            answers.append(reply.choices[0].message.content)
+            batches.append(reply.model_extra["lstmem"]["batch_size"])
+            messages.append({"role": "assistant", "content": answers[-1]})
+        return answers
+
+    async def together():
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=KEY, timeout=120, max_retries=0
+        ) as c:
+            return await asyncio.gather(*(conversation(c, i) for i in range(sessions)))
+
+    concurrent = asyncio.run(together())
+    assert max(batches) > 1, "no batch formed"
+
+    fmt, model, tok = ChatFormat(loaded.tokenizer), loaded.model, loaded.tokenizer
+    for i in range(sessions):
+        memory, context, answers = MemoryCache(), [], []
+        new = [fmt.message("user", histories[i])]
+        for turn in range(2):
+            new.append(fmt.message("user", questions[i % 2][turn]))
+            context += [t for ids in new for t in ids]
+            prompt = torch.tensor([context])
+            with torch.no_grad():
+                write_history(model, torch.tensor([[t for ids in new for t in ids]]), memory, progress=False)
+                out = model.generate(
+                    input_ids=prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    memory_cache=memory.clone(),
+                    max_new_tokens=2,
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+            ids = out[0, prompt.shape[1] :].tolist()
+            ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+            answers.append(tok.decode(ids, skip_special_tokens=True))
+            answer_ids = fmt.message("assistant", answers[-1])
+            with torch.no_grad():
+                write_history(model, torch.tensor([answer_ids]), memory, progress=False)
+            context += answer_ids
+            new = []
+        assert concurrent[i] == answers, i
+        served = load_bytes(http.get(f"/v1/memory/many-{i}/export").content, tmp_path, f"m{i}.safetensors")
+        assert same_memory(served, memory, atol=1e-5), i
+        assert http.get(f"/v1/memory/many-{i}").json()["commit"] == 2
+
+
+# ---------------------------------------------------------------------- keys, kill -9, restart
+def test_api_keys_namespace_sessions(server, http):
+    other = server.http(OTHER_KEY)
+    assert server.http().get("/v1/models").status_code == 401
+    assert server.http("nope").post("/v1/memory/mine/write", json={"text": "k01"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        server.client("nope").models.list()
+    assert http.post("/v1/memory/mine/write", json={"text": HISTORY}).status_code == 200
+    assert other.get("/v1/memory/mine").json()["exists"] is False
+    assert other.get("/v1/memory/mine/export").status_code == 404
+    assert other.delete("/v1/memory/mine").json()["deleted"] is False
+    assert "mine" not in [s["id"] for s in other.get("/v1/sessions").json()["data"]]
+    reply = server.client(OTHER_KEY).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "? k07"}],
+        max_tokens=2,
+        extra_headers=session("mine"),
+    )
+    assert reply.model_extra["lstmem"]["session_tokens_written"] < len(
+        HISTORY.split()
+    )  # its own, new session
+    assert http.get("/v1/memory/mine").json()["tokens_written"] == len(HISTORY.split())
+    assert "mine" in [s["id"] for s in http.get("/v1/sessions").json()["data"]]
+
+
+def test_kill9_and_restart_keep_every_session_bit_exact(server, http, loaded, tmp_path):
+    """SIGKILL the server: after a restart on the same store every session's memory file is the same
+    bytes, and continuing a conversation gives what in-process generate gives from that memory (the
+    greedy-exactness test shows that is what a server that never stopped answers)."""
+    from lstmem_peft.serve.runtime import ChatFormat
+
+    conversation = [{"role": "user", "content": "? k21"}]
+    http.post("/v1/memory/durable/write", json={"text": HISTORY})
+    first = server.client().chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=3, temperature=0, extra_headers=session("durable")
+    )
+    conversation += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "? k16"},
+    ]
+    names = [s["id"] for s in http.get("/v1/sessions").json()["data"]]
+    assert "durable" in names
+    before = {name: http.get(f"/v1/memory/{name}/export").content for name in names}
+    server.kill9()
+    server.start()
+    after = {name: http.get(f"/v1/memory/{name}/export").content for name in names}
+    assert after == before  # every session, byte for byte
+    reply = server.client().chat.completions.create(
+        model=MODEL, messages=conversation, max_tokens=3, temperature=0, extra_headers=session("durable")
+    )
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
+    memory = load_bytes(before["durable"], tmp_path)
+    prompt = torch.tensor([[t for m in conversation for t in fmt.message(m["role"], m["content"])]])
+    with torch.no_grad():
+        write_history(loaded.model, torch.tensor([fmt.message("user", "? k16")]), memory, progress=False)
+        out = loaded.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            memory_cache=memory,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    ids = out[0, prompt.shape[1] :].tolist()
+    ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+    assert reply.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_an_interrupted_commit_leaves_the_previous_version(tmp_path, loaded):
+    """A crash between writing the new memory file and the record: the record still names the old,
+    intact file, and the orphan is removed on load."""
+    from lstmem_peft.serve.runtime import fresh_memory, write_rows
+    from lstmem_peft.serve.store import SessionStore
+
+    store = SessionStore(tmp_path, loaded.layout)
+    session = store.get("public", "s")
+    (memory,), _ = write_rows(loaded, [fresh_memory(loaded.layout, loaded.device)], [[1, 5, 6, 7]])
+    session.memory = memory
+    store.commit(session)
+    folder = tmp_path / "public" / "s"
+    record = json.loads((folder / "record.json").read_text())
+    shutil.copy(folder / record["memory_file"], folder / "memory-00000002.safetensors")  # the "crash"
+    reopened = SessionStore(tmp_path, loaded.layout).get("public", "s")
+    assert reopened.version == 1 and same_memory(reopened.memory, memory)
+    assert sorted(p.name for p in folder.iterdir()) == ["memory-00000001.safetensors", "record.json"]
+
+
+def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded, monkeypatch):
+    """In process (the app on httpx's ASGI transport): a turn whose generate raises gets a 500 error
+    JSON, and a commit that dies before its record is written leaves the previous version, in RAM
+    and on disk."""
+    from lstmem_peft.serve import app as app_module
+    from lstmem_peft.serve import scheduler as scheduler_module
+    from lstmem_peft.serve import store as store_module
+
+    app = app_module.create_app(loaded, str(tmp_path / "store"))
+    app.state.scheduler.start()
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "? k07"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=TIMEOUT) as client:
+            assert (await client.post("/v1/memory/s/write", json={"text": HISTORY})).status_code == 200
+            before = (await client.get("/v1/memory/s")).json()
+            exported = (await client.get("/v1/memory/s/export")).content
+
+            def broken_generate(*args, **kwargs):
+                raise RuntimeError("injected failure")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(scheduler_module, "generate_rows", broken_generate)
+                r = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
+            assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+
+            real_write = store_module._atomic_write
+
+            def dies_at_the_record(path, write):
+                if path.name == "record.json":
+                    raise OSError("disk gone")
+                real_write(path, write)
+
+            with monkeypatch.context() as patch:
+                patch.setattr(store_module, "_atomic_write", dies_at_the_record)
+                r = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
+            assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
+            after = (await client.get("/v1/memory/s")).json()
+            assert (after["commit"], after["tokens_written"]) == (before["commit"], before["tokens_written"])
+            assert (await client.get("/v1/memory/s/export")).content == exported
+            ok = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
+            assert (
+                ok.status_code == 200
+                and (await client.get("/v1/memory/s")).json()["commit"] == before["commit"] + 1
+            )
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        app.state.scheduler.stop()
+    reopened = store_module.SessionStore(tmp_path / "store", loaded.layout).get("public", "s")
+    assert reopened.version == 2  # the write and the last turn; the failed ones left nothing behind
+    assert sorted(p.name for p in (tmp_path / "store" / "public" / "s").iterdir()) == [
+        "memory-00000002.safetensors",
+        "record.json",
+    ]
+
+
+# ---------------------------------------------------------------------- the page
+def test_page_renders_sessions_and_charts_in_headless_chromium(server, http, tmp_path):
+    page = http.get("/")
+    assert page.status_code == 200 and "<svg" in page.text or "chart(" in page.text
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium) for the page screenshot")
+    sid = "page"
+    http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY})
+    client = server.client()
+    messages = [{"role": "user", "content": "? k07"}]
+    for q in ("? k12", "? k02"):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_headers=session(sid)
+        )
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": q},
+        ]
+    shot = tmp_path / "page.png"
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+    url = f"{server.url}/?session={sid}&key={KEY}"
+    dom = subprocess.run(common + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert f"Session {sid}" in dom.stdout and "polyline" in dom.stdout and "? k07" in dom.stdout
+    done = subprocess.run(
+        common + [f"--screenshot={shot}", "--window-size=1200,900", url], capture_output=True, timeout=120
+    )
+    assert done.returncode == 0 and shot.stat().st_size > 10_000
+    out = os.environ.get("LSTMEM_SERVE_SCREENSHOT")
+    if out:
+        shutil.copy(shot, out)
