@@ -465,19 +465,19 @@ def test_client_disconnect_mid_stream_leaves_the_session_as_it_was(server, http)
 
 # ---------------------------------------------------------------------- concurrency
 def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, loaded, tmp_path):
-    """32 sessions x 2 turns at once through AsyncOpenAI: batches form, nothing is lost, and every
+    """32 sessions x 3 turns at once through AsyncOpenAI: batches form, nothing is lost, and every
     session ends with the answers and memory of its turns run alone in process (write_history of the
     new messages, generate from that memory, write_history of the answer)."""
     from lstmem_peft.serve.runtime import ChatFormat
 
     sessions, facts = 32, HISTORY.split(" ; ")
     histories = [" ; ".join(facts[i % 5 : i % 5 + 3]) for i in range(sessions)]
-    questions = [["? k07", "? k12"], ["? k01", "? k30"]]
+    questions = [["? k07", "? k12", "? k20"], ["? k01", "? k30", "? k05"]]
     batches: list[int] = []
 
     async def conversation(client, i: int) -> list[str]:
         messages, answers = [{"role": "user", "content": histories[i]}], []
-        for turn in range(2):
+        for turn in range(3):
             messages.append({"role": "user", "content": questions[i % 2][turn]})
             reply = await client.chat.completions.create(
                 model=MODEL,
@@ -504,7 +504,7 @@ def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, l
     for i in range(sessions):
         memory, context, answers = MemoryCache(), [], []
         new = [fmt.message("user", histories[i])]
-        for turn in range(2):
+        for turn in range(3):
             new.append(fmt.message("user", questions[i % 2][turn]))
             context += [t for ids in new for t in ids]
             prompt = torch.tensor([context])
@@ -529,7 +529,7 @@ def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, l
         assert concurrent[i] == answers, i
         served = load_bytes(http.get(f"/v1/memory/many-{i}/export").content, tmp_path, f"m{i}.safetensors")
         assert same_memory(served, memory, atol=1e-5), i
-        assert http.get(f"/v1/memory/many-{i}").json()["commit"] == 2
+        assert http.get(f"/v1/memory/many-{i}").json()["commit"] == 3
 
 
 # ---------------------------------------------------------------------- keys, kill -9, restart
