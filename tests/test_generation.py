@@ -304,6 +304,48 @@ def test_pipeline_text_generation():
     assert text == tok.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_chat_template_conversations_in_a_padded_batch():
+    """Prompts built by ``apply_chat_template`` (two conversations of different lengths, left-padded)
+    meet the contract; ``pipeline`` with chat messages answers as ``generate`` on the same ids."""
+    from transformers import pipeline
+
+    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    model = get_peft_model(tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=4).double(), LSTMemConfig())
+    randomize_memory(model.eval(), seed=5)
+    chats = [
+        [{"role": "user", "content": "what did I say?"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+    ]
+    batch = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_dict=True)
+    prompt, mask = torch.tensor(batch["input_ids"]), torch.tensor(batch["attention_mask"])
+    assert (mask == 0).any(dim=1).tolist() == [True, False], "the shorter conversation is left-padded"
+    start = MemoryCache()
+    with torch.no_grad():
+        write_history(model, torch.tensor([tok.encode("a note")] * 2), start, progress=False)
+    cache = start.clone()
+    out = generate(model, prompt, mask, cache, pad_token_id=tok.pad_token_id)
+    check_contract(model, start, prompt, mask, out, cache, **TOL)
+
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    reply = pipe(chats[1], max_new_tokens=4, do_sample=False)[0]["generated_text"][-1]
+    ids = torch.tensor(
+        [tok.apply_chat_template(chats[1], add_generation_prompt=True, return_dict=True)["input_ids"]]
+    )
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert reply["role"] == "assistant"
+    assert reply["content"] == tok.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
+
+
 def test_read_only_generation_expands_but_never_writes(model):
     prompt, mask = prompt_batch()
     ro = make(update_during_generation=False)
