@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="lstmem", description="LSTMem online memory for frozen LMs")
+    parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
     demo.add_argument("--debug", action="store_true", help="show the full traceback of an error")

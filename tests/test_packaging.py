@@ -193,8 +193,12 @@ def test_the_declared_console_script_runs_the_cli(capsys):
     assert exit_.value.code == 0
     usage = capsys.readouterr().out
     assert usage.startswith("usage: lstmem") and all(
-        command in usage for command in ("demo", "eval", "bench")
+        command in usage for command in ("demo", "eval", "bench", "serve")
     )
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lstmem-peft {lstmem_peft.__version__}"
 
 
 @pytest.mark.slow
