@@ -101,7 +101,6 @@ class LSTMemModel(BaseTuner):
                 self._replace_module(parent, target_name, new, target)
                 target = new
             target.update_layer(adapter_name, peft_config, output_weight)
-            self._refuse_memory_across_devices(adapter_name, target)
             if not isinstance(output, LSTMemOutputLayer):
                 # the query projection brings its output projection along: an adapter state dict
                 # (inject_adapter_in_model(..., state_dict=...)) names only the query wrappers
@@ -117,21 +116,21 @@ class LSTMemModel(BaseTuner):
         """Refuse a projection whose dense weight LSTMem cannot read (see :mod:`lstmem_peft.quant`)."""
         check_projection(module, key)
 
-    def _refuse_memory_across_devices(self, adapter_name: str, query: LSTMemQueryLayer) -> None:
+    @staticmethod
+    def _refuse_memory_across_devices(adapter_name: str, queries: list[LSTMemQueryLayer]) -> None:
         """One adapter's memory layers must compute on one device: a cache allocates every layer's
         states where the input is, and depth coupling and feedback combine the layers. A
         ``device_map`` that runs memory-carrying decoder layers on several devices is refused
-        (offloading to "cpu"/"disk" is fine: offloaded layers compute on their execution device)."""
-        device = query.lstmem_memory[adapter_name].w_dq.device
-        for other in self.model.modules():
-            if not isinstance(other, LSTMemQueryLayer) or other is query:
-                continue
-            memory = other.lstmem_memory._modules.get(adapter_name)
-            theirs = device if memory is None else memory.w_dq.device
+        (offloading to "cpu"/"disk" is fine: offloaded layers compute on their execution device).
+        ``queries``: the adapter's query wrappers in decoder-layer order."""
+        first = queries[0]
+        device = first.lstmem_memory[adapter_name].w_dq.device
+        for query in queries[1:]:
+            theirs = query.lstmem_memory[adapter_name].w_dq.device
             if theirs != device:
                 raise ValueError(
-                    f"LSTMem memory of decoder layer {query.layer_idx} would compute on {device} but that of layer "
-                    f"{other.layer_idx} on {theirs}: the backbone's device_map spreads the memory-carrying decoder "
+                    f"LSTMem memory of decoder layer {query.layer_idx} would compute on {theirs} but that of layer "
+                    f"{first.layer_idx} on {device}: the backbone's device_map spreads the memory-carrying decoder "
                     "layers over several devices, which LSTMem does not support. Run those layers on one device "
                     "(offloading weights to 'cpu' or 'disk' is fine), or restrict the adapter to the layers of one "
                     "device with LSTMemConfig(layers_to_transform=[...])"
@@ -173,6 +172,7 @@ class LSTMemModel(BaseTuner):
                     f"layers_to_transform names decoder layers {absent} that the model does not have "
                     f"(it has {self._num_layers(model)} layers)"
                 )
+        self._refuse_memory_across_devices(adapter_name, queries)
         for depth, query in enumerate(queries):
             query.lstmem_depth[adapter_name] = depth
             query.lstmem_memory[adapter_name].set_depth_input(config.depth_coupling and depth > 0)
