@@ -164,6 +164,25 @@ def same_memory(a: MemoryCache, b: MemoryCache, atol: float = 0.0) -> bool:
 
 
 # ---------------------------------------------------------------------- OpenAI surface
+def reference_answer(loaded, memory: MemoryCache, new: list[int], prompt: list[int], max_new_tokens: int):
+    """What a served greedy turn answers, computed in process: the turn's new message tokens ``new``
+    are written into ``memory`` (in place, as the server does), then ``prompt`` is decoded greedily
+    with ``generate`` from a copy of that memory. Returns the answer's token ids, cut at EOS."""
+    tok, ids = loaded.tokenizer, torch.tensor([prompt])
+    with torch.no_grad():
+        write_history(loaded.model, torch.tensor([new]), memory, progress=False)
+        out = loaded.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            memory_cache=memory.clone(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    answer = out[0, ids.shape[1] :].tolist()
+    return answer[: answer.index(tok.eos_token_id)] if tok.eos_token_id in answer else answer
+
+
 def test_models_health_and_metrics(server, http):
     client = server.client()
     assert [m.id for m in client.models.list()] == [MODEL]
@@ -200,24 +219,12 @@ def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded
     after = load_bytes(http.get(f"/v1/memory/{sid}/export").content, tmp_path, "after.safetensors")
 
     fmt, model, tok = ChatFormat(loaded.tokenizer), loaded.model, loaded.tokenizer
-    ids = torch.tensor([fmt.message("user", question)])
+    ids = fmt.message("user", question)
     memory = before.clone()
-    with torch.no_grad():
-        write_history(model, ids, memory, progress=False)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            memory_cache=memory.clone(),
-            max_new_tokens=4,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
-    new = out[0, ids.shape[1] :].tolist()
-    if tok.eos_token_id in new:
-        new = new[: new.index(tok.eos_token_id)]
+    new = reference_answer(loaded, memory, ids, ids, max_new_tokens=4)
     expected = tok.decode(new, skip_special_tokens=True)
     assert reply.choices[0].message.content == expected
-    assert reply.usage.prompt_tokens == ids.shape[1]
+    assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.completion_tokens == len(new)
     with torch.no_grad():
         write_history(model, torch.tensor([fmt.message("assistant", expected)]), memory, progress=False)
@@ -506,20 +513,9 @@ def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, l
         new = [fmt.message("user", histories[i])]
         for turn in range(3):
             new.append(fmt.message("user", questions[i % 2][turn]))
-            context += [t for ids in new for t in ids]
-            prompt = torch.tensor([context])
-            with torch.no_grad():
-                write_history(model, torch.tensor([[t for ids in new for t in ids]]), memory, progress=False)
-                out = model.generate(
-                    input_ids=prompt,
-                    attention_mask=torch.ones_like(prompt),
-                    memory_cache=memory.clone(),
-                    max_new_tokens=2,
-                    do_sample=False,
-                    pad_token_id=tok.pad_token_id,
-                )
-            ids = out[0, prompt.shape[1] :].tolist()
-            ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+            written = [t for ids in new for t in ids]
+            context += written
+            ids = reference_answer(loaded, memory, written, context, max_new_tokens=2)
             answers.append(tok.decode(ids, skip_special_tokens=True))
             answer_ids = fmt.message("assistant", answers[-1])
             with torch.no_grad():
@@ -584,19 +580,8 @@ def test_kill9_and_restart_keep_every_session_bit_exact(server, http, loaded, tm
     )
     fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     memory = load_bytes(before["durable"], tmp_path)
-    prompt = torch.tensor([[t for m in conversation for t in fmt.message(m["role"], m["content"])]])
-    with torch.no_grad():
-        write_history(loaded.model, torch.tensor([fmt.message("user", "? k16")]), memory, progress=False)
-        out = loaded.model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            memory_cache=memory,
-            max_new_tokens=3,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
-    ids = out[0, prompt.shape[1] :].tolist()
-    ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+    prompt = [t for m in conversation for t in fmt.message(m["role"], m["content"])]
+    ids = reference_answer(loaded, memory, fmt.message("user", "? k16"), prompt, max_new_tokens=3)
     assert reply.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
 
 
