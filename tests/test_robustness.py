@@ -272,3 +272,20 @@ def test_an_adapter_file_missing_some_weights_is_refused(tmp_path):
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lack 1 of its .* tensors .*\['b_read'\]"):
         PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
+
+
+def test_an_adapter_file_whose_shapes_disagree_with_its_config_is_refused(tmp_path):
+    """Weights saved for r=4 under a config that says r=8: the load fails, naming the tensor and
+    both shapes (torch's strict shape check), and nothing is loaded silently."""
+    import json
+
+    from peft import PeftModel
+    from tiny_models import tiny_model
+
+    make(r=4).save_pretrained(tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["r"] = 8
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match=r"size mismatch for .*lstmem_memory\.default\.w_in"):
+        PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
