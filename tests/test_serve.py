@@ -700,3 +700,39 @@ def test_page_renders_sessions_and_charts_in_headless_chromium(server, http, tmp
     out = os.environ.get("LSTMEM_SERVE_SCREENSHOT")
     if out:
         shutil.copy(shot, out)
+
+
+def test_the_prompt_is_the_latest_turns_that_fit_the_window_and_only_new_ones_are_written(loaded):
+    """The chat policy (``plan_chat``): the prompt holds the latest whole messages that fit
+    ``window - max_tokens`` (older turns live only in memory), and only messages the session has not
+    written are written."""
+    from lstmem_peft.serve.runtime import ChatFormat, message_hash
+    from lstmem_peft.serve.scheduler import ServeError, plan_chat
+    from lstmem_peft.serve.store import Session
+
+    fmt = ChatFormat(loaded.tokenizer)
+    messages = [
+        {"role": "user", "content": "k01 v02 ; k03 v04 ; k05 v06"},
+        {"role": "assistant", "content": "v02"},
+        {"role": "user", "content": "? k03"},
+    ]
+    encoded = [fmt.message(m["role"], m["content"]) for m in messages]
+    opening = fmt.generation_prompt()
+    session = Session("public", "window")
+    session.messages = [
+        {"hash": message_hash(m["role"], m["content"]), "role": m["role"], "tokens": len(e)}
+        for m, e in zip(messages[:2], encoded[:2], strict=True)
+    ]
+    max_tokens = 4
+    # room for the last two messages, not the first
+    window = max_tokens + len(opening) + len(encoded[1]) + len(encoded[2])
+    plan = plan_chat(fmt, session, messages, window, max_tokens)
+    assert plan.prompt == encoded[1] + encoded[2] + opening
+    assert plan.new_tokens == encoded[2] and [m["role"] for m in plan.new_messages] == ["user"]
+    # one token less: only the latest message fits
+    plan = plan_chat(fmt, session, messages, window - 1, max_tokens)
+    assert plan.prompt == encoded[2] + opening
+    # not even the latest message fits: refused, naming the fix
+    with pytest.raises(ServeError, match="context window") as refused:
+        plan_chat(fmt, session, messages, max_tokens + len(opening) + len(encoded[2]) - 1, max_tokens)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
