@@ -736,3 +736,39 @@ def test_the_prompt_is_the_latest_turns_that_fit_the_window_and_only_new_ones_ar
     with pytest.raises(ServeError, match="context window") as refused:
         plan_chat(fmt, session, messages, max_tokens + len(opening) + len(encoded[2]) - 1, max_tokens)
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+
+
+def test_a_real_backbone_and_adapter_load_from_local_folders(tmp_path):
+    """`lstmem serve --model DIR --adapter DIR` (its loader, in process): the backbone, its tokenizer
+    and the adapter load, the served model answers as the saved PeftModel, and an adapter saved
+    without a memory_id is refused (its stored sessions could not be reloaded after a restart)."""
+    from peft import PeftModel, get_peft_model
+
+    from lstmem_peft import LSTMemConfig
+    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.serve.runtime import load_model
+
+    tok = char_tokenizer()
+    backbone = tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=2)
+    backbone.save_pretrained(tmp_path / "backbone")
+    tok.save_pretrained(tmp_path / "backbone")
+    adapter = get_peft_model(backbone, LSTMemConfig())
+    adapter.save_pretrained(tmp_path / "my-adapter")
+
+    served = load_model(str(tmp_path / "backbone"), str(tmp_path / "my-adapter"), device="cpu")
+    assert served.name == "my-adapter"
+    ids = torch.tensor([tok.encode("hello")])
+    reference = PeftModel.from_pretrained(tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=2),
+                                          tmp_path / "my-adapter").eval()  # fmt: skip
+    with torch.no_grad():
+        got = served.model(input_ids=ids, memory_cache=MemoryCache()).logits
+        want = reference(input_ids=ids, memory_cache=MemoryCache()).logits
+    assert torch.equal(got, want)
+    assert served.tokenizer.encode("hello") == tok.encode("hello")
+
+    config_file = tmp_path / "my-adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    del config["memory_id"]
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no memory_id"):
+        load_model(str(tmp_path / "backbone"), str(tmp_path / "my-adapter"), device="cpu")
