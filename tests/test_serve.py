@@ -772,3 +772,36 @@ def test_a_real_backbone_and_adapter_load_from_local_folders(tmp_path):
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no memory_id"):
         load_model(str(tmp_path / "backbone"), str(tmp_path / "my-adapter"), device="cpu")
+
+
+def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_path):
+    """`--model user/backbone --adapter user/adapter`: Hub ids resolve through the Hub cache, offline
+    (the repos are placed in the cache's own layout: snapshots/<commit>/..., refs/main)."""
+    from peft import get_peft_model
+
+    from lstmem_peft import LSTMemConfig
+    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+
+    tok = char_tokenizer()
+    backbone = tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=2)
+    hub = tmp_path / "hub"
+
+    def place(repo: str, save) -> None:
+        root = hub / ("models--" + repo.replace("/", "--"))
+        save(root / "snapshots" / ("0" * 40))
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text("0" * 40)
+
+    place("user/backbone", lambda d: (backbone.save_pretrained(d), tok.save_pretrained(d)))
+    place("user/adapter", lambda d: get_peft_model(backbone, LSTMemConfig()).save_pretrained(d))
+    code = (
+        "from lstmem_peft.serve.runtime import load_model\n"
+        "served = load_model('user/backbone', 'user/adapter', device='cpu')\n"
+        "print(served.name, type(served.model).__name__)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["adapter", "PeftModelForCausalLM"]
