@@ -55,12 +55,15 @@ class MemoryLayout:
 
 def nonfinite_rows(states) -> list[int]:
     """Batch rows whose states hold NaN or inf, from ``(cell, hidden)`` pairs ``(B, n_h, r, r)``
-    (one host read)."""
+    (one host read). The pairs may sit on several devices (a sharded backbone); meta tensors hold no
+    values and are skipped."""
     bad = None
     for pair in states:
         for t in pair:
+            if t.is_meta:
+                continue
             row_bad = ~torch.isfinite(t).flatten(1).all(dim=1)
-            bad = row_bad if bad is None else bad | row_bad
+            bad = row_bad if bad is None else bad | row_bad.to(bad.device)
     return [] if bad is None else bad.nonzero().flatten().tolist()
 
 
@@ -174,7 +177,9 @@ class MemoryCache:
         return None if self.tokens_written is None else self.tokens_written.device
 
     def ensure(self, batch_size: int, device: torch.device) -> None:
-        """Allocate zero states for ``batch_size`` rows on first use; check the batch size after."""
+        """Allocate zero states for ``batch_size`` rows on ``device`` on first use; check the batch size
+        after. (A forward moves each layer's states to the device its layer computes on, where they stay:
+        with a ``device_map`` over several devices the layers of one cache live on different devices.)"""
         if self.layout is None:
             raise RuntimeError("MemoryCache is not bound to a model yet; pass it to the model first")
         if self.tokens_written is None:
@@ -271,9 +276,10 @@ class MemoryCache:
         new tensors: a snapshot taken before stays as it was."""
         self.check_layout(rows.layout)
         index = self.row_index(index)
-        for state, new in zip(self.layers, rows.layers, strict=True):
-            state.cell = state.cell.index_copy(0, index.to(state.cell.device), new.cell)
-            state.hidden = state.hidden.index_copy(0, index.to(state.hidden.device), new.hidden)
+        for state, new in zip(self.layers, rows.layers, strict=True):  # on the rows' device (their layer's)
+            at = new.cell.device
+            state.cell = state.cell.to(at).index_copy(0, index.to(at), new.cell)
+            state.hidden = state.hidden.to(at).index_copy(0, index.to(at), new.hidden)
         self.tokens_written = self.tokens_written.index_copy(
             0, index.to(self.tokens_written.device), rows.tokens_written
         )

@@ -6,6 +6,9 @@ memory-enabled decoder layer (shallow to deep; the backbone's own order), and ca
 
 * reads each layer's states from the :class:`~lstmem_peft.cache.MemoryCache` and writes them back,
 * hands ``D_t`` of one memory layer to the next as its depth input, keeping it only until then,
+* keeps each layer's states on the device its layer computes on (a ``device_map`` may spread the
+  decoder layers over devices): states, depth input and validity mask move there when they are
+  elsewhere, and the cache keeps them there,
 * gathers what block-end feedback needs (terminal gates, shared sampled keys/values) and applies it
   in :meth:`finish` when asked to.
 
@@ -74,6 +77,7 @@ class MemoryPass:
         ] = []  # new (C, D) per layer, committed by finish()
         self._tokens: torch.Tensor | None = None
         self._length = 0
+        self._valid_copies: dict[torch.device, torch.Tensor] = {}
 
     @property
     def layers_run(self) -> int:
@@ -82,12 +86,22 @@ class MemoryPass:
 
     def _sampling(self, T: int, device: torch.device) -> None:
         """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
-        valid = self.valid
+        valid = self._valid_on(device)
         if valid is None:
             valid = torch.ones(self.cache.batch_size, T, dtype=torch.bool, device=device)
         self._positions, self._mask = sample_feedback_positions(valid, self.feedback_positions)
         idx = torch.arange(T, device=device).expand_as(valid)
         self._last = torch.where(valid, idx, torch.zeros_like(idx)).amax(dim=1, keepdim=True)
+
+    def _valid_on(self, device: torch.device) -> torch.Tensor | None:
+        """The validity mask on ``device`` (copied once per device and pass)."""
+        valid = self.valid
+        if valid is None or valid.device == device:
+            return valid
+        moved = self._valid_copies.get(device)
+        if moved is None:
+            moved = self._valid_copies[device] = valid.to(device)
+        return moved
 
     def run(self, index: int, layer: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
         """Run memory layer ``index`` (depth order) on its input ``x`` ``(B, T, d)``."""
@@ -97,12 +111,18 @@ class MemoryPass:
                 "once each, shallow to deep, within one forward"
             )
         state = self.cache.layers[index]
+        device = x.device
+        if state.cell.device != device:  # a sharded backbone: each layer's memory lives on its layer's device
+            state.to(device)
+        depth, valid = self._depth, self._valid_on(device)
+        if depth is not None and depth.device != device:
+            depth = depth.to(device)
         out = layer(  # positional: this runs once per memory layer and token while decoding
             x,
             state.cell,
             state.hidden,
-            self._depth,
-            self.valid,
+            depth,
+            valid,
             self.write,
             self.backend,
             None if self.weights is None else self.weights[index],
@@ -112,22 +132,24 @@ class MemoryPass:
             self._staged.append((out.cell, out.hidden))
             self._depth = out.hidden_seq if self.depth_coupling else None
             if index == 0:
-                n = x.shape[1] if self.valid is None else self.valid.sum(dim=1)
-                self._tokens = self.cache.tokens_written + n
+                tokens = self.cache.tokens_written
+                n = x.shape[1] if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
+                self._tokens = tokens + n
                 self._length = x.shape[1]
         else:
             self._depth = state.hidden if self.depth_coupling else None
         if self.feedback:
             if index == 0:
                 self._sampling(x.shape[1], x.device)
+            last, positions = self._last.to(device), self._positions.to(device)
             self._terminals.append(
                 LayerTerminal(
                     cell=out.cell,
                     hidden=out.hidden,
-                    out_gate=_gather_time(out.out_gate, self._last)[:, 0],
-                    depth_gate=_gather_time(out.depth_gate, self._last)[:, 0],
-                    key=_gather_time(out.key, self._positions),
-                    value=_gather_time(out.value, self._positions),
+                    out_gate=_gather_time(out.out_gate, last)[:, 0],
+                    depth_gate=_gather_time(out.depth_gate, last)[:, 0],
+                    key=_gather_time(out.key, positions),
+                    value=_gather_time(out.value, positions),
                 )
             )
         self._next += 1

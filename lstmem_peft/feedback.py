@@ -130,8 +130,10 @@ def feedback_gradients(
     L = len(terminals)
     losses, residual_grads = [], []
     for t in terminals:
-        loss, grad = reconstruction_terms(t.hidden.float(), t.key.float(), t.value.float(), mask)
-        losses.append(loss)
+        loss, grad = reconstruction_terms(
+            t.hidden.float(), t.key.float(), t.value.float(), mask.to(t.hidden.device)
+        )
+        losses.append(loss.to(mask.device))
         residual_grads.append(grad)
     grads: list[torch.Tensor] = [None] * L  # type: ignore[list-item]
     U = torch.zeros_like(residual_grads[-1])
@@ -141,6 +143,7 @@ def feedback_gradients(
             if not depth_coupling:
                 U = torch.zeros_like(U)
         C = terminals[l].cell.float()
+        U = U.to(C.device)  # layer l's device (a sharded backbone)
         grads[l] = terminals[l].out_gate.float()[..., None] * (1 - torch.tanh(C).square()) * U
     return grads, torch.stack(losses)
 
@@ -204,25 +207,25 @@ def block_feedback(
         with torch.no_grad():  # acceptance and finiteness are decisions, not differentiable maps
             moved = _rms(C_cand.float() - C_bef) / s
             accept = active & (moved <= rho + K.ACCEPT_TOLERANCE)
-            finite = (
-                finite
-                & torch.isfinite(G).flatten(1).all(dim=1)
-                & torch.isfinite(C_cand.float()).flatten(1).all(dim=1)
-            )
+            layer_finite = torch.isfinite(G).flatten(1).all(dim=1) & torch.isfinite(C_cand.float()).flatten(
+                1
+            ).all(dim=1)
+            finite = finite & layer_finite.to(finite.device)
         candidates.append(C_cand)
-        steps.append(accept)
+        steps.append(accept.to(mask.device))
     commit_row = finite & has_samples  # (B,)
     accepted = torch.stack(steps) & commit_row[None, :, None]
 
     cells, hiddens = [], []
     prev_delta = None  # D^(l-1),aft - D^(l-1),bef; zero for the first layer
     for t, C_cand, acc in zip(terminals, candidates, accepted, strict=True):
-        C_aft = torch.where(acc[..., None, None], C_cand, t.cell)
+        device = t.cell.device  # this layer's device; the rest sit on the mask's (a sharded backbone)
+        C_aft = torch.where(acc.to(device)[..., None, None], C_cand, t.cell)
         delta = t.out_gate.float()[..., None] * (torch.tanh(C_aft.float()) - torch.tanh(t.cell.float()))
         if depth_coupling and prev_delta is not None:
-            delta = delta + t.depth_gate.float()[..., None] * prev_delta
+            delta = delta + t.depth_gate.float()[..., None] * prev_delta.to(device)
         D_aft = (t.hidden.float() + delta).to(t.hidden.dtype)
-        D_aft = torch.where(commit_row[:, None, None, None], D_aft, t.hidden)
+        D_aft = torch.where(commit_row.to(device)[:, None, None, None], D_aft, t.hidden)
         prev_delta = D_aft.float() - t.hidden.float()
         cells.append(C_aft)
         hiddens.append(D_aft)

@@ -116,26 +116,6 @@ class LSTMemModel(BaseTuner):
         """Refuse a projection whose dense weight LSTMem cannot read (see :mod:`lstmem_peft.quant`)."""
         check_projection(module, key)
 
-    @staticmethod
-    def _refuse_memory_across_devices(adapter_name: str, queries: list[LSTMemQueryLayer]) -> None:
-        """One adapter's memory layers must compute on one device: a cache allocates every layer's
-        states where the input is, and depth coupling and feedback combine the layers. A
-        ``device_map`` that runs memory-carrying decoder layers on several devices is refused
-        (offloading to "cpu"/"disk" is fine: offloaded layers compute on their execution device).
-        ``queries``: the adapter's query wrappers in decoder-layer order."""
-        first = queries[0]
-        device = first.lstmem_memory[adapter_name].w_dq.device
-        for query in queries[1:]:
-            theirs = query.lstmem_memory[adapter_name].w_dq.device
-            if theirs != device:
-                raise ValueError(
-                    f"LSTMem memory of decoder layer {query.layer_idx} would compute on {theirs} but that of layer "
-                    f"{first.layer_idx} on {device}: the backbone's device_map spreads the memory-carrying decoder "
-                    "layers over several devices, which LSTMem does not support. Run those layers on one device "
-                    "(offloading weights to 'cpu' or 'disk' is fine), or restrict the adapter to the layers of one "
-                    "device with LSTMemConfig(layers_to_transform=[...])"
-                )
-
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         """PEFT's injection (every door comes through here: the tuner's creation, ``add_adapter``,
         ``load_adapter``, ``inject_adapter_in_model``, transformers' ``load_adapter``), then
@@ -172,7 +152,6 @@ class LSTMemModel(BaseTuner):
                     f"layers_to_transform names decoder layers {absent} that the model does not have "
                     f"(it has {self._num_layers(model)} layers)"
                 )
-        self._refuse_memory_across_devices(adapter_name, queries)
         for depth, query in enumerate(queries):
             query.lstmem_depth[adapter_name] = depth
             query.lstmem_memory[adapter_name].set_depth_input(config.depth_coupling and depth > 0)

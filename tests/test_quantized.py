@@ -283,6 +283,41 @@ def test_nf4_with_bfloat16_compute_keeps_the_adapter_in_float32(checkpoint):
     assert all(p.grad is not None for p in adapter_parameters(model).values() if p.requires_grad)
 
 
+def test_nf4_llama_attaches_trains_and_generates(tmp_path):
+    """The QLoRA recipe on a second architecture: a tiny Llama in NF4 (no q/k norms, so the query correction
+    goes straight into RoPE)."""
+    pytest.importorskip("bitsandbytes")
+    tiny_model("llama").save_pretrained(tmp_path)
+    model = get_peft_model(load_quantized(tmp_path, "bnb-nf4"), LSTMemConfig(**CONFIG))
+    randomize_memory(model)
+    assert {projection_kind(p) for p in projections(model.base_model.model)} == {"bnb-4bit"}
+    assert all(p.dtype == torch.float32 for p in adapter_parameters(model).values())
+    before = snapshot(model)
+    model.train()
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-1).step()
+    after = snapshot(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n in before if not torch.equal(before[n], after[n])} == trainable
+    model.eval()
+    cache = MemoryCache()
+    with torch.no_grad():
+        model(input_ids=ids, memory_cache=cache)
+        expected = model(input_ids=ids[:, :4], memory_cache=cache.clone()).logits[:, -1]
+        out = model.generate(
+            input_ids=ids[:, :4],
+            memory_cache=cache,
+            max_new_tokens=3,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    torch.testing.assert_close(out.logits[0], expected, rtol=1e-5, atol=1e-5)
+    assert cache.tokens_written.tolist() == [10 + 4 + 2] * 2
+
+
 class PackedInt4Linear(nn.Module):
     """A stand-in for a projection LSTMem cannot read (GPTQ/AWQ-style packed weights, no ``weight``)."""
 
