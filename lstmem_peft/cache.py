@@ -40,6 +40,36 @@ class MemoryLayout:
     state_dtype: str = "float32"
     identity: str = ""
 
+    @classmethod
+    def of_adapter(cls, config, layer_indices, base_config=None, base_name: str = "") -> MemoryLayout:
+        """The layout of an LSTMem adapter (an :class:`~lstmem_peft.LSTMemConfig`) on a backbone.
+
+        Args:
+            config: the adapter's config.
+            layer_indices: the decoder layers that carry memory, in depth order.
+            base_config: the backbone's transformers config (its ``model_type`` and ``hidden_size``
+                name the backbone in the identity), or ``None``.
+            base_name: what names the backbone when ``base_config`` has no ``model_type``.
+        """
+        identity = "|".join(
+            str(x)
+            for x in (
+                getattr(base_config, "model_type", base_name),
+                getattr(base_config, "hidden_size", ""),
+                getattr(config, "base_model_name_or_path", "") or "",
+                f"alpha={config.alpha}",
+                f"depth_coupling={config.depth_coupling}",
+                f"memory_id={getattr(config, 'memory_id', None) or ''}",
+            )
+        )
+        return cls(
+            layer_indices=tuple(layer_indices),
+            num_heads=config.num_heads,
+            head_dim=config.r,
+            state_dtype=config.state_dtype,
+            identity=identity,
+        )
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_indices)

@@ -27,6 +27,7 @@ EXTRAS: dict[str, str] = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "prometheus-client": "serve",
+    "vllm": "vllm",
 }
 
 

@@ -248,25 +248,11 @@ class MemoryHooks:
         return plan
 
     def _layout(self, adapter: str, queries: list) -> MemoryLayout:
-        config = queries[0].lstmem_config[adapter]
-        base = getattr(self.model, "config", None)
-        identity = "|".join(
-            str(x)
-            for x in (
-                getattr(base, "model_type", type(self.model).__name__),
-                getattr(base, "hidden_size", ""),
-                getattr(config, "base_model_name_or_path", "") or "",
-                f"alpha={config.alpha}",
-                f"depth_coupling={config.depth_coupling}",
-                f"memory_id={getattr(config, 'memory_id', None) or ''}",
-            )
-        )
-        return MemoryLayout(
-            layer_indices=tuple(q.layer_idx for q in queries),
-            num_heads=config.num_heads,
-            head_dim=config.r,
-            state_dtype=config.state_dtype,
-            identity=identity,
+        return MemoryLayout.of_adapter(
+            queries[0].lstmem_config[adapter],
+            [q.layer_idx for q in queries],
+            getattr(self.model, "config", None),
+            type(self.model).__name__,
         )
 
     # ------------------------------------------------------------------ loading

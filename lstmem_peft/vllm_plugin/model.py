@@ -1,0 +1,405 @@
+"""The LSTMem variant of vLLM's Qwen3: memory layers whose states are vLLM engine state.
+
+A forward of vLLM runs a flat batch of ``N`` tokens from several requests: first the decoding
+requests (one token each), then the prefilling ones (a chunk of their prompt each). Per memory
+layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
+
+    x = input_layernorm(h)                         (N, d)   the attention input
+    Δq, Δo = LSTMemState(x)                         the library's LSTMemLayer, per request:
+        decodes:  one batched step from the requests' state slots          (fused step weights)
+        prefills: the block scan over each request's chunk from its slot, or from its start state
+                  (zeros, or a session's memory) when the chunk is the request's first
+        D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq)
+    q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo
+
+The memory math is :class:`lstmem_peft.memory.LSTMemLayer`, the same module the PEFT adapter runs,
+with the weights of the adapter's ``adapter_model.safetensors``; this module only routes tokens and
+state slots. The per-request work runs inside one opaque custom op per layer
+(``torch.ops.vllm.lstmem_memory``), so vLLM's ``torch.compile`` sees a fixed graph around it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_pp_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..cache import STATE_DTYPES, MemoryLayout
+from ..config import LSTMemConfig
+from ..memory import LSTMemLayer
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@functools.lru_cache(maxsize=8)
+def load_adapter(name: str) -> tuple[LSTMemConfig, str]:
+    """The config and the weights file of the LSTMem adapter ``name`` (a local folder or a Hub id,
+    through the Hub cache)."""
+    config = LSTMemConfig.from_pretrained(name)
+    if os.path.isdir(name):
+        weights = os.path.join(name, ADAPTER_WEIGHTS)
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"{name} has no {ADAPTER_WEIGHTS}; save the adapter with save_pretrained")
+    else:
+        from huggingface_hub import hf_hub_download
+
+        weights = hf_hub_download(name, ADAPTER_WEIGHTS)
+    return config, weights
+
+
+def memory_layer_indices(config: LSTMemConfig, num_layers: int) -> list[int]:
+    """The decoder layers that carry memory, in depth order."""
+    chosen = range(num_layers) if config.layers_to_transform is None else config.layers_to_transform
+    return sorted(chosen)
+
+
+def _adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
+    name = getattr(hf_config, "lstmem_adapter", None)
+    if not name:
+        raise ValueError(
+            "the LSTMem vLLM model needs an adapter: build the engine with "
+            "lstmem_peft.vllm_plugin.engine_args(model, adapter), which sets hf_overrides['lstmem_adapter']"
+        )
+    return load_adapter(name)
+
+
+class EngineMemory:
+    """What the memory layers of one model share within a forward, and between the sessions
+    extension and the layers.
+
+    Attributes:
+        depth_seq: ``(N, n_h, r, r)`` ``D_t`` of every token from the memory layer that ran last in
+            the current forward (the depth input of the next one), or ``None``.
+        starts: state slot -> one ``(C, D)`` pair ``(n_h, r, r)`` per memory layer (depth order): a
+            session's memory, staged by :class:`~lstmem_peft.vllm_plugin.sessions.LSTMemSessions` for
+            the request that owns the slot and taken by each layer at the request's first chunk.
+    """
+
+    def __init__(self) -> None:
+        self.depth_seq: torch.Tensor | None = None
+        self.starts: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+
+    def take_start(self, slot: int, depth: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        states = self.starts.get(slot)
+        if states is None:
+            return None
+        pair, states[depth] = states[depth], None
+        if all(s is None for s in states):
+            del self.starts[slot]
+        return pair
+
+
+class LSTMemState(nn.Module, MambaBase):
+    """One memory layer as a vLLM state layer: ``C`` and ``D`` per request slot, ``(n_h, r, r)`` each.
+
+    Args:
+        hidden_size, query_size: the backbone layer's ``d`` and query width ``d_q``.
+        config: the adapter's config.
+        layer_idx: the decoder layer.
+        depth: the memory layer's index among the memory layers (0: no depth input).
+        prefix: the module's name (vLLM finds the layer and its metadata by it).
+    """
+
+    def __init__(
+        self, hidden_size: int, query_size: int, config: LSTMemConfig, layer_idx: int, depth: int, prefix: str
+    ) -> None:
+        nn.Module.__init__(self)
+        # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise)
+        self.memory = LSTMemLayer(
+            hidden_size,
+            query_size,
+            num_heads=config.num_heads,
+            head_dim=config.r,
+            alpha=config.alpha,
+            layer_idx=layer_idx,
+            dtype=torch.float32,
+        )
+        self.memory.set_depth_input(config.depth_coupling and depth > 0)
+        self.depth = depth
+        self.prefix = prefix
+        self.backend = config.scan_backend
+        self.state_dtype = STATE_DTYPES[config.state_dtype]
+        self.shared: EngineMemory | None = None  # set by the model
+        self._step_weights = None
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix}")
+        context[prefix] = self
+
+    # vLLM's state-layer interface
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        shape = (self.memory.num_heads, self.memory.head_dim, self.memory.head_dim)
+        return (shape, shape)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (self.state_dtype, self.state_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(N, d)`` -> ``Δq`` ``(N, d_q)``, ``Δo`` ``(N, d)`` in ``x.dtype``."""
+        delta_q = x.new_empty(x.shape[0], self.memory.query_size)
+        delta_o = torch.empty_like(x)
+        torch.ops.vllm.lstmem_memory(x, delta_q, delta_o, self.prefix)
+        return delta_q, delta_o
+
+    def _start(self, slot: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states a request starts from: its session's memory, else zeros (vLLM does not clear
+        a slot it hands out)."""
+        pair = self.shared.take_start(slot, self.depth)
+        if pair is None:
+            zeros = torch.zeros_like(like)
+            return zeros, zeros
+        return pair[0].to(like), pair[1].to(like)
+
+    def run(self, x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor) -> None:
+        """The body of the custom op: this layer's memory for the batch of the running forward."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        shared = self.shared
+        if metadata is None:  # vLLM's profiling / warm-up forwards: no requests, no states
+            delta_q.zero_()
+            delta_o.zero_()
+            shared.depth_seq = None
+            return
+        cells, hiddens = self.kv_cache
+        decodes, prefills = metadata.num_decodes, metadata.num_prefills
+        requests = decodes + prefills
+        tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
+        starts = metadata.query_start_loc[: requests + 1].tolist()
+        seq_lens = metadata.seq_lens[:requests].tolist()
+        slots = metadata.state_indices_tensor[:requests].long()
+        slot_list = slots.tolist()
+        depth_seq = shared.depth_seq if self.memory.depth_input else None
+        x = x[:tokens]
+        H, R = self.memory.num_heads, self.memory.head_dim
+        out_seq = torch.empty(tokens, H, R, R, dtype=torch.float32, device=x.device)
+        if decodes:
+            cell, hidden = cells[slots[:decodes]], hiddens[slots[:decodes]]
+            for i in range(decodes):
+                if seq_lens[i] == 1:  # a one-token prompt: the request's first chunk
+                    cell[i], hidden[i] = self._start(slot_list[i], cell[i])
+            if self._step_weights is None:
+                with torch.no_grad():
+                    self._step_weights = self.memory.weights(step=True)
+            out = self.memory(
+                x[:decodes, None],
+                cell,
+                hidden,
+                None if depth_seq is None else depth_seq[:decodes, None],
+                None,
+                True,
+                self.backend,
+                self._step_weights,
+                False,
+            )
+            cells[slots[:decodes]] = out.cell
+            hiddens[slots[:decodes]] = out.hidden
+            delta_q[:decodes] = out.correction(0)[:, 0]
+            delta_o[:decodes] = out.correction(1)[:, 0]
+            out_seq[:decodes] = out.hidden_seq[:, 0]
+        for i in range(decodes, requests):
+            a, b = starts[i], starts[i + 1]
+            slot = slot_list[i]
+            if seq_lens[i] == b - a:  # the request's first chunk
+                cell, hidden = self._start(slot, cells[slot])
+            else:
+                cell, hidden = cells[slot], hiddens[slot]
+            out = self.memory(
+                x[None, a:b],
+                cell[None],
+                hidden[None],
+                None if depth_seq is None else depth_seq[None, a:b],
+                None,
+                True,
+                self.backend,
+                None,
+                False,
+            )
+            cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
+            delta_q[a:b] = out.delta_q[0]
+            delta_o[a:b] = out.delta_o[0]
+            out_seq[a:b] = out.hidden_seq[0]
+        delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
+        delta_o[tokens:] = 0
+        shared.depth_seq = out_seq
+
+
+def _lstmem_memory(x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor, layer_name: str) -> None:
+    with torch.no_grad():
+        get_forward_context().no_compile_layers[layer_name].run(x, delta_q, delta_o)
+
+
+def _lstmem_memory_fake(
+    x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor, layer_name: str
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    op_name="lstmem_memory",
+    op_func=_lstmem_memory,
+    mutates_args=["delta_q", "delta_o"],
+    fake_impl=_lstmem_memory_fake,
+)
+
+
+class LSTMemQwen3DecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's decoder layer with the memory corrections of paper Sec. 3.2 where the adapter puts
+    memory: ``Δq`` on the query projection's output before q-norm and RoPE, ``Δo`` after the output
+    projection."""
+
+    def __init__(self, config, cache_config=None, quant_config=None, prefix: str = "", **kwargs) -> None:
+        super().__init__(
+            config, cache_config=cache_config, quant_config=quant_config, prefix=prefix, **kwargs
+        )
+        adapter, _ = _adapter_of(config)
+        layer_idx = extract_layer_index(prefix)
+        chosen = memory_layer_indices(adapter, config.num_hidden_layers)
+        self.lstmem = (
+            LSTMemState(
+                config.hidden_size,
+                self.self_attn.q_size,
+                adapter,
+                layer_idx,
+                chosen.index(layer_idx),
+                f"{prefix}.lstmem",
+            )
+            if layer_idx in chosen
+            else None
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.lstmem is None:
+            hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        else:
+            hidden_states = self._attention_with_memory(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def _attention_with_memory(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn
+        delta_q, delta_o = self.lstmem(x)
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q + delta_q  # before q-norm and RoPE
+        q = attn.q_norm(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+        k = attn.k_norm(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+        q, k = attn.rotary_emb(positions, q, k)
+        output, _ = attn.o_proj(attn.attn(q, k, v))
+        return output + delta_o  # after the output projection
+
+
+class LSTMemQwen3Model(Qwen3Model):
+    decoder_layer_type = LSTMemQwen3DecoderLayer
+
+
+class LSTMemQwen3ForCausalLM(Qwen3ForCausalLM, HasInnerState, IsHybrid):
+    """Qwen3 with an LSTMem adapter (architecture ``LSTMemQwen3ForCausalLM``; see
+    :func:`lstmem_peft.vllm_plugin.engine_args`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.vllm_config = vllm_config
+        self.quant_config = vllm_config.quant_config
+        self.model = LSTMemQwen3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                quant_config=self.quant_config,
+                prefix=maybe_prefix(prefix, "lm_head"),
+            )
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self.lstmem_adapter, self.lstmem_weights = _adapter_of(config)
+        self.lstmem_shared = EngineMemory()
+        for state in self.memory_states():
+            state.shared = self.lstmem_shared
+        self.lstmem_layout = MemoryLayout.of_adapter(
+            self.lstmem_adapter, memory_layer_indices(self.lstmem_adapter, config.num_hidden_layers), config
+        )
+
+    def memory_states(self) -> list[LSTMemState]:
+        """The memory layers, in depth order."""
+        return [layer.lstmem for layer in self.model.layers if getattr(layer, "lstmem", None) is not None]
+
+    # the state declaration vLLM reads before the layers exist
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        adapter, _ = _adapter_of(vllm_config.model_config.hf_config)
+        shape = (adapter.num_heads, adapter.r, adapter.r)
+        return (shape, shape)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        adapter, _ = _adapter_of(vllm_config.model_config.hf_config)
+        dtype = STATE_DTYPES[adapter.state_dtype]
+        return (dtype, dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return (get_temporal_copy_spec, get_temporal_copy_spec)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The backbone's checkpoint through Qwen3's loader, then the adapter's memory weights (every
+        tensor of every memory layer, or an error naming what is missing or extra)."""
+        loaded = super().load_weights(weights)
+        tensors = load_file(self.lstmem_weights)
+        pattern = re.compile(
+            rf"(?:^|\.)layers\.(\d+)\.self_attn\.{re.escape(self.lstmem_adapter.query_module)}"
+            r"\.lstmem_memory\.(\w+)$"
+        )
+        by_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            match = pattern.search(key)
+            if match is None:
+                raise ValueError(f"{self.lstmem_weights}: {key!r} is not an LSTMem memory weight")
+            by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+        for state in self.memory_states():
+            layer_idx = state.memory.layer_idx
+            if layer_idx not in by_layer:
+                raise ValueError(
+                    f"{self.lstmem_weights} holds no memory weights for decoder layer {layer_idx}"
+                )
+            state.memory.load_state_dict(by_layer.pop(layer_idx), strict=True)
+            loaded |= {
+                f"model.layers.{layer_idx}.lstmem.memory.{name}"
+                for name, _ in state.memory.named_parameters()
+            }
+        if by_layer:
+            raise ValueError(
+                f"{self.lstmem_weights} holds memory weights for decoder layers {sorted(by_layer)}, which the "
+                "adapter config does not choose (layers_to_transform)"
+            )
+        return loaded

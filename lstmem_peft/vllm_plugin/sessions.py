@@ -1,0 +1,134 @@
+"""Per-request memory files on vLLM: a request starts from a saved memory, its final memory is saved.
+
+``SamplingParams(extra_args={"lstmem_memory_in": path, "lstmem_memory_out": path})``; either key may
+be left out. Files are :meth:`lstmem_peft.MemoryCache.save` files of one row, checked against the
+adapter's layout (its fingerprint names the adapter, so another adapter's memory is refused).
+
+:class:`LSTMemSessions` is a vLLM worker extension (``worker_extension_cls``, set by
+:func:`lstmem_peft.vllm_plugin.engine_args`); :func:`lstmem_peft.vllm_plugin.install_sessions`
+calls its :meth:`~LSTMemSessions.lstmem_install` in every worker. From then on, before each step the
+worker runs (``model_runner.execute_model``, wrapped on that runner instance):
+
+* every request that starts (new, or resumed from scratch after a preemption) and names a
+  ``lstmem_memory_in`` has that memory staged for its state slot; each memory layer takes its
+  ``(C, D)`` when it runs the request's first chunk (else the request starts from zeros);
+* every request that finished in the previous step and names a ``lstmem_memory_out`` has its
+  slot's states written there before vLLM can hand the slot to another request. The memory holds
+  the prompt and every generated token but the last, as ``generate(memory_cache=...)`` leaves it;
+  ``tokens_written`` is the starting memory's count plus the tokens the model ran for the request
+  (counted from the scheduler's outputs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cache import MemoryCache
+
+MEMORY_IN = "lstmem_memory_in"
+MEMORY_OUT = "lstmem_memory_out"
+
+
+def _extra(params, key: str) -> str | None:
+    extra = getattr(params, "extra_args", None) or {}
+    value = extra.get(key)
+    return None if value is None else os.fspath(value)
+
+
+def load_session(path: str, layout) -> MemoryCache:
+    """A one-row memory for a request, checked against the model's layout."""
+    cache = MemoryCache.load(path, layout)
+    if cache.batch_size != 1:
+        raise ValueError(
+            f"{path} holds the memory of {cache.batch_size} sequences; a request starts from one "
+            "(cache.batch_select_indices([i]) selects a row before saving)"
+        )
+    return cache
+
+
+class _Sessions:
+    """The per-worker state of the extension."""
+
+    def __init__(self, runner) -> None:
+        model = runner.get_model()
+        self.runner = runner
+        self.states = model.memory_states()
+        self.shared = model.lstmem_shared
+        self.layout = model.lstmem_layout
+        name = self.states[0].prefix
+        self.group = next(
+            g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups) if name in group.layer_names
+        )
+        self.start_tokens: dict[str, int] = {}  # request id -> tokens_written of its starting memory
+        self.ran: dict[str, int] = {}  # request id -> tokens the model ran for it since it (re)started
+        self.staged: dict[str, int] = {}  # request id -> slot whose start is staged
+
+    def before_step(self, scheduler_output) -> None:
+        for request_id in scheduler_output.finished_req_ids:
+            self.finish(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens == 0:
+                self.start(new.req_id, new.sampling_params, new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            if request_id in cached.resumed_req_ids and cached.num_computed_tokens[i] == 0:
+                request = self.runner.requests.get(request_id)
+                if request is not None and cached.new_block_ids[i] is not None:
+                    self.start(request_id, request.sampling_params, cached.new_block_ids[i])
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            self.ran[request_id] = self.ran.get(request_id, 0) + count
+
+    def start(self, request_id: str, params, block_ids) -> None:
+        path = _extra(params, MEMORY_IN)
+        self.start_tokens[request_id] = 0
+        self.ran[request_id] = 0
+        if path is None:
+            return
+        cache = load_session(path, self.layout)
+        slot = int(block_ids[self.group][0])
+        self.shared.starts[slot] = [(layer.cell[0], layer.hidden[0]) for layer in cache.layers]
+        self.start_tokens[request_id] = int(cache.tokens_written[0])
+        self.staged[request_id] = slot
+
+    def finish(self, request_id: str) -> None:
+        slot = self.staged.pop(request_id, None)
+        request = self.runner.requests.get(request_id)
+        if slot is not None and (request is None or request.num_computed_tokens == 0):
+            self.shared.starts.pop(slot, None)  # never ran (aborted): its staged memory goes
+        start = self.start_tokens.pop(request_id, 0)
+        ran = self.ran.pop(request_id, 0)
+        if request is None:
+            return
+        path = _extra(request.sampling_params, MEMORY_OUT)
+        if path is None:
+            return
+        slot = int(request.block_ids[self.group][0])
+        cache = MemoryCache(self.layout)
+        cache.ensure(1, torch.device("cpu"))
+        for layer, state in zip(cache.layers, self.states, strict=True):
+            cells, hiddens = state.kv_cache
+            layer.cell = cells[slot][None].to("cpu", copy=True)
+            layer.hidden = hiddens[slot][None].to("cpu", copy=True)
+        cache.tokens_written = torch.tensor([start + ran])
+        cache.save(path)
+
+
+class LSTMemSessions:
+    """vLLM worker extension: per-request memory files (see the module docstring)."""
+
+    def lstmem_install(self) -> bool:
+        runner = self.model_runner
+        if getattr(runner, "lstmem_sessions", None) is not None:
+            return True
+        sessions = _Sessions(runner)
+        original = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            sessions.before_step(scheduler_output)
+            return original(scheduler_output, *args, **kwargs)
+
+        runner.execute_model = execute_model
+        runner.lstmem_sessions = sessions
+        return True

@@ -1,0 +1,195 @@
+"""The vLLM plugin against the library: same greedy tokens, same final memories.
+
+Runs where vLLM is installed (the separate environment of ``.ci/run-vllm``: vLLM's CPU build pins
+its own torch and transformers); elsewhere the module is skipped. One engine serves every test
+(starting one takes 20-40 s on a 2-core CPU).
+
+The model: a tiny random Qwen3 (head_dim 64, which vLLM's CPU attention needs; float32) with an
+LSTMem adapter moved off its initialisation so that memory visibly changes the tokens. The oracle:
+``model.generate(memory_cache=...)`` of the library, per request, from the same starting memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vLLM tier runs in its own environment (.ci/run-vllm)")
+
+from peft import get_peft_model  # noqa: E402
+from tiny_models import randomize_memory  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
+from lstmem_peft.vllm_plugin import engine_args, install_sessions  # noqa: E402
+
+VOCAB = 256
+NEW_TOKENS = 8
+# prompt lengths: one token (vLLM schedules it as a decode), short, and longer than the 16-token
+# step budget (its prefill is split into chunks that continue from the slot)
+PROMPTS = [5, 1, 11, 37]
+
+
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,  # greedy runs never stop early, here and in vLLM (ignore_eos)
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # weights large enough that the argmax is not a near-tie
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    base = tiny_qwen3()
+    base.save_pretrained(root / "base")
+    model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, memory_id="vllm-test")).eval()
+    randomize_memory(model, scale=0.3)
+    model.save_pretrained(root / "adapter")
+    llm = vllm.LLM(
+        **engine_args(
+            str(root / "base"),
+            str(root / "adapter"),
+            dtype="float32",
+            enforce_eager=True,
+            seed=0,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,  # forces chunked prefill of the longest prompt
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=128 * 1024 * 1024,
+        )
+    )
+    install_sessions(llm)
+    yield model, llm, root
+    llm.llm_engine.engine_core.shutdown()
+
+
+def history_memory(model, seed: int, length: int) -> MemoryCache:
+    """A one-row memory after writing a random history with the library (block-end feedback)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = MemoryCache()
+    with torch.no_grad():
+        write_history(model, torch.randint(3, VOCAB, (1, length), generator=g), cache, block_size=16)
+    return cache
+
+
+def library_answer(model, memory: MemoryCache | None, prompt: list[int]):
+    cache = memory.clone() if memory is not None else MemoryCache()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            memory_cache=cache,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist(), cache
+
+
+def vllm_answers(llm, requests):
+    """``requests``: (prompt, memory_in path or None, memory_out path) -> generated token ids."""
+    params = [
+        vllm.SamplingParams(
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={
+                k: v for k, v in (("lstmem_memory_in", m_in), ("lstmem_memory_out", m_out)) if v is not None
+            },
+        )
+        for _, m_in, m_out in requests
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in requests], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_same_memory(exported: MemoryCache, reference: MemoryCache) -> None:
+    assert exported.layout == reference.layout
+    assert exported.tokens_written.tolist() == reference.tokens_written.tolist()
+    for ours, theirs in zip(exported.layers, reference.layers, strict=True):
+        for a, b in ((ours.cell, theirs.cell), (ours.hidden, theirs.hidden)):
+            # float32 states after up to 80 steps of a backbone whose kernels (vLLM's CPU attention, fused
+            # norms) round differently from transformers' eager ones: float32 rounding (1.2e-7) accumulated
+            # over the steps and layers, against the state's norm (measured: at most 4e-6)
+            assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_request(setup):
+    model, llm, root = setup
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPTS]
+    memories = [history_memory(model, 10 + i, 20 + 17 * i) for i in range(3)] + [None]  # the last: fresh
+    requests = []
+    for i, memory in enumerate(memories):
+        path = None
+        if memory is not None:
+            path = str(root / f"in-{i}.safetensors")
+            memory.save(path)
+        requests.append((prompts[i], path, str(root / f"out-{i}.safetensors")))
+    tokens = vllm_answers(llm, requests)
+    layout = memory_layout(model)
+    plain = vllm_answers(llm, [(p, None, None) for p in prompts])
+    for i, memory in enumerate(memories):
+        expected, final = library_answer(model, memory, prompts[i])
+        assert tokens[i] == expected, f"request {i}"
+        assert_same_memory(MemoryCache.load(root / f"out-{i}.safetensors", layout), final)
+        if memory is not None:
+            assert plain[i] != tokens[i], f"request {i}: its memory did not change the answer"
+
+
+def test_two_interleaved_sessions_equal_each_alone(setup):
+    """Two sessions of two turns each, their turns sent together to vLLM; each equals the library
+    running that session alone (turn 2 continues from the memory turn 1 left)."""
+    model, llm, root = setup
+    g = torch.Generator().manual_seed(2)
+    turns = [
+        [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+        for lengths in ((6, 9), (13, 3))
+    ]
+    starts = [history_memory(model, 20, 40), history_memory(model, 21, 25)]
+    paths = []
+    for s, memory in enumerate(starts):
+        paths.append([str(root / f"session{s}-{t}.safetensors") for t in range(3)])
+        memory.save(paths[s][0])
+    got = [[], []]
+    for t in range(2):
+        answers = vllm_answers(llm, [(turns[s][t], paths[s][t], paths[s][t + 1]) for s in range(2)])
+        for s in range(2):
+            got[s].append(answers[s])
+    layout = memory_layout(model)
+    for s in range(2):
+        cache = starts[s].clone()
+        for t in range(2):
+            expected, cache = library_answer(model, cache, turns[s][t])
+            assert got[s][t] == expected, f"session {s}, turn {t}"
+        assert_same_memory(MemoryCache.load(paths[s][2], layout), cache)
+
+
+def test_a_memory_from_another_adapter_is_refused(setup):
+    from lstmem_peft.vllm_plugin.sessions import load_session
+
+    model, llm, root = setup
+    other = get_peft_model(tiny_qwen3(), LSTMemConfig(r=8, num_heads=4, memory_id="another-adapter")).eval()
+    path = root / "other.safetensors"
+    history_memory(other, 3, 20).save(path)
+    with pytest.raises(ValueError, match="was saved for"):
+        load_session(str(path), memory_layout(model))
