@@ -194,6 +194,19 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     sv.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="what generates the answers: the model's generate (hf) or a vLLM engine (needs the vllm extra)",
+    )
+    sv.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM argument with --engine vllm, e.g. max_model_len=8192 (VALUE read as JSON when it parses)",
+    )
+    sv.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -288,18 +301,21 @@ def _serve(args) -> int:
         batching=not args.no_batching,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
+        engine=args.engine,
+        vllm_options=_key_values(args.vllm_arg, "--vllm-arg"),
     )
     return 0
 
 
-def _template_kwargs(pairs: list[str]) -> dict:
+def _key_values(pairs: list[str], option: str) -> dict:
+    """``KEY=VALUE`` options as a dict (``VALUE`` read as JSON when it parses)."""
     import json
 
     kwargs = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--template-arg expects KEY=VALUE, got {pair!r}")
+            raise SystemExit(f"{option} expects KEY=VALUE, got {pair!r}")
         try:
             kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -358,7 +374,7 @@ def _eval(args) -> int:
         block_size=args.block_size,
         compare_base=not args.no_base,
         chat_template=False if args.no_chat_template else None,
-        template_kwargs=_template_kwargs(args.template_arg),
+        template_kwargs=_key_values(args.template_arg, "--template-arg"),
         run_info={"model": args.model, "adapter": args.adapter, "data": args.data}
         | ({"chunk_tokenizer": args.chunk_tokenizer} if args.benchmark == "mab" else {}),
         resume=args.resume,

@@ -18,7 +18,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM tier runs in its own environ
 
 from peft import get_peft_model  # noqa: E402
 from tiny_models import randomize_memory  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
 from lstmem_peft.vllm_plugin import engine_args, install_sessions  # noqa: E402
@@ -30,9 +30,14 @@ NEW_TOKENS = 8
 PROMPTS = [5, 1, 11, 37]
 
 
-def tiny_qwen3() -> Qwen3ForCausalLM:
+def tiny_backbone(arch: str = "qwen3"):
+    """A tiny random Qwen3 or Llama (head_dim 64, float32)."""
     torch.manual_seed(0)
-    config = Qwen3Config(
+    config_class, model_class = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[arch]
+    config = config_class(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -46,7 +51,7 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
         eos_token_id=None,  # greedy runs never stop early, here and in vLLM (ignore_eos)
         tie_word_embeddings=False,
     )
-    model = Qwen3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # weights large enough that the argmax is not a near-tie
         for p in model.parameters():
             if p.dim() == 2:
@@ -54,32 +59,67 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
     return model
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm")
-    base = tiny_qwen3()
-    base.save_pretrained(root / "base")
-    model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, memory_id="vllm-test")).eval()
-    randomize_memory(model, scale=0.3)
-    model.save_pretrained(root / "adapter")
-    llm = vllm.LLM(
-        **engine_args(
-            str(root / "base"),
-            str(root / "adapter"),
-            dtype="float32",
-            enforce_eager=True,
-            seed=0,
-            max_model_len=256,
-            max_num_seqs=8,
-            max_num_batched_tokens=16,  # forces chunked prefill of the longest prompt
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.3,
-            kv_cache_memory_bytes=128 * 1024 * 1024,
-        )
+def word_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (``<pad> <s> </s> w003 ... w255``), for the server."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i:03d}" for i in range(3, VOCAB)]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
     )
-    install_sessions(llm)
-    yield model, llm, root
-    llm.llm_engine.engine_core.shutdown()
+
+
+# vllm.LLM arguments for a tiny model on a CPU machine
+ENGINE = dict(
+    enforce_eager=True,
+    seed=0,
+    max_model_len=256,
+    max_num_seqs=8,
+    gpu_memory_utilization=0.3,
+    kv_cache_memory_bytes=128 * 1024 * 1024,
+)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """``engines(arch)``: the library model, a vLLM engine over it and their folder, built once per
+    architecture (an engine start takes most of this module's time)."""
+    built = {}
+
+    def get(arch: str = "qwen3"):
+        if arch not in built:
+            root = tmp_path_factory.mktemp(f"vllm-{arch}")
+            base = tiny_backbone(arch)
+            base.save_pretrained(root / "base")
+            word_tokenizer().save_pretrained(root / "base")
+            model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, memory_id=f"vllm-test-{arch}")).eval()
+            randomize_memory(model, scale=0.3)
+            model.save_pretrained(root / "adapter")
+            llm = vllm.LLM(
+                **engine_args(
+                    str(root / "base"),
+                    str(root / "adapter"),
+                    dtype="float32",
+                    max_num_batched_tokens=16,  # forces chunked prefill of the longest prompt
+                    skip_tokenizer_init=True,
+                    **ENGINE,
+                )
+            )
+            install_sessions(llm)
+            built[arch] = model, llm, root
+        return built[arch]
+
+    yield get
+    for _, llm, _ in built.values():
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(engines):
+    return engines("qwen3")
 
 
 def history_memory(model, seed: int, length: int) -> MemoryCache:
@@ -133,8 +173,9 @@ def assert_same_memory(exported: MemoryCache, reference: MemoryCache) -> None:
             assert ((a - b).norm() / b.norm()).item() < 1e-4
 
 
-def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_request(setup):
-    model, llm, root = setup
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_request(engines, arch):
+    model, llm, root = engines(arch)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPTS]
     memories = [history_memory(model, 10 + i, 20 + 17 * i) for i in range(3)] + [None]  # the last: fresh
@@ -188,8 +229,131 @@ def test_a_memory_from_another_adapter_is_refused(setup):
     from lstmem_peft.vllm_plugin.sessions import load_session
 
     model, llm, root = setup
-    other = get_peft_model(tiny_qwen3(), LSTMemConfig(r=8, num_heads=4, memory_id="another-adapter")).eval()
+    other = get_peft_model(
+        tiny_backbone(), LSTMemConfig(r=8, num_heads=4, memory_id="another-adapter")
+    ).eval()
     path = root / "other.safetensors"
     history_memory(other, 3, 20).save(path)
     with pytest.raises(ValueError, match="was saved for"):
         load_session(str(path), memory_layout(model))
+
+
+def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
+    """``lstmem serve --engine vllm``: the same API and session store; two greedy chat turns of one
+    session give the same answers as the default engine, and the same stored memory (written by the
+    library in both)."""
+    import asyncio
+
+    import httpx
+
+    from lstmem_peft.serve import create_app, load_model
+
+    _, _, root = setup
+    g = torch.Generator().manual_seed(3)
+    words = [
+        " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (30, 7)
+    ]
+    results = {}
+    for engine in ("hf", "vllm"):
+        loaded = load_model(
+            str(root / "base"),
+            str(root / "adapter"),
+            device="cpu",
+            dtype="float32",
+            engine=engine,
+            vllm_options=ENGINE,
+        )
+        app = create_app(loaded, str(tmp_path / engine))
+        app.state.scheduler.start()
+
+        async def scenario(app=app, name=loaded.name):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=120) as client:
+                messages, answers = [], []
+                for text in words:
+                    messages.append({"role": "user", "content": text})
+                    r = await client.post(
+                        "/v1/chat/completions",
+                        json={"model": name, "messages": messages, "max_tokens": 6, "temperature": 0},
+                        headers={"X-Session-Id": "s"},
+                    )
+                    assert r.status_code == 200, r.text
+                    answers.append(r.json()["choices"][0]["message"]["content"])
+                    messages.append({"role": "assistant", "content": answers[-1]})
+                exported = (await client.get("/v1/memory/s/export", headers={"X-Session-Id": "s"})).content
+                return answers, exported
+
+        try:
+            answers, exported = asyncio.run(scenario())
+        finally:
+            app.state.scheduler.stop()
+            if loaded.engine is not None:
+                loaded.engine.llm.llm_engine.engine_core.shutdown()
+        path = tmp_path / f"{engine}.safetensors"
+        path.write_bytes(exported)
+        results[engine] = answers, MemoryCache.load(path, loaded.layout)
+    (hf_answers, hf_memory), (vllm_answers_, vllm_memory) = results["hf"], results["vllm"]
+    assert vllm_answers_ == hf_answers and all(hf_answers)
+    assert vllm_memory.tokens_written.tolist() == hf_memory.tokens_written.tolist()
+    for ours, theirs in zip(vllm_memory.layers, hf_memory.layers, strict=True):
+        assert torch.equal(ours.cell, theirs.cell) and torch.equal(ours.hidden, theirs.hidden)
+
+
+HUB_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from lstmem_peft.vllm_plugin import engine_args, install_sessions
+
+if __name__ == "__main__":
+    options, prompt, memory = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+    llm = LLM(**engine_args("user/backbone", "user/adapter", dtype="float32", skip_tokenizer_init=True, **options))
+    install_sessions(llm)
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"lstmem_memory_in": memory}
+    )
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
+    llm.llm_engine.engine_core.shutdown()
+"""
+
+
+def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, tmp_path):
+    """``engine_args("user/backbone", "user/adapter")`` with both repos only in the Hub cache (its own
+    layout: snapshots/<commit>/..., refs/main) and ``HF_HUB_OFFLINE=1``: every vLLM process resolves
+    them, and the answer from a saved memory is the library's."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    model, _, root = setup
+    hub = tmp_path / "hub"
+    for repo, folder in (("user/backbone", root / "base"), ("user/adapter", root / "adapter")):
+        entry = hub / ("models--" + repo.replace("/", "--"))
+        shutil.copytree(folder, entry / "snapshots" / ("0" * 40))
+        (entry / "refs").mkdir(parents=True)
+        (entry / "refs" / "main").write_text("0" * 40)
+    memory = history_memory(model, 30, 33)
+    memory.save(tmp_path / "memory.safetensors")
+    prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected, _ = library_answer(model, memory, prompt)
+    (tmp_path / "hub_run.py").write_text(HUB_SCRIPT)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "hub_run.py",
+            json.dumps(ENGINE),
+            json.dumps(prompt),
+            str(tmp_path / "memory.safetensors"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS "))
+    assert json.loads(line.split(" ", 1)[1]) == expected

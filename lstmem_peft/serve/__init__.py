@@ -33,19 +33,24 @@ def serve(
     api_keys: list[str] | None = None,
     threads: int | None = None,
     log_level: str = "info",
+    engine: str = "hf",
+    vllm_options: dict | None = None,
     **options,
 ) -> None:
     """Load the model and run the server until interrupted (what ``lstmem serve`` does).
 
-    ``options`` go to :func:`~lstmem_peft.serve.app.create_app` (``context_window``, ``max_batch``,
-    ``batch_wait_ms``, ``batching``, ``max_body_bytes``, ``default_max_tokens``).
+    ``engine``/``vllm_options``: see :func:`~lstmem_peft.serve.runtime.load_model`. ``options`` go to
+    :func:`~lstmem_peft.serve.app.create_app` (``context_window``, ``max_batch``, ``batch_wait_ms``,
+    ``batching``, ``max_body_bytes``, ``default_max_tokens``).
     """
     import torch
     import uvicorn
 
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
+    loaded = load_model(
+        model, adapter, name=name, device=device, dtype=dtype, engine=engine, vllm_options=vllm_options
+    )
     app = create_app(loaded, store, api_keys=api_keys, **options)
     print(f"lstmem serve: model {loaded.name!r}, sessions in {store}, http://{host}:{port}", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -36,6 +36,9 @@ class LoadedModel:
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
         max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
+        engine: what generates the answers: ``None``, the model's own ``generate``; or a
+            :class:`lstmem_peft.vllm_plugin.serve.VLLMAnswers` (``lstmem serve --engine vllm``).
+            Memory is always written by ``model`` (history blocks with feedback).
     """
 
     model: torch.nn.Module
@@ -44,6 +47,7 @@ class LoadedModel:
     layout: MemoryLayout = field(init=False)
     max_positions: int | None = field(init=False)
     block_size: int = field(init=False)
+    engine: object | None = None
 
     def __post_init__(self) -> None:
         self.layout = memory_layout(self.model)
@@ -68,6 +72,8 @@ def load_model(
     name: str | None = None,
     device: str | None = None,
     dtype: str = "auto",
+    engine: str = "hf",
+    vllm_options: dict | None = None,
 ) -> LoadedModel:
     """Load the embedded demo (no arguments) or a backbone + LSTMem adapter (local folders or Hub ids).
 
@@ -77,7 +83,23 @@ def load_model(
         name: the model id served at ``/v1/models`` (default: ``lstmem-demo`` or the adapter's name).
         device: ``cpu`` or ``cuda`` (default: cuda when available).
         dtype: backbone dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        engine: ``hf`` (answers from the model's ``generate``) or ``vllm`` (answers from a vLLM
+            engine over the same backbone and adapter; needs ``model`` and ``adapter``).
+        vllm_options: more keyword arguments of ``vllm.LLM`` (``engine="vllm"``).
     """
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
+    if engine == "vllm":
+        if model is None or adapter is None:
+            raise ValueError(
+                "--engine vllm needs --model and --adapter (a Qwen3 backbone and its LSTMem adapter); the "
+                "embedded demo runs with the default engine"
+            )
+        from ..vllm_plugin.serve import VLLMAnswers
+
+        loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
+        loaded.engine = VLLMAnswers(model, adapter, dtype=dtype, **(vllm_options or {}))
+        return loaded
     from peft import PeftModel
 
     import lstmem_peft  # noqa: F401  (registers the LSTMEM method with PEFT)
@@ -430,6 +452,15 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[
     return Answer(ids, text, finish)
 
 
+def end_of_sequence_ids(loaded: LoadedModel) -> set[int]:
+    """The token ids that end an answer: the generation config's EOS, else the tokenizer's."""
+    config = getattr(loaded.model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = loaded.tokenizer.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+
 def generate_rows(
     loaded: LoadedModel,
     rows: list[MemoryCache],
@@ -458,17 +489,17 @@ def generate_rows(
     """
     tok = loaded.tokenizer
     n = sampling.n
+    stops = stops or [sampling.stop] * len(rows)
+    expanded_stops = [s for s in stops for _ in range(n)]
+    eos_ids = end_of_sequence_ids(loaded)
+    if loaded.engine is not None:
+        answers = loaded.engine.generate(rows, prompts, sampling, eos_ids, on_token)
+        answers = [cut_answer(tok, a, eos_ids, expanded_stops[r]) for r, a in enumerate(answers)]
+        return [answers[i * n : (i + 1) * n] for i in range(len(rows))]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pad = 0 if pad is None else pad
     ids, mask = left_pad(prompts, pad, loaded.device)
     memory = gather(rows)
-    stops = stops or [sampling.stop] * len(rows)
-    expanded_stops = [s for s in stops for _ in range(n)]
-    config = getattr(loaded.model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None) if config is not None else None
-    if eos is None:
-        eos = tok.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     kwargs = sampling.generate_kwargs()
     if any(expanded_stops) or cancelled is not None:
         kwargs["stopping_criteria"] = StoppingCriteriaList(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
 WORKER_EXTENSION = "lstmem_peft.vllm_plugin.sessions.LSTMemSessions"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
@@ -86,18 +86,21 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: ``model``, the overrides of
     :func:`hf_overrides`, the sessions worker extension, and no prefix caching (one fixed state
     slot per request; a cached prefix would skip writing its tokens into memory). ``kwargs`` are
-    passed on (``dtype``, ``max_model_len``, ...)."""
+    passed on (``dtype``, ``max_model_len``, ...); an ``hf_overrides`` of theirs is merged into
+    these overrides."""
     if kwargs.get("enable_prefix_caching"):
         raise ValueError(
             "enable_prefix_caching=True would let a request skip writing a cached prefix into its memory; "
             "LSTMem on vLLM runs without prefix caching"
         )
+    overrides = {**hf_overrides(model, adapter), **kwargs.pop("hf_overrides", {})}
+    kwargs.pop("enable_prefix_caching", None)
     return {
         "model": model,
-        "hf_overrides": hf_overrides(model, adapter),
+        "hf_overrides": overrides,
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_prefix_caching": False,
-        **{k: v for k, v in kwargs.items() if k != "enable_prefix_caching"},
+        **kwargs,
     }
 
 

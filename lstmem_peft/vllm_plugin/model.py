@@ -1,4 +1,4 @@
-"""The LSTMem variant of vLLM's Qwen3: memory layers whose states are vLLM engine state.
+"""The LSTMem variants of vLLM's Qwen3 and Llama: memory layers whose states are vLLM engine state.
 
 A forward of vLLM runs a flat batch of ``N`` tokens from several requests: first the decoding
 requests (one token each), then the prefilling ones (a chunk of their prompt each). Per memory
@@ -36,6 +36,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
@@ -263,15 +264,14 @@ direct_register_custom_op(
 )
 
 
-class LSTMemQwen3DecoderLayer(Qwen3DecoderLayer):
-    """Qwen3's decoder layer with the memory corrections of paper Sec. 3.2 where the adapter puts
-    memory: ``Δq`` on the query projection's output before q-norm and RoPE, ``Δo`` after the output
-    projection."""
+class _MemoryDecoderLayer:
+    """What a decoder layer with memory adds to vLLM's (Qwen3 and Llama layouts: ``input_layernorm``,
+    ``self_attn`` with ``qkv_proj`` / optional ``q_norm``, ``k_norm`` / ``rotary_emb`` / ``attn`` /
+    ``o_proj``, ``post_attention_layernorm``, ``mlp``): the corrections of paper Sec. 3.2 where the
+    adapter puts memory, ``Δq`` on the query projection's output before q-norm and RoPE and ``Δo``
+    after the output projection."""
 
-    def __init__(self, config, cache_config=None, quant_config=None, prefix: str = "", **kwargs) -> None:
-        super().__init__(
-            config, cache_config=cache_config, quant_config=quant_config, prefix=prefix, **kwargs
-        )
+    def _attach_memory(self, config, prefix: str) -> None:
         adapter, _ = _adapter_of(config)
         layer_idx = extract_layer_index(prefix)
         chosen = memory_layer_indices(adapter, config.num_hidden_layers)
@@ -307,41 +307,19 @@ class LSTMemQwen3DecoderLayer(Qwen3DecoderLayer):
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = q + delta_q  # before q-norm and RoPE
-        q = attn.q_norm(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
-        k = attn.k_norm(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q = attn.q_norm(q.view(*q.shape[:-1], -1, attn.head_dim)).view(q.shape)
+            k = attn.k_norm(k.view(*k.shape[:-1], -1, attn.head_dim)).view(k.shape)
         q, k = attn.rotary_emb(positions, q, k)
         output, _ = attn.o_proj(attn.attn(q, k, v))
         return output + delta_o  # after the output projection
 
 
-class LSTMemQwen3Model(Qwen3Model):
-    decoder_layer_type = LSTMemQwen3DecoderLayer
+class _MemoryModel:
+    """What a causal LM with LSTMem memory adds to vLLM's: the memory layers' shared state, the
+    state declaration vLLM reads before the layers exist, and the adapter's weights."""
 
-
-class LSTMemQwen3ForCausalLM(Qwen3ForCausalLM, HasInnerState, IsHybrid):
-    """Qwen3 with an LSTMem adapter (architecture ``LSTMemQwen3ForCausalLM``; see
-    :func:`lstmem_peft.vllm_plugin.engine_args`)."""
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        nn.Module.__init__(self)
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.vllm_config = vllm_config
-        self.quant_config = vllm_config.quant_config
-        self.model = LSTMemQwen3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                quant_config=self.quant_config,
-                prefix=maybe_prefix(prefix, "lm_head"),
-            )
-            if config.tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        else:
-            self.lm_head = PPMissingLayer()
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+    def _attach_memory(self, config) -> None:
         self.lstmem_adapter, self.lstmem_weights = _adapter_of(config)
         self.lstmem_shared = EngineMemory()
         for state in self.memory_states():
@@ -354,7 +332,6 @@ class LSTMemQwen3ForCausalLM(Qwen3ForCausalLM, HasInnerState, IsHybrid):
         """The memory layers, in depth order."""
         return [layer.lstmem for layer in self.model.layers if getattr(layer, "lstmem", None) is not None]
 
-    # the state declaration vLLM reads before the layers exist
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
         adapter, _ = _adapter_of(vllm_config.model_config.hf_config)
@@ -372,8 +349,8 @@ class LSTMemQwen3ForCausalLM(Qwen3ForCausalLM, HasInnerState, IsHybrid):
         return (get_temporal_copy_spec, get_temporal_copy_spec)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The backbone's checkpoint through Qwen3's loader, then the adapter's memory weights (every
-        tensor of every memory layer, or an error naming what is missing or extra)."""
+        """The backbone's checkpoint through the backbone's loader, then the adapter's memory weights
+        (every tensor of every memory layer, or an error naming what is missing or extra)."""
         loaded = super().load_weights(weights)
         tensors = load_file(self.lstmem_weights)
         pattern = re.compile(
@@ -403,3 +380,58 @@ class LSTMemQwen3ForCausalLM(Qwen3ForCausalLM, HasInnerState, IsHybrid):
                 "adapter config does not choose (layers_to_transform)"
             )
         return loaded
+
+
+class LSTMemQwen3DecoderLayer(_MemoryDecoderLayer, Qwen3DecoderLayer):
+    def __init__(self, config, cache_config=None, quant_config=None, prefix: str = "", **kwargs) -> None:
+        Qwen3DecoderLayer.__init__(
+            self, config, cache_config=cache_config, quant_config=quant_config, prefix=prefix, **kwargs
+        )
+        self._attach_memory(config, prefix)
+
+
+class LSTMemQwen3Model(Qwen3Model):
+    decoder_layer_type = LSTMemQwen3DecoderLayer
+
+
+class LSTMemQwen3ForCausalLM(_MemoryModel, Qwen3ForCausalLM, HasInnerState, IsHybrid):
+    """Qwen3 with an LSTMem adapter (architecture ``LSTMemQwen3ForCausalLM``; see
+    :func:`lstmem_peft.vllm_plugin.engine_args`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)  # Qwen3ForCausalLM's own would build the plain Qwen3Model
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.vllm_config = vllm_config
+        self.quant_config = vllm_config.quant_config
+        self.model = LSTMemQwen3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                quant_config=self.quant_config,
+                prefix=maybe_prefix(prefix, "lm_head"),
+            )
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self._attach_memory(config)
+
+
+class LSTMemLlamaDecoderLayer(_MemoryDecoderLayer, LlamaDecoderLayer):
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None, **kwargs) -> None:
+        LlamaDecoderLayer.__init__(self, vllm_config, prefix=prefix, config=config, **kwargs)
+        self._attach_memory(config or vllm_config.model_config.hf_config, prefix)
+
+
+class LSTMemLlamaForCausalLM(_MemoryModel, LlamaForCausalLM, HasInnerState, IsHybrid):
+    """Llama with an LSTMem adapter (architecture ``LSTMemLlamaForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        LlamaForCausalLM.__init__(
+            self, vllm_config=vllm_config, prefix=prefix, layer_type=LSTMemLlamaDecoderLayer
+        )
+        self._attach_memory(vllm_config.model_config.hf_config)

@@ -1,0 +1,43 @@
+"""The vLLM plugin's engine arguments, which need no vLLM (the plugin itself: tests/test_vllm.py)."""
+
+import pytest
+from tiny_models import tiny_model
+
+from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, WORKER_EXTENSION, engine_args
+
+
+def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    args = engine_args(str(tmp_path), "user/adapter", dtype="float32", hf_overrides={"max_window_layers": 3})
+    overrides = args.pop("hf_overrides")
+    assert args == {
+        "model": str(tmp_path),
+        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_prefix_caching": False,
+        "dtype": "float32",
+    }
+    assert overrides == {
+        "architectures": ["LSTMemQwen3ForCausalLM"],
+        "lstmem_adapter": "user/adapter",
+        "layer_types": [MEMORY_LAYER_TYPE] * 3,
+        "layers_block_type": ["attention"] * 3,
+        "max_window_layers": 3,  # the caller's overrides are merged in
+    }
+
+
+def test_prefix_caching_and_other_architectures_are_refused(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(ValueError, match="enable_prefix_caching=True would let a request skip"):
+        engine_args(str(tmp_path / "qwen3"), "a", enable_prefix_caching=True)
+    tiny_model("mistral").save_pretrained(tmp_path / "mistral")
+    with pytest.raises(ValueError, match=r"not of 'MistralForCausalLM'.*lstmem serve"):
+        engine_args(str(tmp_path / "mistral"), "a")
+
+
+def test_serve_with_the_vllm_engine_needs_a_backbone_and_an_adapter():
+    from lstmem_peft.serve.runtime import load_model
+
+    with pytest.raises(ValueError, match="--engine vllm needs --model and --adapter"):
+        load_model(engine="vllm")
+    with pytest.raises(ValueError, match="engine must be 'hf' or 'vllm'"):
+        load_model(engine="tgi")
