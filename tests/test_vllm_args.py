@@ -3,7 +3,7 @@
 import pytest
 from tiny_models import tiny_model
 
-from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, WORKER_EXTENSION, engine_args
+from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, WORKER, engine_args
 
 
 def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
@@ -12,7 +12,7 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
     overrides = args.pop("hf_overrides")
     assert args == {
         "model": str(tmp_path),
-        "worker_extension_cls": WORKER_EXTENSION,
+        "worker_cls": WORKER,
         "enable_prefix_caching": False,
         "dtype": "float32",
     }

@@ -5,10 +5,9 @@ library; vLLM finds this plugin through the ``vllm.general_plugins`` entry point
 its processes. :func:`engine_args` gives the arguments that select it::
 
     from vllm import LLM, SamplingParams
-    from lstmem_peft.vllm_plugin import engine_args, install_sessions
+    from lstmem_peft.vllm_plugin import engine_args
 
     llm = LLM(**engine_args("Qwen/Qwen3-4B", "user/lstmem-qwen3-4b"))
-    install_sessions(llm)  # per-request memory files (below)
     out = llm.generate(
         [{"prompt_token_ids": ids}],
         SamplingParams(
@@ -39,7 +38,7 @@ from __future__ import annotations
 import os
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
-WORKER_EXTENSION = "lstmem_peft.vllm_plugin.sessions.LSTMemSessions"
+WORKER = "lstmem_peft.vllm_plugin.worker.LSTMemWorker"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
@@ -84,7 +83,7 @@ def hf_overrides(model: str, adapter: str) -> dict:
 
 def engine_args(model: str, adapter: str, **kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: ``model``, the overrides of
-    :func:`hf_overrides`, the sessions worker extension, and no prefix caching (one fixed state
+    :func:`hf_overrides`, the worker that handles memory files (:mod:`.worker`), and no prefix caching (one fixed state
     slot per request; a cached prefix would skip writing its tokens into memory). ``kwargs`` are
     passed on (``dtype``, ``max_model_len``, ...); an ``hf_overrides`` of theirs is merged into
     these overrides."""
@@ -98,16 +97,10 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     return {
         "model": model,
         "hf_overrides": overrides,
-        "worker_extension_cls": WORKER_EXTENSION,
+        "worker_cls": WORKER,
         "enable_prefix_caching": False,
         **kwargs,
     }
 
 
-def install_sessions(llm) -> None:
-    """Turn on per-request memory files (``extra_args`` ``lstmem_memory_in`` / ``lstmem_memory_out``)
-    in every worker of ``llm`` (a ``vllm.LLM`` built with :func:`engine_args`); idempotent."""
-    llm.collective_rpc("lstmem_install")
-
-
-__all__ = ["ARCHITECTURES", "engine_args", "hf_overrides", "install_sessions", "register"]
+__all__ = ["ARCHITECTURES", "engine_args", "hf_overrides", "register"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from . import engine_args, install_sessions
+from . import engine_args
 from .sessions import MEMORY_IN
 
 
@@ -38,7 +38,6 @@ class VLLMAnswers:
         from vllm import LLM
 
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))
-        install_sessions(self.llm)
         self._folder = tempfile.TemporaryDirectory(prefix="lstmem-vllm-")
 
     def generate(self, rows, prompts, sampling, eos_ids: set[int], on_token=None) -> list[list[int]]:

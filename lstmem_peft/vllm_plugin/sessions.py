@@ -4,10 +4,9 @@
 be left out. Files are :meth:`lstmem_peft.MemoryCache.save` files of one row, checked against the
 adapter's layout (its fingerprint names the adapter, so another adapter's memory is refused).
 
-:class:`LSTMemSessions` is a vLLM worker extension (``worker_extension_cls``, set by
-:func:`lstmem_peft.vllm_plugin.engine_args`); :func:`lstmem_peft.vllm_plugin.install_sessions`
-calls its :meth:`~LSTMemSessions.lstmem_install` in every worker. From then on, before each step the
-worker runs (``model_runner.execute_model``, wrapped on that runner instance):
+:class:`~lstmem_peft.vllm_plugin.worker.LSTMemWorker` (vLLM's worker with one step added, selected
+by :func:`lstmem_peft.vllm_plugin.engine_args`, or ``vllm serve --worker-cls``) keeps a
+:class:`Sessions` and, before each step it runs:
 
 * every request that starts (new, or resumed from scratch after a preemption) and names a
   ``lstmem_memory_in`` has that memory staged for its state slot; each memory layer takes its
@@ -48,8 +47,9 @@ def load_session(path: str, layout) -> MemoryCache:
     return cache
 
 
-class _Sessions:
-    """The per-worker state of the extension."""
+class Sessions:
+    """Per-request memory files in one vLLM worker (:class:`~lstmem_peft.vllm_plugin.worker.LSTMemWorker`
+    calls :meth:`before_step` before each step it runs)."""
 
     def __init__(self, runner) -> None:
         model = runner.get_model()
@@ -64,18 +64,22 @@ class _Sessions:
         self.start_tokens: dict[str, int] = {}  # request id -> tokens_written of its starting memory
         self.ran: dict[str, int] = {}  # request id -> tokens the model ran for it since it (re)started
         self.staged: dict[str, int] = {}  # request id -> slot whose start is staged
+        # requests started, restarted from scratch after a preemption, and memories loaded / saved
+        self.counts = {"started": 0, "restarted": 0, "loaded": 0, "saved": 0}
 
     def before_step(self, scheduler_output) -> None:
         for request_id in scheduler_output.finished_req_ids:
             self.finish(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             if new.num_computed_tokens == 0:
+                self.counts["started"] += 1
                 self.start(new.req_id, new.sampling_params, new.block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             if request_id in cached.resumed_req_ids and cached.num_computed_tokens[i] == 0:
                 request = self.runner.requests.get(request_id)
                 if request is not None and cached.new_block_ids[i] is not None:
+                    self.counts["restarted"] += 1
                     self.start(request_id, request.sampling_params, cached.new_block_ids[i])
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             self.ran[request_id] = self.ran.get(request_id, 0) + count
@@ -91,6 +95,7 @@ class _Sessions:
         self.shared.starts[slot] = [(layer.cell[0], layer.hidden[0]) for layer in cache.layers]
         self.start_tokens[request_id] = int(cache.tokens_written[0])
         self.staged[request_id] = slot
+        self.counts["loaded"] += 1
 
     def finish(self, request_id: str) -> None:
         slot = self.staged.pop(request_id, None)
@@ -113,22 +118,4 @@ class _Sessions:
             layer.hidden = hiddens[slot][None].to("cpu", copy=True)
         cache.tokens_written = torch.tensor([start + ran])
         cache.save(path)
-
-
-class LSTMemSessions:
-    """vLLM worker extension: per-request memory files (see the module docstring)."""
-
-    def lstmem_install(self) -> bool:
-        runner = self.model_runner
-        if getattr(runner, "lstmem_sessions", None) is not None:
-            return True
-        sessions = _Sessions(runner)
-        original = runner.execute_model
-
-        def execute_model(scheduler_output, *args, **kwargs):
-            sessions.before_step(scheduler_output)
-            return original(scheduler_output, *args, **kwargs)
-
-        runner.execute_model = execute_model
-        runner.lstmem_sessions = sessions
-        return True
+        self.counts["saved"] += 1
