@@ -207,10 +207,9 @@ def block_feedback(
         with torch.no_grad():  # acceptance and finiteness are decisions, not differentiable maps
             moved = _rms(C_cand.float() - C_bef) / s
             accept = active & (moved <= rho + K.ACCEPT_TOLERANCE)
-            layer_finite = torch.isfinite(G).flatten(1).all(dim=1) & torch.isfinite(C_cand.float()).flatten(
-                1
-            ).all(dim=1)
-            finite = finite & layer_finite.to(finite.device)
+            finite_g = torch.isfinite(G).flatten(1).all(dim=1)
+            finite_c = torch.isfinite(C_cand.float()).flatten(1).all(dim=1)
+            finite = finite & (finite_g & finite_c).to(finite.device)
         candidates.append(C_cand)
         steps.append(accept.to(mask.device))
     commit_row = finite & has_samples  # (B,)

@@ -278,6 +278,26 @@ def test_two_interleaved_sessions_equal_each_alone(setup):
         assert_same_memory(MemoryCache.load(paths[s][2], layout), cache)
 
 
+def test_a_bad_session_file_is_refused_at_admission_and_the_engine_goes_on(setup, tmp_path):
+    from vllm.exceptions import VLLMValidationError
+
+    model, llm, root = setup
+    (tmp_path / "damaged.safetensors").write_bytes(b"not a safetensors file")
+    two_rows = history_memory(model, 60, 20)
+    two_rows.batch_repeat_interleave(2)
+    two_rows.save(tmp_path / "two-rows.safetensors")
+    prompt = [5, 6, 7]
+    for extra, message in (
+        ({"lstmem_memory_in": str(tmp_path / "damaged.safetensors")}, "not a readable safetensors file"),
+        ({"lstmem_memory_in": str(tmp_path / "two-rows.safetensors")}, "holds the memory of 2 sequences"),
+        ({"lstmem_memory_out": str(tmp_path / "no-such-folder" / "out.safetensors")}, "does not exist"),
+    ):
+        params = vllm.SamplingParams(max_tokens=2, detokenize=False, extra_args=extra)
+        with pytest.raises(VLLMValidationError, match=message):
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert vllm_answers(llm, [(prompt, None, None)]) == [library_answer(model, None, prompt)[0]]
+
+
 def test_a_memory_from_another_adapter_is_refused(setup):
     from lstmem_peft.vllm_plugin.sessions import load_session
 
@@ -443,6 +463,7 @@ def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
         "0",
     ]
     command += ["--hf-overrides", json.dumps(args["hf_overrides"]), "--worker-cls", args["worker_cls"]]
+    command += ["--logits-processors", *args["logits_processors"]]
     command += ["--no-enable-prefix-caching", "--max-model-len", str(ENGINE["max_model_len"])]
     command += [
         "--gpu-memory-utilization",

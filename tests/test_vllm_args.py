@@ -3,7 +3,7 @@
 import pytest
 from tiny_models import tiny_model
 
-from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, WORKER, engine_args
+from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, SESSION_FILE_CHECK, WORKER, engine_args
 
 
 def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
@@ -13,6 +13,7 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
     assert args == {
         "model": str(tmp_path),
         "worker_cls": WORKER,
+        "logits_processors": [SESSION_FILE_CHECK],
         "enable_prefix_caching": False,
         "dtype": "float32",
     }

@@ -92,7 +92,7 @@ def load_model(
     if engine == "vllm":
         if model is None or adapter is None:
             raise ValueError(
-                "--engine vllm needs --model and --adapter (a Qwen3 backbone and its LSTMem adapter); the "
+                "--engine vllm needs --model and --adapter (a Qwen3 or Llama backbone and its LSTMem adapter); the "
                 "embedded demo runs with the default engine"
             )
         from ..vllm_plugin.serve import VLLMAnswers

@@ -39,6 +39,7 @@ import os
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
 WORKER = "lstmem_peft.vllm_plugin.worker.LSTMemWorker"
+SESSION_FILE_CHECK = "lstmem_peft.vllm_plugin.sessions:SessionFileCheck"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
@@ -83,10 +84,11 @@ def hf_overrides(model: str, adapter: str) -> dict:
 
 def engine_args(model: str, adapter: str, **kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: ``model``, the overrides of
-    :func:`hf_overrides`, the worker that handles memory files (:mod:`.worker`), and no prefix caching (one fixed state
+    :func:`hf_overrides`, the worker that handles memory files (:mod:`.worker`), the admission check
+    of session files (:class:`.sessions.SessionFileCheck`), and no prefix caching (one fixed state
     slot per request; a cached prefix would skip writing its tokens into memory). ``kwargs`` are
-    passed on (``dtype``, ``max_model_len``, ...); an ``hf_overrides`` of theirs is merged into
-    these overrides."""
+    passed on (``dtype``, ``max_model_len``, ...); their ``hf_overrides`` are merged into these and
+    their ``logits_processors`` follow the check."""
     if kwargs.get("enable_prefix_caching"):
         raise ValueError(
             "enable_prefix_caching=True would let a request skip writing a cached prefix into its memory; "
@@ -98,6 +100,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         "model": model,
         "hf_overrides": overrides,
         "worker_cls": WORKER,
+        "logits_processors": [SESSION_FILE_CHECK, *kwargs.pop("logits_processors", [])],
         "enable_prefix_caching": False,
         **kwargs,
     }

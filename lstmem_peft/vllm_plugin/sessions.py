@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..cache import MemoryCache
 
@@ -37,7 +38,7 @@ def _extra(params, key: str) -> str | None:
 
 
 def load_session(path: str, layout) -> MemoryCache:
-    """A one-row memory for a request, checked against the model's layout."""
+    """A one-row memory for a request, checked against the model's layout (``None``: any layout)."""
     cache = MemoryCache.load(path, layout)
     if cache.batch_size != 1:
         raise ValueError(
@@ -85,13 +86,16 @@ class Sessions:
             self.ran[request_id] = self.ran.get(request_id, 0) + count
 
     def start(self, request_id: str, params, block_ids) -> None:
-        path = _extra(params, MEMORY_IN)
+        slot = int(block_ids[self.group][0])
+        # the slot is this request's now: a memory staged there for a request that was preempted or
+        # aborted before its first chunk ran is stale
+        self.shared.starts.pop(slot, None)
         self.start_tokens[request_id] = 0
         self.ran[request_id] = 0
+        path = _extra(params, MEMORY_IN)
         if path is None:
             return
         cache = load_session(path, self.layout)
-        slot = int(block_ids[self.group][0])
         self.shared.starts[slot] = [(layer.cell[0], layer.hidden[0]) for layer in cache.layers]
         self.start_tokens[request_id] = int(cache.tokens_written[0])
         self.staged[request_id] = slot
@@ -119,3 +123,39 @@ class Sessions:
         cache.tokens_written = torch.tensor([start + ran])
         cache.save(path)
         self.counts["saved"] += 1
+
+
+class SessionFileCheck(LogitsProcessor):
+    """Checks a request's session files when vLLM admits it, in the serving process, so that a bad
+    file is refused with that request's error (HTTP 400 on vLLM's server) instead of failing in a
+    worker, which would stop the engine: an existing ``lstmem_memory_in`` must be a readable one-row
+    :class:`~lstmem_peft.MemoryCache` file with finite states, and ``lstmem_memory_out`` a path in
+    an existing folder. A ``lstmem_memory_in`` that does not exist yet is let through: it may be the
+    memory of a request that has just finished, which the worker writes before it starts any request
+    admitted after that one's answer (a file still missing then stops the engine). Whether a memory
+    belongs to the served adapter (its layout fingerprint) is checked in the worker, which alone knows
+    the adapter. Selected by :func:`lstmem_peft.vllm_plugin.engine_args` (``logits_processors``); it
+    leaves logits alone."""
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        memory_in = _extra(sampling_params, MEMORY_IN)
+        if memory_in is not None and os.path.exists(memory_in):
+            load_session(memory_in, None)
+        memory_out = _extra(sampling_params, MEMORY_OUT)
+        if memory_out is not None:
+            folder = os.path.dirname(os.path.abspath(memory_out))
+            if not os.path.isdir(folder):
+                raise ValueError(f"{MEMORY_OUT}: the folder {folder} does not exist")
+
+    def __init__(self, vllm_config, device, is_pin_memory) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
