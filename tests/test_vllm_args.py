@@ -1,5 +1,7 @@
 """The vLLM plugin's engine arguments, which need no vLLM (the plugin itself: tests/test_vllm.py)."""
 
+import importlib.util
+
 import pytest
 from tiny_models import tiny_model
 
@@ -42,3 +44,14 @@ def test_serve_with_the_vllm_engine_needs_a_backbone_and_an_adapter():
         load_model(engine="vllm")
     with pytest.raises(ValueError, match="engine must be 'hf' or 'vllm'"):
         load_model(engine="tgi")
+
+
+def test_serve_with_the_vllm_engine_names_the_extra_when_vllm_is_missing(tmp_path):
+    pytest.importorskip("fastapi")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from lstmem_peft.serve.runtime import load_model
+
+    tiny_model("qwen3").save_pretrained(tmp_path / "base")
+    with pytest.raises(ImportError, match=r'pip install "lstmem-peft\[vllm\]"'):
+        load_model(str(tmp_path / "base"), "user/adapter", engine="vllm")

@@ -95,8 +95,9 @@ def load_model(
                 "--engine vllm needs --model and --adapter (a Qwen3 or Llama backbone and its LSTMem adapter); the "
                 "embedded demo runs with the default engine"
             )
-        from ..vllm_plugin.serve import VLLMAnswers
+        from ..vllm_plugin.serve import VLLMAnswers, require_vllm
 
+        require_vllm()  # before the library model loads
         loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
         loaded.engine = VLLMAnswers(model, adapter, dtype=dtype, **(vllm_options or {}))
         return loaded

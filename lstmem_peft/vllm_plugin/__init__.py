@@ -40,6 +40,9 @@ import os
 ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
 WORKER = "lstmem_peft.vllm_plugin.worker.LSTMemWorker"
 SESSION_FILE_CHECK = "lstmem_peft.vllm_plugin.sessions:SessionFileCheck"
+# SamplingParams.extra_args keys of a request's session files (lstmem_peft/vllm_plugin/sessions.py)
+MEMORY_IN = "lstmem_memory_in"
+MEMORY_OUT = "lstmem_memory_out"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"

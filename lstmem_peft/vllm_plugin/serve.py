@@ -19,8 +19,16 @@ from __future__ import annotations
 import os
 import tempfile
 
-from . import engine_args
-from .sessions import MEMORY_IN
+from ..extras import missing_extra
+from . import MEMORY_IN, engine_args
+
+
+def require_vllm() -> None:
+    """Raise the ``ImportError`` that names the extra when vLLM is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise missing_extra(err, "vllm", "lstmem serve --engine vllm") from err
 
 
 class VLLMAnswers:
@@ -35,6 +43,7 @@ class VLLMAnswers:
     """
 
     def __init__(self, model: str, adapter: str, dtype: str = "auto", **options) -> None:
+        require_vllm()
         from vllm import LLM
 
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))

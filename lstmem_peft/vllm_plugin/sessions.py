@@ -26,9 +26,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..cache import MemoryCache
-
-MEMORY_IN = "lstmem_memory_in"
-MEMORY_OUT = "lstmem_memory_out"
+from . import MEMORY_IN, MEMORY_OUT
 
 
 def _extra(params, key: str) -> str | None:
