@@ -6,7 +6,9 @@ is open (see :mod:`lstmem_peft.context`), it runs the memory on the projection's
 attention input, after the layer's input norm), adds ``Δq`` to the projection's output (before any
 q-norm and RoPE, which the backbone applies next) and leaves ``Δo`` with the pass. The matching
 ``LSTMemOutputLayer`` adds that ``Δo`` to the output projection's output. Outside a memory pass, or
-with adapters disabled, both are the plain base layers.
+with adapters disabled, both are the plain base layers. In an inference graph that ``torch.compile``
+captures, each wrapper calls one opaque operation (``lstmem::query_correction`` /
+``lstmem::output_correction``) that does the same, so the graph does not break per layer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,56 @@ from .quant import dense_weight
 
 # the context variable's getter without a Python frame: the wrappers ask it in every projection call
 _active = context.ACTIVE.get
+
+
+# ---------------------------------------------------------------------- compiled graphs
+# torch.compile cannot trace the context variable that carries the memory pass, so in a graph it
+# captures (inference: no gradients) each wrapper calls one opaque operation instead: the memory of
+# its decoder layer runs inside it, eagerly, against this thread's pass, exactly as in eager mode.
+# Outside a pass (adapters disabled, plain forwards) the correction is zeros.
+def _memory_pass_and_plan():
+    active = _active()
+    if active is None or active.model_pass is None:
+        return None, None
+    return active.model_pass, active.owner
+
+
+@torch.library.custom_op("lstmem::query_correction", mutates_args=())
+def _query_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """``Δq`` ``(B, T, width)`` of decoder layer ``layer_idx``: runs its memory in the open pass."""
+    model_pass, hooks = _memory_pass_and_plan()
+    if model_pass is None or layer_idx not in model_pass.depth_index:
+        return x.new_zeros(*x.shape[:-1], width)
+    depth = model_pass.depth_index[layer_idx]
+    _, _, layers, queries = hooks._plan(model_pass.adapter_name)
+    out = model_pass.run_layer(queries[depth], layers[depth], x)
+    return out.correction(0).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+
+
+@torch.library.custom_op("lstmem::output_correction", mutates_args=())
+def _output_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """``Δo`` ``(B, T, width)`` of decoder layer ``layer_idx``, left in the pass by its query wrapper."""
+    model_pass, _ = _memory_pass_and_plan()
+    out = None if model_pass is None else model_pass.pop_output(layer_idx)
+    if out is None:
+        return x.new_zeros(*x.shape[:-1], width)
+    return out.correction(1).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+
+
+@_query_correction.register_fake
+def _(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], width)
+
+
+@_output_correction.register_fake
+def _(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], width)
+
+
+def _in_captured_graph() -> bool:
+    """Inside a graph torch.compile captures for inference (training keeps the eager wrappers,
+    whose memory has gradients)."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
 
 
 class LSTMemTunerLayer(BaseTunerLayer):
@@ -107,6 +159,9 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
                 memory.w_pred_full.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if _in_captured_graph():
+            base = self.base_layer
+            return base(x, *args, **kwargs) + _query_correction(x, self.layer_idx, base.out_features)
         # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
         active = _active()
         active = None if active is None else active.model_pass
@@ -139,6 +194,9 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
         self.kwargs = {}
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if _in_captured_graph():
+            base = self.base_layer
+            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, base.out_features)
         active = _active()
         active = None if active is None else active.model_pass
         base = self._modules["base_layer"]
