@@ -14,7 +14,8 @@ generated tokens/s over the wall time of the call (prefill included) and the rat
 ``sweep``: for each KV length ``L``, one request with an ``L``-token prompt, timed with 1 and with
 ``1 + --new`` generated tokens; decode tokens/s = ``--new`` / the difference. Plain and LSTMem.
 
-Each run writes a JSON record (device, versions, date, settings, figures) to ``--out``.
+Each run writes a JSON record (device, versions, date, settings, figures) to ``--out`` (default
+``benchmarks/vllm``).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="vLLM's kv_cache_memory_bytes (CPU: e.g. 1073741824)"
     )
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/vllm")
     args = parser.parse_args(argv)
     if args.mode == "sweep":
         args.requests = 1
