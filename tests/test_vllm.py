@@ -1,11 +1,12 @@
 """The vLLM plugin against the library: same greedy tokens, same final memories.
 
 Runs where vLLM is installed (the separate environment of ``.ci/run-vllm``: vLLM's CPU build pins
-its own torch and transformers); elsewhere the module is skipped. One engine serves every test
-(starting one takes 20-40 s on a 2-core CPU).
+its own torch and transformers); elsewhere the module is skipped. One engine per architecture
+serves most tests (starting one takes 20-40 s on a 2-core CPU); the preemption, server, Hub and
+serve-engine tests start their own.
 
-The model: a tiny random Qwen3 (head_dim 64, which vLLM's CPU attention needs; float32) with an
-LSTMem adapter moved off its initialisation so that memory visibly changes the tokens. The oracle:
+The model: a tiny random Qwen3 or Llama (head_dim 64, which vLLM's CPU attention needs; float32) with
+an LSTMem adapter moved off its initialisation so that memory visibly changes the tokens. The oracle:
 ``model.generate(memory_cache=...)`` of the library, per request, from the same starting memory.
 """
 
