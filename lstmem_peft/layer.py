@@ -61,14 +61,13 @@ def _output_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Ten
     return out.correction(1).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
 
 
-@_query_correction.register_fake
-def _(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+def _correction_shape(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """What both operations return, for tracing: ``(B, T, width)`` in ``x``'s dtype."""
     return x.new_empty(*x.shape[:-1], width)
 
 
-@_output_correction.register_fake
-def _(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], width)
+_query_correction.register_fake(_correction_shape)
+_output_correction.register_fake(_correction_shape)
 
 
 def _in_captured_graph() -> bool:

@@ -131,24 +131,24 @@ def history_memory(model, seed: int, length: int) -> MemoryCache:
     return cache
 
 
-def library_answer(model, memory: MemoryCache | None, prompt: list[int]):
+def library_answer(model, memory: MemoryCache | None, prompt: list[int], new_tokens: int = NEW_TOKENS):
     cache = memory.clone() if memory is not None else MemoryCache()
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor([prompt]),
             memory_cache=cache,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist(), cache
 
 
-def vllm_answers(llm, requests):
+def vllm_answers(llm, requests, new_tokens: int = NEW_TOKENS):
     """``requests``: (prompt, memory_in path or None, memory_out path) -> generated token ids."""
     params = [
         vllm.SamplingParams(
-            max_tokens=NEW_TOKENS,
+            max_tokens=new_tokens,
             temperature=0.0,
             ignore_eos=True,
             detokenize=False,
@@ -224,17 +224,7 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
             requests.append(
                 (prompts[i], str(tmp_path / f"in-{i}.safetensors"), str(tmp_path / f"out-{i}.safetensors"))
             )
-        params = [
-            vllm.SamplingParams(
-                max_tokens=100,
-                temperature=0.0,
-                ignore_eos=True,
-                detokenize=False,
-                extra_args={"lstmem_memory_in": m_in, "lstmem_memory_out": m_out},
-            )
-            for _, m_in, m_out in requests
-        ]
-        outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in requests], params, use_tqdm=False)
+        tokens = vllm_answers(llm, requests, new_tokens=100)
         counts = llm.collective_rpc("lstmem_counts")[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -242,12 +232,8 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
     assert counts["loaded"] == 6 + counts["restarted"] and counts["saved"] == 6
     layout = memory_layout(model)
     for i, memory in enumerate(memories):
-        cache = memory.clone()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=torch.tensor([prompts[i]]), memory_cache=cache, max_new_tokens=100, do_sample=False
-            )
-        assert list(outputs[i].outputs[0].token_ids) == out[0, len(prompts[i]) :].tolist(), f"request {i}"
+        expected, cache = library_answer(model, memory, prompts[i], new_tokens=100)
+        assert tokens[i] == expected, f"request {i}"
         assert_same_memory(MemoryCache.load(tmp_path / f"out-{i}.safetensors", layout), cache)
 
 

@@ -88,6 +88,9 @@ class EngineMemory:
     Attributes:
         depth_seq: ``(N, n_h, r, r)`` ``D_t`` of every token from the memory layer that ran last in
             the current forward (the depth input of the next one), or ``None``.
+        batch: the running forward's requests as host lists, read from vLLM's metadata once per
+            forward by the first memory layer (all memory layers share one state group, so one
+            metadata object).
         starts: state slot -> one ``(C, D)`` pair ``(n_h, r, r)`` per memory layer (depth order): a
             session's memory, staged by :class:`~lstmem_peft.vllm_plugin.sessions.LSTMemSessions` for
             the request that owns the slot and taken by each layer at the request's first chunk.
@@ -95,6 +98,7 @@ class EngineMemory:
 
     def __init__(self) -> None:
         self.depth_seq: torch.Tensor | None = None
+        self.batch: _Batch | None = None
         self.starts: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     def take_start(self, slot: int, depth: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -105,6 +109,19 @@ class EngineMemory:
         if all(s is None for s in states):
             del self.starts[slot]
         return pair
+
+
+class _Batch:
+    """The requests of one forward, on the host: token ranges, sequence lengths, state slots."""
+
+    def __init__(self, metadata) -> None:
+        self.decodes, self.prefills = metadata.num_decodes, metadata.num_prefills
+        self.requests = self.decodes + self.prefills
+        self.tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
+        self.starts = metadata.query_start_loc[: self.requests + 1].tolist()
+        self.seq_lens = metadata.seq_lens[: self.requests].tolist()
+        self.slots = metadata.state_indices_tensor[: self.requests].long()
+        self.slot_list = self.slots.tolist()
 
 
 class LSTMemState(nn.Module, MambaBase):
@@ -180,16 +197,14 @@ class LSTMemState(nn.Module, MambaBase):
         if metadata is None:  # vLLM's profiling / warm-up forwards: no requests, no states
             delta_q.zero_()
             delta_o.zero_()
-            shared.depth_seq = None
+            shared.depth_seq = shared.batch = None
             return
+        if self.depth == 0:  # the first memory layer of the forward reads the requests for all
+            shared.batch = _Batch(metadata)
+        batch = shared.batch
         cells, hiddens = self.kv_cache
-        decodes, prefills = metadata.num_decodes, metadata.num_prefills
-        requests = decodes + prefills
-        tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
-        starts = metadata.query_start_loc[: requests + 1].tolist()
-        seq_lens = metadata.seq_lens[:requests].tolist()
-        slots = metadata.state_indices_tensor[:requests].long()
-        slot_list = slots.tolist()
+        decodes, requests, tokens = batch.decodes, batch.requests, batch.tokens
+        starts, seq_lens, slots, slot_list = batch.starts, batch.seq_lens, batch.slots, batch.slot_list
         depth_seq = shared.depth_seq if self.memory.depth_input else None
         x = x[:tokens]
         H, R = self.memory.num_heads, self.memory.head_dim
