@@ -68,6 +68,7 @@ class ModelPass:
         record_inputs: keep each memory layer's input ``x`` (``(B, T, d)``) after the forward, so
             that states at any position of this forward can be recomputed (generation that may crop
             its KV cache back into this forward).
+        draft: an early-exit draft of a ``generate`` call (read-only; the call's memory does not advance).
     """
 
     def __init__(
@@ -76,11 +77,13 @@ class ModelPass:
         depth_index: dict[int, int],
         memory_pass: MemoryPass,
         record_inputs: bool = False,
+        draft: bool = False,
     ) -> None:
         self.adapter_name = adapter_name
         self.depth_index = depth_index
         self.memory_pass = memory_pass
         self.inputs: list[torch.Tensor] | None = [] if record_inputs else None
+        self.draft = draft
         self.length = 0  # tokens of the forward (set by the opener)
         self.token: contextvars.Token | None = None  # restores ACTIVE when the pass closes
         self._outputs: dict[int, LayerOutput] = {}

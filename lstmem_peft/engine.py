@@ -44,6 +44,8 @@ class MemoryPass:
         backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
         weights: optional per-layer :class:`~lstmem_peft.memory.LayerWeights` (depth order) the
             caller derived already (once per ``generate`` call); ``None``: each layer derives its own.
+        every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
+            stack (an early-exit draft).
     """
 
     def __init__(
@@ -57,9 +59,12 @@ class MemoryPass:
         feedback_positions: int = K.FEEDBACK_POSITIONS,
         backend: str = "auto",
         weights: list | None = None,
+        every_layer: bool = True,
     ) -> None:
         if feedback and not write:
             raise ValueError("block feedback needs a writing pass (write=True)")
+        if write and not every_layer:
+            raise ValueError("a writing pass must run every memory layer (every_layer=True)")
         self.cache = cache
         self.valid = valid
         self.write = write
@@ -68,6 +73,7 @@ class MemoryPass:
         self.backend = backend
         self.feedback_positions = feedback_positions
         self.weights = weights
+        self.every_layer = every_layer
         self.feedback_result: FeedbackResult | None = None
         self._next = 0
         self._depth: torch.Tensor | None = None
@@ -162,7 +168,7 @@ class MemoryPass:
 
         Returns the :class:`~lstmem_peft.feedback.FeedbackResult` when feedback ran.
         """
-        if self._next != len(self.cache.layers):
+        if self._next != len(self.cache.layers) and self.every_layer:
             raise RuntimeError(
                 f"only {self._next} of {len(self.cache.layers)} memory layers ran in this forward; "
                 "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"

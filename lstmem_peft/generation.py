@@ -30,10 +30,17 @@ How (one :class:`GenerateSession` per call):
   stop-string criteria (and wraps the user's own criteria, so they run once) and marks from which
   position each row must no longer write.
 
+* **Drafts read, never write.** Self-speculative early exit drafts with this same model, its stack
+  cut at layer ``assistant_early_exit``, on a KV cache of its own. A draft forward (recognised by
+  the cut: ``num_hidden_layers`` below the model's) reads the working memory as verified so far and
+  writes nothing; only the memory layers below the exit run. The verifier's full forwards write, and
+  are rolled back with the KV crop like any assisted decoding. An assistant model with its own
+  LSTMem adapter keeps its own memory; it never touches this one.
+
 Modes that cannot be made exact raise before the call starts: classifier-free guidance (its
 unconditional branch runs the model without the caller's memory), paged / continuous batching
-(which drops ``memory_cache``), self-speculative early exit (its draft runs a truncated stack
-against the same memory), and beam search on a KV cache the caller passes in.
+(which drops ``memory_cache``), the model as its own ``assistant_model`` (use
+``assistant_early_exit``), and beam search on a KV cache the caller passes in.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def resolve_generation_config(model, kwargs: dict) -> GenerationConfig:
     return config
 
 
-def refuse_inexact_modes(config: GenerationConfig, kwargs: dict) -> None:
+def refuse_inexact_modes(model, config: GenerationConfig, kwargs: dict) -> None:
     """Raise for the decoding modes whose memory cannot follow the tokens exactly (see module doc)."""
     if config.guidance_scale is not None and config.guidance_scale != 1:
         raise NotImplementedError(
@@ -85,10 +92,11 @@ def refuse_inexact_modes(config: GenerationConfig, kwargs: dict) -> None:
             "paged attention / continuous batching is not supported with LSTMem memory: that path drops "
             "memory_cache. Use the default or a static cache (cache_implementation='static')"
         )
-    if getattr(config, "assistant_early_exit", None) is not None:
+    assistant = kwargs.get("assistant_model")
+    if isinstance(assistant, torch.nn.Module) and _same_model(assistant, model):
         raise NotImplementedError(
-            "self-speculative early exit (assistant_early_exit) is not supported with LSTMem memory: its drafts run "
-            "a truncated layer stack against the same memory. Use prompt_lookup_num_tokens=... or an assistant_model"
+            "the model cannot be its own assistant_model with LSTMem memory: its drafts would run a second KV cache "
+            "against the same memory. For self-speculative decoding pass assistant_early_exit=<layer> instead"
         )
     if (config.num_beams or 1) > 1 and kwargs.get("past_key_values") is not None:
         raise NotImplementedError(
@@ -101,6 +109,18 @@ def refuse_inexact_modes(config: GenerationConfig, kwargs: dict) -> None:
             "beam search (num_beams > 1) from inputs_embeds is not supported with LSTMem memory: the memory of the "
             "returned hypotheses is recomputed from token ids. Pass input_ids, or decode greedily / by sampling"
         )
+
+
+def _same_model(a, b) -> bool:
+    """Whether ``a`` and ``b`` are one model (any PEFT wrapper around it): they share parameters."""
+    first = next(iter(a.parameters()), None)
+    return first is not None and first is next(iter(b.parameters()), None)
+
+
+def stack_config(model):
+    """The config whose ``num_hidden_layers`` transformers lowers while early exit drafts (that of the
+    module under ``base_model_prefix``)."""
+    return getattr(getattr(model, model.base_model_prefix, model), "config", model.config)
 
 
 def prompt_ids(kwargs: dict) -> torch.Tensor | None:
@@ -209,6 +229,8 @@ class GenerateSession:
             ids = prompt_ids(kwargs)
             self.prompt = (ids, prompt_mask(hooks.model, ids, kwargs.get("attention_mask")))
         self.weights: list | None = None  # the memory layers' LayerWeights, derived once per call
+        self.stack = stack_config(hooks.model)
+        self.num_layers = self.stack.num_hidden_layers  # early exit lowers it while it drafts
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
 
     # ------------------------------------------------------------------ set-up
@@ -245,6 +267,21 @@ class GenerateSession:
         self._forward_before = _States(self.work)
         return self.work
 
+    def drafting(self) -> bool:
+        """Whether the forward about to run is an early-exit draft (its stack is cut)."""
+        return self.stack.num_hidden_layers < self.num_layers
+
+    def draft_memory(self, layout: MemoryLayout, batch: int, device) -> MemoryCache:
+        """The memory an early-exit draft reads (read-only): the working memory as verified so far, or
+        the starting memory before the first verifying forward."""
+        work = self.work if self.work is not None else self._working_copy(layout, batch, device)
+        if work.batch_size != batch:
+            raise RuntimeError(
+                f"an early-exit draft ran {batch} sequences against a memory of {work.batch_size}; assisted decoding "
+                "drafts one sequence at a time: generate with batch size 1"
+            )
+        return work
+
     def extra_valid(self, length: int, device) -> torch.Tensor | None:
         """``(B, length)`` bool: ``False`` where a finished row must not write; ``None`` when all may."""
         if self.stop_at is None:
@@ -262,6 +299,14 @@ class GenerateSession:
         )
 
     def _begin(self, layout, kv, position, batch, device, kwargs) -> None:
+        self.work = self._working_copy(layout, batch, device)
+        self.position = self.start_position = position
+        self.start = _States(self.work)
+        if kv is not None:
+            self._bind_kv(kv)
+
+    def _working_copy(self, layout: MemoryLayout, batch: int, device) -> MemoryCache:
+        """A copy of the caller's memory with one row per sequence generate runs, on ``device``."""
         cache = self.user_cache
         cache.check_layout(layout)
         work = cache.clone() if cache.layout is not None else MemoryCache()
@@ -278,11 +323,7 @@ class GenerateSession:
             work.batch_repeat_interleave(self.expand)
         if work.device != device:
             work.to(device)
-        self.work = work
-        self.position = self.start_position = position
-        self.start = _States(work)
-        if kv is not None:
-            self._bind_kv(kv)
+        return work
 
     # ------------------------------------------------------------------ the KV cache's operations
     def _bind_kv(self, kv) -> None:

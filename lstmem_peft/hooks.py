@@ -324,7 +324,10 @@ class MemoryHooks:
         past = 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
         layout, depth_index, layers, _ = self._plan(adapter)
         session = active.session if active is not None and active.owner is self and cache is None else None
-        if session is not None:
+        draft = session is not None and session.drafting()
+        if draft:  # an early-exit draft: reads the verified memory, writes nothing
+            memory, write = session.draft_memory(layout, batch, ref.device), False
+        elif session is not None:
             memory = session.memory_for(layout, kwargs, batch, length, ref.device)
             write = session.write if write is None else write
         else:
@@ -348,7 +351,7 @@ class MemoryHooks:
                 "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
             )
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
-        if session is not None:
+        if session is not None and not draft:
             valid = _and(valid, session.extra_valid(length, ref.device))
         memory_pass = MemoryPass(
             memory,
@@ -359,9 +362,14 @@ class MemoryHooks:
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
             weights=self._layer_weights(layers, session),
+            every_layer=not draft,  # a draft runs only the layers below its exit
         )
         model_pass = ModelPass(
-            adapter, depth_index, memory_pass, record_inputs=session is not None and length <= RECORD_LIMIT
+            adapter,
+            depth_index,
+            memory_pass,
+            record_inputs=session is not None and not draft and length <= RECORD_LIMIT,
+            draft=draft,
         )
         model_pass.length = length
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
@@ -393,7 +401,7 @@ class MemoryHooks:
         ACTIVE.reset(model_pass.token)
         completed = output is not None and model_pass.memory_pass.layers_run > 0
         model_pass.close(completed)
-        if completed and active.session is not None:
+        if completed and active.session is not None and not model_pass.draft:
             active.session.forward_done(model_pass.length, model_pass.inputs, model_pass.memory_pass.valid)
         return output
 
@@ -416,7 +424,7 @@ class MemoryHooks:
             kwargs["inputs"], args = args[0], args[1:]
         adapter = self.active_adapter()
         config = resolve_generation_config(self.model, kwargs)
-        refuse_inexact_modes(config, kwargs)
+        refuse_inexact_modes(self.model, config, kwargs)
         cache = MemoryCache() if memory_cache is None else memory_cache
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
@@ -433,5 +441,7 @@ class MemoryHooks:
         finally:
             ACTIVE.reset(token)
             session.unbind()
+            # early exit cuts the stack while it drafts and does not restore it if a draft raises
+            session.stack.num_hidden_layers = session.num_layers
         session.commit(output)
         return output

@@ -219,6 +219,128 @@ def test_assistant_model_drafts_never_stay_in_memory(model, assistant):
     assert_same_memory(cache, states(plain_cache), **TOL)
 
 
+@pytest.mark.parametrize("exit_layer", [1, 2])
+def test_self_speculative_early_exit_drafts_read_memory_and_only_verified_tokens_write(
+    model, exit_layer, monkeypatch
+):
+    """Early exit drafts with the model's first layers against the verified memory (read-only, only
+    the memory layers below the exit run); the full-stack verifier writes, rolled back with the KV crop."""
+    from lstmem_peft.generation import GenerateSession
+
+    drafts = []
+    draft_memory = GenerateSession.draft_memory
+
+    def spy(self, *args):
+        drafts.append(self.position)
+        return draft_memory(self, *args)
+
+    monkeypatch.setattr(GenerateSession, "draft_memory", spy)
+    prompt, mask = prompt_batch((6,))
+    start = history_cache(model, 1)
+    plain_cache, cache = start.clone(), start.clone()
+    plain = generate(model, prompt, mask, plain_cache, do_sample=False, max_new_tokens=8)
+    layers = model.config.num_hidden_layers
+    out = generate(
+        model, prompt, mask, cache, do_sample=False, max_new_tokens=8, assistant_early_exit=exit_layer
+    )
+    assert len(drafts) > 1 and max(drafts) > 0  # drafts ran, also after verified tokens were written
+    assert torch.equal(out.sequences, plain.sequences)
+    check(model, start, prompt, mask, out, cache)
+    assert model.config.num_hidden_layers == layers
+
+
+def test_a_draft_that_raises_leaves_the_cache_and_the_layer_count_as_they_were(model):
+    """transformers' early exit does not restore ``num_hidden_layers`` when a draft raises; generate does."""
+    from transformers import LogitsProcessorList
+
+    calls = []
+
+    def boom(input_ids, scores):
+        calls.append(input_ids.shape[1])
+        if len(calls) == 2:  # the assistant drafts first: this is inside a draft
+            raise RuntimeError("boom")
+        return scores
+
+    prompt, mask = prompt_batch((6,))
+    cache = history_cache(model, 1)
+    before, layers = states(cache), model.config.num_hidden_layers
+    with pytest.raises(RuntimeError, match="boom"):
+        generate(
+            model,
+            prompt,
+            mask,
+            cache,
+            do_sample=False,
+            assistant_early_exit=1,
+            logits_processor=LogitsProcessorList([boom]),
+        )
+    assert model.config.num_hidden_layers == layers
+    assert_same_memory(cache, before, atol=0, rtol=0)
+
+
+class _HostEvent:
+    """A CUDA/MPS event's interface for the CPU, where every operation has finished when it returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("kv", ["returned", "user", "dropped"])
+def test_the_deferred_stop_check_writes_no_token_past_the_stop(model, monkeypatch, kv):
+    """transformers defers the stop check by one step on mps: one more forward runs after every row
+    finished, and the KV cache, when it outlives the call, is cropped back. Forced on the CPU here (its
+    events are no-ops: the CPU is synchronous), tokens and memory must be those without the deferral."""
+    from transformers.generation import utils as generation_utils
+
+    from lstmem_peft.generation import GenerateSession
+
+    prompt, mask = prompt_batch((6,))
+    start = history_cache(model, 1)
+    out = generate(model, prompt, mask, start.clone(), do_sample=False, eos_token_id=None)
+    eos = int(out.sequences[0, prompt.shape[1] + 2])  # the row's third token ends it
+    kwargs = dict(eos_token_id=eos, max_new_tokens=12)
+    if kv == "dropped":
+        kwargs.update(return_dict_in_generate=False, output_logits=False)
+
+    def run():
+        cache, forwards = start.clone(), []
+        done = GenerateSession.forward_done
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                GenerateSession, "forward_done", lambda self, *a: forwards.append(1) or done(self, *a)
+            )
+            user = dict(past_key_values=DynamicCache()) if kv == "user" else {}
+            return (
+                generate(model, prompt, mask, cache, do_sample=False, **kwargs, **user),
+                cache,
+                len(forwards),
+            )
+
+    ref, ref_cache, ref_forwards = run()
+    deferred = []
+
+    def supported(device, cache, cache_is_returned, is_assistant):
+        deferred.append(cache_is_returned)
+        return not is_assistant
+
+    monkeypatch.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(supported))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    out, cache, forwards = run()
+    assert deferred == [kv != "dropped"] and forwards == ref_forwards + 1  # one forward past the stop
+    sequences = out if kv == "dropped" else out.sequences
+    assert torch.equal(sequences, ref if kv == "dropped" else ref.sequences)
+    assert eos in sequences[0, prompt.shape[1] :].tolist()
+    assert_same_memory(cache, states(ref_cache), **TOL)
+    if kv != "dropped":
+        check(model, start, prompt, mask, out, cache, stop_token=eos)
+
+
 def test_inputs_embeds(model):
     prompt, mask = prompt_batch()
     start = history_cache(model, 2)
@@ -360,7 +482,7 @@ def test_read_only_generation_expands_but_never_writes(model):
 REFUSED = {
     "classifier-free guidance": (dict(guidance_scale=1.5), NotImplementedError, "classifier-free guidance"),
     "paged attention": (dict(cache_implementation="paged"), NotImplementedError, "continuous batching"),
-    "early exit": (dict(assistant_early_exit=1), NotImplementedError, "early exit"),
+    "own assistant": (dict(assistant_model="self"), NotImplementedError, "assistant_early_exit"),
     "greedy num_return_sequences": (
         dict(do_sample=False, num_return_sequences=2),
         ValueError,
@@ -372,6 +494,8 @@ REFUSED = {
 @pytest.mark.parametrize("mode", sorted(REFUSED))
 def test_inexact_modes_are_refused_before_the_cache_is_touched(model, mode):
     kwargs, error, message = REFUSED[mode]
+    if kwargs.get("assistant_model") == "self":
+        kwargs = dict(kwargs, assistant_model=model)
     prompt, mask = prompt_batch()
     cache = history_cache(model, 2)
     before = states(cache)
