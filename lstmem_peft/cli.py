@@ -156,6 +156,14 @@ def _parser() -> argparse.ArgumentParser:
         help="mab, official protocol: count chunk tokens with tiktoken's gpt-4o-mini encoding (the official "
         "rule; needs tiktoken and its cached encoding) or with the evaluated model's tokenizer",
     )
+    ev.add_argument(
+        "--max-context-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mab, paper protocol: pre-clip contexts longer than N characters as δ-mem's suite does (its "
+        "first third and last two thirds around a marker; default 120000, the suite's; 0: whole contexts)",
+    )
     ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -337,6 +345,12 @@ def _eval(args) -> int:
         del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
     if args.benchmark != "mab" and (args.max_questions is not None or args.entity_map is not None):
         raise SystemExit("--max-questions and --entity-map apply to mab only")
+    if args.max_context_chars is not None and (args.benchmark != "mab" or args.protocol != "paper"):
+        raise SystemExit("--max-context-chars applies to mab with --protocol paper only")
+    if args.max_context_chars is not None and args.max_context_chars < 0:
+        raise SystemExit(
+            f"--max-context-chars: expected 0 (no clipping) or more, got {args.max_context_chars}"
+        )
     if args.benchmark == "locomo":
         from .eval.locomo import LoCoMo as make
     elif args.benchmark == "hotpotqa":
@@ -347,6 +361,8 @@ def _eval(args) -> int:
         from .eval.mab import MemoryAgentBench as make
 
         options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
+        if args.max_context_chars is not None:
+            options["max_context_chars"] = args.max_context_chars
     if args.rescore is None and args.model is None:
         raise SystemExit("lstmem eval: --model is required (unless --rescore re-scores an existing run)")
     if args.rescore is not None and (args.model is not None or args.resume):

@@ -393,6 +393,43 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
         cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
 
 
+def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_path, monkeypatch):
+    from eval_fixtures import mab_row, write_snapshot
+
+    from lstmem_peft import cli
+    from lstmem_peft.eval import mab, runner
+
+    written = []
+    real_history_ids = runner.PromptBuilder.history_ids
+
+    def spy(self, history, in_prompt=True):
+        pieces = real_history_ids(self, history, in_prompt)
+        written.append((history.text, self.tokenizer.decode(sum(pieces, []), skip_special_tokens=True)))
+        return pieces
+
+    monkeypatch.setattr(runner.PromptBuilder, "history_ids", spy)
+    model.get_base_model().save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "adapter")
+    context = "".join(str(i % 10) for i in range(150))  # 150 characters, no whitespace
+    rows = {"Accurate_Retrieval": [mab_row("ruler_qa1_197K", context, ["Which digit?"], [["7"]])]}
+    snapshot = write_snapshot(tmp_path / "mab", rows)
+    out = tmp_path / "out"
+    argv = ["eval", "mab", str(snapshot), "--model", str(tmp_path / "base"), "--adapter"]
+    argv += [str(tmp_path / "adapter"), "--out", str(out), "--protocol", "paper", "--max-context-chars"]
+    argv += ["100", "--max-new-tokens", "2", "--no-base", "--no-plot", "--block-size", "64"]
+    assert cli.main(argv) == 0
+    # limit 100: room 100 - 31 = 69, head 69 // 3 = 23, tail 46, from 150 - 46 = 104
+    clipped = context[:23] + "\n\n[... context truncated ...]\n\n" + context[104:]
+    assert written == [(mab.PAPER_HEAD + clipped, mab.PAPER_HEAD + clipped)]  # no chat template here
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["protocol"] == "paper" and summary["settings"]["max_context_chars"] == 100
+    with pytest.raises(SystemExit, match="--protocol paper only"):
+        cli.main(["eval", "mab", str(snapshot), "--model", "x", "--max-context-chars", "100"])
+    with pytest.raises(SystemExit, match="expected 0"):
+        cli.main(argv[:3] + ["--model", "x", "--protocol", "paper", "--max-context-chars", "-1"])
+
+
 @pytest.mark.parametrize(
     "argv, code, message",
     [

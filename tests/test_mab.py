@@ -130,6 +130,94 @@ def test_paper_protocol_prompts(snapshot):
     assert "reply exactly: I don't know." in ruler.text
 
 
+# ---------------------------------------------------------------------- the paper protocol's pre-clip
+# δ-Mem's clip_context_text (declare-lab/delta-Mem, deltamem/eval/benchmark_compare.py), as its suite runs
+# it (--memory-agent-bench-max-context-chars 120000). The marker "\n\n[... context truncated ...]\n\n" is
+# 2 + 27 + 2 = 31 characters. For N = 120,000: room N - 31 = 119,969; head 119,969 // 3 = 39,989
+# (3 * 39,989 = 119,967); tail 119,969 - 39,989 = 79,980; 39,989 + 31 + 79,980 = 120,000.
+MARKER = "\n\n[... context truncated ...]\n\n"
+
+
+def digits(n):
+    """n characters, no whitespace, no marker: position i holds str(i % 10)."""
+    return "".join(str(i % 10) for i in range(n))
+
+
+def test_paper_clip_constants_are_delta_mems():
+    assert mab.CLIP_MARKER == MARKER and len(MARKER) == 31
+    assert mab.PAPER_MAX_CONTEXT_CHARS == 120_000
+
+
+def test_paper_clip_under_at_and_just_over_the_limit():
+    for n in (0, 1, 119_999, 120_000):  # at most the limit: unchanged
+        assert mab.paper_clip(digits(n)) == digits(n)
+    text = digits(120_001)  # one over: 120,001 - 79,980 = 40,021 is where the tail starts
+    clipped = mab.paper_clip(text)
+    assert clipped == text[:39_989] + MARKER + text[40_021:]
+    assert clipped.count(MARKER) == 1 and len(clipped) == 120_000
+    head, tail = clipped.split(MARKER)
+    assert (len(head), len(tail)) == (39_989, 79_980)
+    assert len(text) - len(head) - len(tail) == 32  # characters dropped: 120,001 - 119,969
+    # far over: the same head and tail lengths; the tail starts at 200,000 - 79,980 = 120,020
+    long = digits(200_000)
+    assert mab.paper_clip(long) == long[:39_989] + MARKER + long[120_020:]
+
+
+def test_paper_clip_strips_whitespace_at_the_cut():
+    # 130,000 characters: the head is [0, 39,989), the tail [130,000 - 79,980, ...) = [50,020, ...)
+    text = "a" * 39_987 + " \t" + "b" * (50_020 - 39_989) + "\n " + "c" * (130_000 - 50_022)
+    assert len(text) == 130_000 and text[39_987:39_989] == " \t" and text[50_020:50_022] == "\n "
+    # the head's trailing " \t" and the tail's leading "\n " are stripped: 39,987 + 31 + 79,978
+    assert mab.paper_clip(text) == "a" * 39_987 + MARKER + "c" * 79_978
+
+
+def test_paper_clip_small_and_disabled_limits():
+    text = digits(100)
+    # N = 63: room 32, too small for a marker: the last 63 characters
+    assert mab.paper_clip(digits(64), 63) == digits(64)[1:]
+    # N = 64: room 33, head 11, tail 22 (from 100 - 22 = 78)
+    assert mab.paper_clip(text, 64) == text[:11] + MARKER + text[78:]
+    # N = 100 in the end-to-end test's shape: room 69, head 23, tail 46
+    assert mab.paper_clip(digits(150), 100) == digits(150)[:23] + MARKER + digits(150)[104:]
+    assert mab.paper_clip(text, 0) == text and mab.paper_clip(text, -5) == text  # off
+    assert mab.paper_clip(text, 100) == text
+
+
+def test_paper_protocol_histories_are_pre_clipped(tmp_path):
+    lengths = (119_999, 120_000, 120_001)
+    rows = {
+        "Accurate_Retrieval": [
+            mab_row("ruler_qa1_197K", digits(n), ["Which digit?"], [["7"]]) for n in lengths
+        ]
+    }
+    root = write_snapshot(tmp_path / "long", rows)
+    paper = _bench(root, protocol="paper")
+    assert paper.settings()["max_context_chars"] == 120_000
+    under, at, over = (h.text for h in paper.histories())
+    assert under == mab.PAPER_HEAD + digits(119_999) and at == mab.PAPER_HEAD + digits(120_000)
+    assert over == mab.PAPER_HEAD + digits(120_001)[:39_989] + MARKER + digits(120_001)[40_021:]
+    assert over.count(MARKER) == 1
+    # the prompt after the history is unchanged
+    assert next(paper.histories()).questions[0].prompt == "\n\nQuestion: Which digit?\nAnswer:"
+
+    whole = _bench(root, protocol="paper", max_context_chars=0)
+    assert whole.settings()["max_context_chars"] == 0
+    assert [h.text for h in whole.histories()][2] == mab.PAPER_HEAD + digits(120_001)
+    small = _bench(root, protocol="paper", max_context_chars=64)
+    assert [h.text for h in small.histories()][0] == (
+        mab.PAPER_HEAD + digits(119_999)[:11] + MARKER + digits(119_999)[-22:]
+    )
+
+    official = _bench(root)  # the official protocol chunks the whole context
+    assert "max_context_chars" not in official.settings()
+    assert all(MARKER not in h.text for h in official.histories())
+    assert digits(120_001) in list(official.histories())[2].text
+    with pytest.raises(ValueError, match="paper protocol only"):
+        _bench(root, max_context_chars=1000)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _bench(root, protocol="paper", max_context_chars=-1)
+
+
 def test_jsonl_snapshot_and_single_file_match_parquet(snapshot, tmp_path):
     parquet = list(_bench(snapshot).histories())
     assert list(_bench(write_snapshot(tmp_path / "jsonl", ROWS, fmt="jsonl")).histories()) == parquet

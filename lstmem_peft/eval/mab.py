@@ -20,7 +20,8 @@ Protocols (one ``"score"`` in [0, 1] per question; the rules are in :mod:`lstmem
   ReDial recall@5).
 * ``paper`` -- δ-Mem's ``benchmark_compare.py`` as the paper's suite script runs it
   (``--no-memory-agent-bench-use-official-prompt``): one user turn, ``MEMORY_CONTEXT_QA_PROMPT_TEMPLATE``
-  with the raw context, δ-Mem's alias accuracy / F1 and the official ReDial recall@5.
+  with the raw context, pre-clipped as the suite does (``--memory-agent-bench-max-context-chars 120000``;
+  :func:`paper_clip`), δ-Mem's alias accuracy / F1 and the official ReDial recall@5.
 
 Family and overall scores are means over questions, so families weigh by their question counts.
 Deviations from the released code are listed in the README ("Evaluate against the paper's
@@ -119,6 +120,37 @@ PAPER_HEAD = (
     "If the answer is not supported by the context, reply exactly: I don't know.\n\n"
 )
 PAPER_QUESTION = "\n\nQuestion: {question}\nAnswer:"
+# Source: declare-lab/delta-Mem, deltamem/eval/benchmark_compare.py, clip_context_text (the marker) and
+# scripts/run_qasper_multimodel_write8192_benchmark_suite*.sh (--memory-agent-bench-max-context-chars 120000).
+CLIP_MARKER = "\n\n[... context truncated ...]\n\n"
+PAPER_MAX_CONTEXT_CHARS = 120_000
+
+
+def paper_clip(text: str, max_chars: int = PAPER_MAX_CONTEXT_CHARS) -> str:
+    """δ-Mem's pre-clip of a MemoryAgentBench context (the ``paper`` protocol), character for character.
+
+    Read in ``deltamem/eval/benchmark_compare.py`` of declare-lab/delta-Mem at commit
+    ``5cd5d9153c7f408764728d953565201e198c39e2`` (the file is unchanged since it was added in
+    ``2e9a67c4c684e33964d39a40601041d2bd53196a``): ``clip_context_text``, which
+    ``evaluate_memory_agent_bench`` applies to every row's raw ``context`` (every source, both of its
+    prompt paths) before any templating or chunking, with the limit of
+    ``--memory-agent-bench-max-context-chars`` (120,000 in the suite scripts).
+
+    A text of at most ``max_chars`` characters, or any text when ``max_chars <= 0``, is returned as
+    it is. Otherwise ``room = max_chars - len(CLIP_MARKER)`` (the marker is 31 characters): when
+    ``room <= 32`` the result is the last ``max_chars`` characters, with no marker; else the first
+    ``room // 3`` characters with trailing whitespace stripped, :data:`CLIP_MARKER`, and the last
+    ``room - room // 3`` characters with leading whitespace stripped. For 120,000: the first 39,989
+    and the last 79,980 characters, so at most 120,000 in all.
+    """
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    room = max_chars - len(CLIP_MARKER)
+    if room <= 32:
+        return text[len(text) - max_chars :]
+    head = room // 3  # room >= 33 here, so head >= 11 and the tail keeps the other two thirds
+    tail = room - head
+    return text[:head].rstrip() + CLIP_MARKER + text[len(text) - tail :].lstrip()
 
 
 @dataclass(frozen=True)
@@ -297,6 +329,9 @@ class MemoryAgentBench(Benchmark):
         max_new_tokens: cap on every source's generation limit (smoke runs); ``None`` keeps the
             official per-source limits (the paper's).
         protocol: ``"official"`` or ``"paper"`` (prompts and scoring; see the module docstring).
+        max_context_chars: ``paper`` protocol only: contexts longer than this many characters are
+            pre-clipped as δ-Mem's suite does (:func:`paper_clip`); ``None``: the suite's 120,000
+            (:data:`PAPER_MAX_CONTEXT_CHARS`); ``0``: contexts written whole.
         count_tokens, split_sentences: the official protocol's chunking (:func:`sentence_chunks`);
             defaults: tiktoken's ``gpt-4o-mini`` encoding and ``nltk.sent_tokenize``.
         time_stamp: fills the official ``memorize`` templates' ``{time_stamp}``.
@@ -317,8 +352,14 @@ class MemoryAgentBench(Benchmark):
         count_tokens: Callable[[str], int] | None = None,
         split_sentences: Callable[[str], list[str]] | None = None,
         time_stamp: str = TIME_STAMP,
+        max_context_chars: int | None = None,
     ) -> None:
         self.protocol = scorers.check_protocol(protocol)
+        if max_context_chars is not None and self.protocol != "paper":
+            raise ValueError("max_context_chars applies to the paper protocol only (δ-Mem's pre-clip)")
+        if max_context_chars is not None and max_context_chars < 0:
+            raise ValueError(f"max_context_chars must be >= 0 (0: no clipping), got {max_context_chars}")
+        self.max_context_chars = PAPER_MAX_CONTEXT_CHARS if max_context_chars is None else max_context_chars
         self.count_tokens, self.split_sentences, self.time_stamp = count_tokens, split_sentences, time_stamp
         chosen = set(FAMILIES if families is None else families)
         if unknown := sorted(chosen - set(FAMILIES)):
@@ -387,10 +428,11 @@ class MemoryAgentBench(Benchmark):
 
     def _history(self, row: History) -> History:
         """A loaded row (raw context; its source in ``system``) as the protocol's history: the paper's
-        template head and the raw context, or the official chunks in ``memorize`` templates and the
-        official system message. Built when iterated, so scoring alone never chunks."""
+        template head and the raw context pre-clipped as δ-Mem's suite does, or the official chunks in
+        ``memorize`` templates and the official system message. Built when iterated, so scoring alone
+        never chunks."""
         if self.protocol == "paper":
-            return History(row.id, PAPER_HEAD + row.text, row.questions)
+            return History(row.id, PAPER_HEAD + paper_clip(row.text, self.max_context_chars), row.questions)
         chunks = sentence_chunks(row.text, CHUNK_TOKENS, self.count_tokens, self.split_sentences)
         text = official_history(row.system, chunks, self.time_stamp)
         return History(row.id, text, row.questions, system=OFFICIAL_SYSTEM)
@@ -471,6 +513,8 @@ class MemoryAgentBench(Benchmark):
         options.update(max_new_tokens=self.max_new_tokens, time_stamp=self.time_stamp)
         if self.protocol == "official":  # how chunk tokens were counted
             options["chunk_tokens"] = "gpt-4o-mini" if self.count_tokens is None else "custom"
+        else:  # δ-Mem's pre-clip (0: off)
+            options["max_context_chars"] = self.max_context_chars
         return {**super().settings(), **options, "histories": len(self._histories)}
 
     def score(self, question: Question, prediction: str) -> dict[str, float]:
