@@ -12,7 +12,7 @@ torch.Size([1, 5, 4, 8, 8])
 
 from .naive import scan_naive, step_naive
 from .ops import BACKENDS, lstmem_scan, lstmem_step, triton_available
-from .parallel import scan_parallel, step_shaped, step_torch
+from .parallel import scan_parallel, step_torch
 
 __all__ = [
     "BACKENDS",
@@ -21,7 +21,6 @@ __all__ = [
     "scan_naive",
     "scan_parallel",
     "step_naive",
-    "step_shaped",
     "step_torch",
     "triton_available",
 ]

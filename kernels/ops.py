@@ -98,23 +98,35 @@ def lstmem_step(
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step: ``(read, new_cell, new_hidden)`` from ``(B, H, R)`` inputs.
+) -> torch.Tensor:
+    """One decode step of the recurrence, updating ``cell`` and ``hidden`` **in place** (every backend).
 
-    The Triton backend (chosen by ``"auto"`` for CUDA tensors when no gradient is needed) runs one
-    kernel launch and updates ``cell``/``hidden`` **in place**, returning the same tensors; the
-    PyTorch backends are functional. Always use the returned states.
+    Args:
+        q, k, w, f, o: ``(B, H, R)`` read query, write key, gated residual ``i*e``, forget and
+            output gates of one token.
+        cell, hidden: ``(B, H, R, R)`` states ``C_{t-1}``, ``D_{t-1}``, overwritten with ``C_t``, ``D_t``
+            (rows where ``valid`` is ``False`` are left as they are).
+        depth: ``(B, H, R, R)`` depth term ``g * D^{(l-1)}_t``, or ``None`` for zeros.
+        valid: ``(B,)`` bool, or ``None``.
+        backend: see the module docstring (``"auto"``: Triton for CUDA tensors, else PyTorch).
+
+    Returns:
+        ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, from the state before the update.
+
+    Not differentiable (an in-place update): for gradients, scan the token with :func:`lstmem_scan`.
     """
     _check_backend(backend)
-    needs_grad = torch.is_grad_enabled() and any(
+    if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, w, f, o, cell, hidden, depth)
-    )
+    ):
+        raise RuntimeError(
+            "lstmem_step updates the states in place and has no gradient; under autograd scan the token with "
+            "lstmem_scan (inputs with a time axis of length 1), or call it inside torch.no_grad()"
+        )
     if backend == "auto":
-        backend = "triton" if q.is_cuda and not needs_grad and triton_available() else "torch"
+        backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        read = _triton().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
-        return read, cell, hidden
+        return _triton().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
     if backend == "naive":
-        cell, hidden = cell.clone(), hidden.clone()
-        return step_naive(q, k, w, f, o, cell, hidden, depth, valid), cell, hidden
+        return step_naive(q, k, w, f, o, cell, hidden, depth, valid)
     return step_torch(q, k, w, f, o, cell, hidden, depth, valid)

@@ -123,57 +123,34 @@ def step_torch(
     hidden: torch.Tensor,
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step, functional (autograd-safe).
+) -> torch.Tensor:
+    """One decode step in PyTorch, updating ``cell`` and ``hidden`` **in place** (the contract of
+    :func:`lstmem_kernels.naive.step_naive` and of the Triton step; not differentiable).
 
-    Args: ``q, k, w, f, o`` ``(B, H, R)``; ``cell, hidden, depth`` ``(B, H, R, R)``; ``valid`` ``(B,)``.
-    Returns ``(read (B, H, R), new_cell, new_hidden)``; states keep their dtype, math in float32+.
+    Args: ``q, k, w, f, o`` ``(B, H, R)``; ``cell, hidden`` ``(B, H, R, R)`` (any float dtype; the
+    math runs in float32, or float64 for float64 inputs); ``depth`` ``(B, H, R, R)`` or ``None``;
+    ``valid`` ``(B,)`` or ``None``. Returns ``read`` ``(B, H, R)`` (``D_{t-1} q_t``) in ``q.dtype``.
     """
     cd = _compute_dtype(q.dtype if q.dtype == torch.float64 else cell.dtype)
-    read, C_new, D_new = step_shaped(
-        _cast(q, cd)[..., None],
-        _cast(k, cd)[..., None, :],
-        _cast(w, cd)[..., None],
-        _cast(f, cd)[..., None],
-        _cast(o, cd)[..., None],
-        _cast(cell, cd),
-        _cast(hidden, cd),
-        None if depth is None else _cast(depth, cd),
-        None if valid is None else valid.view(-1, 1, 1, 1),
-    )
-    return _cast(read[..., 0], q.dtype), _cast(C_new, cell.dtype), _cast(D_new, hidden.dtype)
-
-
-def step_shaped(
-    q_col: torch.Tensor,
-    k_row: torch.Tensor,
-    w_col: torch.Tensor,
-    f_col: torch.Tensor,
-    o_col: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    depth: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decode step on pre-shaped operands, one dtype throughout (the fewest ops; autograd-safe).
-
-    ``read = D q``, ``C' = diag(f) C + w k^T``, ``D' = diag(o) tanh(C') + depth``, and where
-    ``keep`` is ``False`` the states are carried over.
-
-    Args:
-        q_col, w_col, f_col, o_col: ``(B, H, R, 1)``; ``k_row``: ``(B, H, 1, R)``. ``q_col`` may be
-            ``None`` when the caller has the read already (then ``read`` is ``None``).
-        C, D: ``(B, H, R, R)`` states before the step.
-        depth: ``(B, H, R, R)`` depth term ``diag(g) D^{(l-1)}``, or ``None``.
-        keep: ``(B, 1, 1, 1)`` bool (``False`` at padding), or ``None``.
-    Returns:
-        ``(read (B, H, R, 1), C', D')``.
-    """
-    read = None if q_col is None else torch.matmul(D, q_col)
+    w_col, f_col, o_col = (_cast(t, cd)[..., None] for t in (w, f, o))
+    q_row, k_row = (_cast(t, cd)[..., None, :] for t in (q, k))
+    C, D = _cast(cell, cd), _cast(hidden, cd)
+    depth = None if depth is None else _cast(depth, cd)
+    read = (D * q_row).sum(-1)  # D_{t-1} q_t, before D changes (R is small: no batched product)
+    if valid is None and C is cell and D is hidden:  # the states' own dtype: update them where they are
+        cell.mul_(f_col).addcmul_(w_col, k_row)
+        tanh_c = torch.tanh(cell)
+        if depth is None:
+            torch.mul(o_col, tanh_c, out=hidden)
+        else:
+            torch.addcmul(depth, o_col, tanh_c, out=hidden)
+        return _cast(read, q.dtype)
     C_new = torch.addcmul(f_col * C, w_col, k_row)
     tanh_c = torch.tanh(C_new)
     D_new = o_col * tanh_c if depth is None else torch.addcmul(depth, o_col, tanh_c)
-    if keep is not None:
-        C_new = torch.where(keep, C_new, C)
-        D_new = torch.where(keep, D_new, D)
-    return read, C_new, D_new
+    if valid is not None:
+        keep = valid.view(-1, 1, 1, 1)
+        C_new, D_new = torch.where(keep, C_new, C), torch.where(keep, D_new, D)
+    cell.copy_(C_new)
+    hidden.copy_(D_new)
+    return _cast(read, q.dtype)

@@ -384,7 +384,7 @@ class MemoryHooks:
             return None
         if session.weights is None:
             with torch.no_grad():
-                session.weights = [layer.weights(step=True) for layer in layers]
+                session.weights = [layer.weights() for layer in layers]
         return session.weights
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):

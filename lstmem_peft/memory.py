@@ -17,15 +17,15 @@ parameters are the full matrices ``W_pred^full = [P_time | P_dep]`` and
 ``W_gate^full = [G_z | G_time | G_dep | G_e]``; the forward uses the effective maps of App. C.2,
 ``W~_pred = P_dep`` and ``W~_gate = [G_z | G_dep | G_e]`` (:class:`LayerWeights`).
 
-:meth:`LSTMemLayer.forward` is the body of this math, in the paper's order, for every token count,
-with or without a depth input, writing or read-only, with or without gradients. The recurrence
-(eq:write, eq:hidden and the temporal read) is the kernel op family of ``lstmem_kernels``:
-``lstmem_step`` for one token, ``lstmem_scan`` for a block, each with naive, vectorised-PyTorch and
-Triton members chosen by ``backend``. One exception, for speed: the one-token steps of a
-``generate`` call use :class:`StepPlan`, the same affine maps multiplied out (decoding is bound by
-the number of small operations: about 35 per layer instead of about 60, measured in
-``benchmarks/``). :func:`lstmem_peft.reference.memory_layer_ref` is the float64 token-loop
-transcription every path is tested against.
+:meth:`LSTMemLayer.forward` is the one body of this math, in the paper's order, for every token
+count, with or without a depth input, writing or read-only, with or without gradients. Its affine
+maps are arranged once (:class:`LayerWeights`): ``e``, the gate pre-activations ``a`` and the depth
+part of the read ``u`` come from one product of ``[v; z; r^dep; p^dep]``, whatever the token count.
+The recurrence (eq:write, eq:hidden and the temporal read) is the kernel op family of
+``lstmem_kernels``, chosen there by ``backend``: ``lstmem_scan`` for a block or anything that needs
+gradients, and the in-place decode step ``lstmem_step`` for one token without gradients
+(generation). :func:`lstmem_peft.reference.memory_layer_ref` is the float64 token-loop transcription
+every path is tested against.
 
 The layer holds no state: states come in and go out, so one model serves any number of sessions.
 """
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lstmem_kernels import lstmem_scan, lstmem_step, step_shaped
+from lstmem_kernels import lstmem_scan, lstmem_step
 
 from . import constants as K
 
@@ -65,10 +65,11 @@ class LayerOutput(NamedTuple):
             depth input), or ``None`` when the layer only read.
         key, value: ``(B, T, n_h, r)`` memory keys ``k_t`` and values ``v_t`` (feedback samples).
         out_gate, depth_gate: ``(B, T, n_h, r)`` gates ``o_t`` and ``g_t``.
-        read: ``(B, d_s)`` the read ``u`` of a fused one-token step, whose corrections stay factored:
-            ``Δq = u corr[:, :d_q]`` and ``Δo = u corr[:, d_q:]`` (``corr``: :attr:`LayerWeights.corr`);
-            the model's projections accumulate them into their own output (``delta_q``/``delta_o``
-            are then ``None``; :meth:`correction` forms them).
+        read: ``(B, d_s)`` the scaled read ``(alpha / r) u`` of a one-token decode step, whose
+            corrections stay factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (``corr``:
+            ``(W_dq^T, W_do^T)``, views of the parameters); the model's projections accumulate them
+            into their own output (``delta_q``/``delta_o`` are then ``None``; :meth:`correction`
+            forms them).
     """
 
     delta_q: torch.Tensor | None
@@ -84,96 +85,51 @@ class LayerOutput(NamedTuple):
     corr: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def correction(self, which: int) -> torch.Tensor:
-        """``Δq`` (``which`` 0) or ``Δo`` (1) as a ``(B, 1, n)`` tensor, formed if factored."""
+        """``Δq`` (``which`` 0) or ``Δo`` (1): ``(B, T, n)``, formed (``(B, 1, n)``) if factored."""
         if self.read is None:
             return self.delta_q if which == 0 else self.delta_o
         return torch.mm(self.read, self.corr[which]).unsqueeze(1)
 
 
 class LayerWeights(NamedTuple):
-    """The parameters in the layout the forward multiplies by: slices, stacks and transposes of the
-    stored parameters (``(in, out)``, contiguous: the fastest layout for a few rows), no other math.
+    """The parameters arranged as the forward multiplies by them (``(in, out)``, contiguous: the
+    fastest layout for a few rows). Derive once per forward (:meth:`LSTMemLayer.weights`), or once
+    per ``generate`` call, where the parameters cannot change.
 
-    Derive once per forward (:meth:`LSTMemLayer.weights`), or once per ``generate`` call, where
-    the parameters cannot change.
+    With ``W~_gate = [G_z | G_dep | G_e]``, ``W~_pred = P_dep`` (App. C.2) and
+    ``W_read = [W_read^time | W_read^dep]``, the residual, the gate pre-activations and the depth
+    part of the read are affine in ``s = [v; z]`` and the depth reads ``r^dep = D^(l-1) q``,
+    ``p^dep = D^(l-1) k``, all known before the write (eq:residual, eq:gates, eq:read)::
+
+        e     = v - b_pred - W~_pred p^dep
+        a     = (b_gate - G_e b_pred) + G_e v + G_z z + G_dep r^dep - G_e W~_pred p^dep
+        u_dep = b_read + W_read^dep r^dep
+
+    so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
+    and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``.
 
     Attributes:
         w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
             ``[0; 0; 0; b_x]``. The first ``2 d_s`` columns hold head ``j``'s rows of ``W_q`` and then of
             ``W_k``, so that one product's ``(n_h, 2, r)`` view gives ``[q^[j]; k^[j]]`` per head.
-        pred: ``(d_s, d_s)`` ``W~_pred^T = P_dep^T``.
-        gate: ``(3 d_s, 4 d_s)`` ``W~_gate^T = [G_z | G_dep | G_e]^T``; gate_first: ``(2 d_s, 4 d_s)``
-            ``[G_z | G_e]^T``, for a layer without depth input (``r^dep = 0``).
-        read: ``(2 d_s, d_s)`` ``W_read^T``.
-        corr: ``(d_s, d_q + d)`` ``(alpha / r) [W_dq; W_do]^T``: both corrections in one product.
-        step: the :class:`StepPlan` of the fused one-token step, or ``None`` (derived only where
-            many one-token steps share the weights: a ``generate`` call).
+        eau_depth: ``(4 d_s, 6 d_s)``: ``[v; z; reads] -> [e | a | u_dep]``, the reads
+            ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
+            ``[q^[j]; k^[j]]`` yields them).
+        eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
+        b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
+        read: ``(2 d_s, d_s)`` ``W_read^T`` (its first ``d_s`` rows: ``W_read^time^T``).
+        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``W_dq^T``, ``W_do^T`` (views; eq:injection
+            scales ``u`` by ``alpha / r`` first).
     """
 
     w_in: torch.Tensor
     b_in: torch.Tensor
-    pred: torch.Tensor
-    gate: torch.Tensor
-    gate_first: torch.Tensor
+    eau_depth: torch.Tensor
+    eau_first: torch.Tensor
+    b_eau: torch.Tensor
     read: torch.Tensor
-    corr: torch.Tensor
-    step: StepPlan | None = None
-
-
-class StepPlan:
-    """The affine maps of one written token, multiplied out for the fused decode step.
-
-    Decoding spends its time in the number of small operations, not in arithmetic. With
-    ``W~_gate = [G_z | G_dep | G_e]``, the residual ``e``, the gate pre-activations ``a`` and the
-    read ``u`` of one token are affine in ``s = [e_0; z]`` (``e_0 = W_v x - b_pred``,
-    ``z = W_x x + b_x``) and in the reads ``r^time = D q``, ``r^dep = D^(l-1) q``,
-    ``p^dep = D^(l-1) k``, all of which exist before the write:
-
-        e = e_0 - W~_pred p^dep
-        a = b_gate + G_e e_0 + G_z z + G_dep r^dep - G_e W~_pred p^dep
-        u = b_read + W_read [r^time; r^dep]
-
-    so one product ``[s, reads] M + b`` gives all three (``M`` built here, once per ``generate``
-    call). :meth:`LSTMemLayer._step_fused` uses it; tests hold it to the reference.
-
-    Attributes:
-        m_depth, m_first: ``(6 d_s, 6 d_s)`` and ``(4 d_s, 6 d_s)``: ``[s, reads] -> [e, a, u]``
-            with a depth input (reads ``[D q, D^(l-1) q, D k, D^(l-1) k]`` per head) and without
-            (reads ``[D q, D k]``; ``D k`` is unused: zero rows).
-        b_in: ``(4 d_s,)`` ``[0; -b_pred; b_x]``, the bias of ``x -> [q~, k~; e_0; z]``.
-        b_eau: ``(6 d_s,)`` ``[0; b_gate; b_read]``.
-    """
-
-    __slots__ = ("b_eau", "b_in", "m_depth", "m_first")
-
-    def __init__(self, layer: LSTMemLayer) -> None:
-        H, R, ds = layer.num_heads, layer.head_dim, layer.state_size
-        g_z, _, g_dep, g_e = layer.w_gate_full.split(ds, dim=1)  # W_gate^full = [G_z | G_time | G_dep | G_e]
-        p_dep = layer.effective_pred()
-        w_read_t, w_read_d = (w.t() for w in layer.w_read.split(ds, dim=1))
-        eye = torch.eye(ds, dtype=p_dep.dtype, device=p_dep.device)
-        zeros = torch.zeros_like(p_dep)
-        zero = torch.zeros_like(layer.b_x)
-
-        def per_head(*blocks: torch.Tensor) -> torch.Tensor:
-            """Blocks of ``d_s`` rows ordered (head, row) -> ``(H, len(blocks), r, ...)``."""
-            return torch.stack([blk.reshape(H, R, -1) for blk in blocks], dim=1)
-
-        self.b_in = torch.cat([zero, zero, -layer.b_pred, layer.b_x])
-        # rows: inputs; columns: [e | a | u]
-        rows_s = torch.cat(
-            [torch.cat([eye, g_e.t(), zeros], 1), torch.cat([zeros, g_z.t(), zeros], 1)]
-        )  # e_0, z
-        r_time = torch.cat([zeros, torch.zeros_like(g_dep.t()), w_read_t], 1)
-        r_dep = torch.cat([zeros, g_dep.t(), w_read_d], 1)
-        p_row = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)
-        unused = torch.zeros_like(r_time)  # D k
-        reads_depth = torch.stack(
-            [per_head(r_time, r_dep), per_head(unused, p_row)], dim=1
-        )  # (H, q|k, D|D', r, 6 d_s)
-        self.m_depth = torch.cat([rows_s, reads_depth.reshape(4 * ds, -1)]).contiguous()
-        self.m_first = torch.cat([rows_s, per_head(r_time, unused).reshape(2 * ds, -1)]).contiguous()
-        self.b_eau = torch.cat([zero, layer.b_gate, layer.b_read])
+    corr_q: torch.Tensor
+    corr_o: torch.Tensor
 
 
 class LSTMemLayer(nn.Module):
@@ -342,24 +298,31 @@ class LSTMemLayer(nn.Module):
         )
 
     # ------------------------------------------------------------------ forward
-    def weights(self, step: bool = False) -> LayerWeights:
-        """The :class:`LayerWeights` of the current parameters (differentiable); ``step``: with
-        the :class:`StepPlan` of the fused one-token step."""
-        ds = self.state_size
-        g = self.w_gate_full  # [G_z | G_time | G_dep | G_e]
+    def weights(self) -> LayerWeights:
+        """The :class:`LayerWeights` of the current parameters (differentiable)."""
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
-        qk_by_head = torch.stack(
-            [w_q.view(self.num_heads, self.head_dim, -1), w_k.view(self.num_heads, self.head_dim, -1)], 1
+        qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
+        g_z, _, g_dep, g_e = self.w_gate_full.split(ds, dim=1)  # W_gate^full = [G_z | G_time | G_dep | G_e]
+        p_dep = self.effective_pred()
+        w_read_dep = self.w_read[:, ds:]
+        zeros = torch.zeros_like(p_dep)
+        eye = torch.eye(ds, dtype=p_dep.dtype, device=p_dep.device)
+        eau_first = torch.cat(  # rows v, z; columns [e | a | u_dep]
+            [torch.cat([eye, g_e.t(), zeros], 1), torch.cat([zeros, g_z.t(), zeros], 1)]
         )
+        r_rows = torch.cat([zeros, g_dep.t(), w_read_dep.t()], 1)  # r^dep
+        p_rows = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)  # p^dep
+        reads = torch.stack([r_rows.view(H, R, -1), p_rows.view(H, R, -1)], 1).reshape(2 * ds, -1)
         return LayerWeights(
-            w_in=torch.cat([qk_by_head.reshape(2 * ds, -1), w_v, w_x]).t().contiguous(),
+            w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
-            pred=self.effective_pred().t().contiguous(),
-            gate=self.effective_gate().t().contiguous(),
-            gate_first=torch.cat([g[:, :ds], g[:, 3 * ds :]], dim=1).t().contiguous(),
+            eau_depth=torch.cat([eau_first, reads]),
+            eau_first=eau_first,
+            b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
             read=self.w_read.t().contiguous(),
-            corr=(self.scale * torch.cat([self.w_dq, self.w_do])).t().contiguous(),
-            step=StepPlan(self) if step else None,
+            corr_q=self.w_dq.t(),
+            corr_o=self.w_do.t(),
         )
 
     def forward(
@@ -390,7 +353,7 @@ class LSTMemLayer(nn.Module):
             backend: the recurrence's kernel, see :func:`lstmem_kernels.lstmem_scan`.
             weights: this layer's :meth:`weights`, when the caller derived them already.
             aux: return the feedback samples (``key``, ``value``, ``out_gate``, ``depth_gate``);
-                ``False`` lets the fused one-token step skip them.
+                ``False`` leaves them ``None`` (block feedback reads them; decoding does not).
 
         Returns:
             :class:`LayerOutput`; corrections in ``x.dtype``, states in the dtype of ``cell``.
@@ -400,6 +363,8 @@ class LSTMemLayer(nn.Module):
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         dtype = w.w_in.dtype
         rows = _cast(x, dtype).reshape(B * T, -1)
+        if depth is not None:
+            depth = _cast(depth, dtype)
         if not write:
             # eq:projections (q only) and eq:read against the fixed states
             q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
@@ -407,146 +372,84 @@ class LSTMemLayer(nn.Module):
             if depth is None:
                 u = torch.addmm(self.b_read, r_time, w.read[:ds])
             else:
-                r_dep = _read(_cast(depth, dtype), q).reshape(B * T, ds)
+                r_dep = _read(depth, q).reshape(B * T, ds)
                 u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
             delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
             return LayerOutput(delta_q, delta_o, cell, hidden)
 
-        if T == 1 and w.step is not None:
-            return self._step_fused(w, rows, cell, hidden, depth, valid, backend, aux)
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
         qk = _unit_heads(
             torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R)
         )  # [q^[j]; k^[j]] per (token, head)
-        v, z = proj[:, 2 * ds : 3 * ds], proj[:, 3 * ds :]
+        s = proj[:, 2 * ds :]  # [v; z]
         if depth is None:  # D^(l-1) = 0: r^dep = p^dep = 0
-            # eq:residual
-            e = v - self.b_pred
-            # eq:gates
-            a = torch.addmm(self.b_gate, torch.cat([z, e], 1), w.gate_first)
+            # eq:residual, eq:gates, and the depth part of eq:read
+            eau = torch.addmm(w.b_eau, s, w.eau_first)
         else:
-            depth = _cast(depth, dtype)
             # eq:read (depth) and p^dep of eq:residual: [q; k] D^(l-1)^T per (token, head), one product
-            reads = torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2))
-            r_dep, p_dep = reads.view(B * T, H, 2, R).transpose(1, 2).reshape(B * T, 2, ds).unbind(1)
-            # eq:residual
-            e = v - torch.addmm(self.b_pred, p_dep, w.pred)
-            # eq:gates
-            a = torch.addmm(self.b_gate, torch.cat([z, r_dep, e], 1), w.gate)
-        lead = (B,) if T == 1 else (B, T)  # one token: the step's shapes, no time axis
+            reads = torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds)
+            # eq:residual, eq:gates, and the depth part of eq:read
+            eau = torch.addmm(w.b_eau, torch.cat([s, reads], 1), w.eau_depth)
+        e, a, u_dep = eau.split_with_sizes([ds, 4 * ds, ds], 1)
+        step = T == 1 and not _needs_grad(rows, cell, hidden, depth, w.w_in)
+        lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
         i, f, o, g = torch.sigmoid(a).view(*lead, 4, H, R).unbind(-3)
         i_e = i * e.view(*lead, H, R)
         q, k = qk.view(*lead, H, 2, R).unbind(-2)
         depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
-        if T == 1:
-            r_time, new_cell, new_hidden = lstmem_step(
+        if step:  # the in-place decode step, on copies: the caller's states change only at commit
+            new_cell, new_hidden = _step_states(cell, hidden)
+            r_time = lstmem_step(
                 q,
                 k,
                 i_e,
                 f,
                 o,
-                *_step_states(cell, hidden, backend),
+                new_cell,
+                new_hidden,
                 depth_term,
                 None if valid is None else valid.view(B),
                 backend=backend,
             )
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
-            k, o, g = k.unsqueeze(1), o.unsqueeze(1), g.unsqueeze(1)
-        else:
+        else:  # a block, or one token under autograd: the (autograd-native) scan
             r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
                 q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=backend
             )
         # eq:read (u) and eq:injection
-        r_time = _cast(r_time, dtype).reshape(B * T, ds)
-        if depth is None:
-            u = torch.addmm(self.b_read, r_time, w.read[:ds])
+        u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read[:ds])
+        if step:  # corrections stay factored: the projections accumulate u corr into their outputs
+            delta_q = delta_o = None
+            read, corr = self.scale * u, (w.corr_q, w.corr_o)
         else:
-            u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
-        delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
-        return LayerOutput(
+            delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
+            read = corr = None
+        out = LayerOutput(
             delta_q,
             delta_o,
             _cast(new_cell, cell.dtype),
             _cast(new_hidden, hidden.dtype),
             hidden_seq,
-            key=k,
-            value=v.view(B, T, H, R),
-            out_gate=o,
-            depth_gate=g,
-        )
-
-    def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
-        """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u`` in one product; ``u``
-        ``(B T, d_s)`` -> ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
-        delta_q, delta_o = (
-            torch.mm(u, w.corr).view(B, T, -1).split([self.query_size, self.hidden_size], dim=-1)
-        )
-        return _cast(delta_q, dtype), _cast(delta_o, dtype)
-
-    def _step_fused(self, w: LayerWeights, x, cell, hidden, depth, valid, backend, aux) -> LayerOutput:
-        """One written token with the :class:`StepPlan`: :meth:`forward`'s equations with the affine
-        maps multiplied out, in about 35 operations. ``x`` ``(B, d)`` rows; ``depth`` ``(B, 1, n_h, r, r)``
-        or ``None``; ``valid`` ``(B, 1)`` or ``None``."""
-        plan = w.step
-        B = x.shape[0]
-        H, R, ds = self.num_heads, self.head_dim, self.state_size
-        dtype = w.w_in.dtype
-        qk, s = torch.addmm(plan.b_in, x, w.w_in).split_with_sizes([2 * ds, 2 * ds], 1)  # s = [e_0; z]
-        qk = _unit_heads(torch.tanh(qk).view(B * H, 2, R))  # n(.): rows q^[j], k^[j] of head (b, j)
-        D = _cast(hidden, dtype)
-        if depth is None:
-            reads = torch.bmm(qk, D.reshape(B * H, R, R).transpose(1, 2))  # (B H, 2, r): D q, D k
-            m = plan.m_first
-        else:
-            below = _cast(depth, dtype).view(B, H, R, R)
-            states = torch.cat([D, below], dim=2).view(B * H, 2 * R, R).transpose(1, 2)
-            reads = torch.bmm(qk, states)  # (B H, 2, 2 r): [q; k] [D; D^(l-1)]^T
-            m = plan.m_depth
-        e, a, u = torch.addmm(plan.b_eau, torch.cat([s, reads.view(B, -1)], dim=1), m).split_with_sizes(
-            [ds, 4 * ds, ds], 1
-        )
-        i, f, o, g = torch.sigmoid(a).view(B, 4, H, R, 1).unbind(1)  # (B, H, r, 1)
-        i_e = i * e.view(B, H, R, 1)
-        k_row = qk.view(B, H, 2, R).narrow(2, 1, 1)  # (B, H, 1, r); r^time = D q is in `reads` already
-        depth_term = None if depth is None else g * below
-        if backend == "torch" or (
-            backend == "auto" and not x.is_cuda and dtype in (torch.float32, torch.float64)
-        ):
-            # the kernel family's PyTorch step, in the column shapes the plan produces
-            C = _cast(cell, dtype) if dtype in (torch.float32, torch.float64) else cell.float()
-            keep = None if valid is None else valid.view(B, 1, 1, 1)
-            _, new_cell, new_hidden = step_shaped(None, k_row, i_e, f, o, C, D, depth_term, keep)
-        else:  # Triton (in place, on copies), naive, or a half-precision adapter
-            _, new_cell, new_hidden = lstmem_step(
-                qk.view(B, H, 2, R)[:, :, 0],
-                k_row[:, :, 0],
-                i_e[..., 0],
-                f[..., 0],
-                o[..., 0],
-                *_step_states(cell, hidden, backend),
-                depth_term,
-                None if valid is None else valid.view(B),
-                backend=backend,
-            )
-        out = LayerOutput(  # corrections factored: the projections add u corr to their own products
-            None,
-            None,
-            _cast(new_cell, cell.dtype),
-            _cast(new_hidden, hidden.dtype),
-            _cast(new_hidden, dtype)[:, None],
-            read=u,
-            corr=w.corr.split([self.query_size, self.hidden_size], dim=1),
+            read=read,
+            corr=corr,
         )
         if not aux:
             return out
         return out._replace(
-            key=k_row.view(B, 1, H, R),
-            value=(s[:, :ds] + self.b_pred).view(B, 1, H, R),
-            out_gate=o.view(B, 1, H, R),
-            depth_gate=g.view(B, 1, H, R),
+            key=k.view(B, T, H, R),
+            value=s[:, :ds].view(B, T, H, R),
+            out_gate=o.view(B, T, H, R),
+            depth_gate=g.view(B, T, H, R),
         )
+
+    def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
+        """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u``; ``u`` ``(B T, d_s)`` ->
+        ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
+        u = self.scale * u
+        delta_q, delta_o = (torch.mm(u, c).view(B, T, -1) for c in (w.corr_q, w.corr_o))
+        return _cast(delta_q, dtype), _cast(delta_o, dtype)
 
 
 def _refuse_nonfinite_weights(layer: LSTMemLayer, incompatible_keys) -> None:
@@ -564,19 +467,17 @@ def _unit_heads(x: torch.Tensor) -> torch.Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(K.NORM_EPS)
 
 
-def _step_states(cell: torch.Tensor, hidden: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The states as the one-token step takes them: float32 (or float64) tensors it may update in
-    place (the Triton step does): copies then, so that the caller's states (a cache's, a
-    checkpoint's) are never written; the PyTorch steps are functional and take them as they are."""
-    in_place = backend == "triton" or (backend == "auto" and cell.is_cuda)
-    states = []
-    for state in (cell, hidden):
-        if state.dtype not in (torch.float32, torch.float64):
-            state = state.float()  # a copy
-        elif in_place:
-            state = state.clone()
-        states.append(state)
-    return states[0], states[1]
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _step_states(cell: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the states for the in-place decode step, float32 (or float64): the caller's states
+    (a cache's, a checkpoint's) are never written."""
+    return tuple(  # type: ignore[return-value]
+        state.clone() if state.dtype in (torch.float32, torch.float64) else state.float()
+        for state in (cell, hidden)
+    )
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -52,13 +52,16 @@ def test_compiled_decoding_equals_eager_and_does_not_recompile_per_step():
     model = make("qwen3", **CONFIG)
     prompt, steps = inputs()
     expected, expected_cache = decode(model, prompt, steps)
-    # the "eager" backend runs the captured graphs op by op: the same numbers, bit for bit
+    # the "eager" backend runs the captured graphs op by op. One difference: eager decoding accumulates
+    # a one-token correction into the projection's output (y += u C), the graph adds the formed
+    # correction (y + u C): float32 rounding of one sum per projection, carried through a few layers
     got, cache = decode(torch.compile(model, backend="eager"), prompt, steps, warmup=3)
     for a, b in zip(got, expected, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert torch.equal(cache.tokens_written, expected_cache.tokens_written)
     for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
-        assert torch.equal(ours.cell, theirs.cell) and torch.equal(ours.hidden, theirs.hidden)
+        torch.testing.assert_close(ours.cell, theirs.cell, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(ours.hidden, theirs.hidden, atol=1e-6, rtol=1e-5)
 
 
 def test_a_decode_step_breaks_the_graph_only_at_the_pass_boundary_not_per_layer():

@@ -137,8 +137,8 @@ def assert_prefill_equals_steps(layer, x, cell, hidden, depth, full):
     c, h = cell, hidden
     for t in range(x.shape[1]):
         out = layer(x[:, t : t + 1], c, h, depth=depth[:, t : t + 1])
-        torch.testing.assert_close(out.delta_q[:, 0], full.delta_q[:, t], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out.delta_o[:, 0], full.delta_o[:, t], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.correction(0)[:, 0], full.delta_q[:, t], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.correction(1)[:, 0], full.delta_o[:, t], atol=1e-5, rtol=1e-5)
         c, h = out.cell, out.hidden
     torch.testing.assert_close(c, full.cell, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h, full.hidden, atol=1e-5, rtol=1e-5)
@@ -206,16 +206,17 @@ def assert_close_to_reference(out, ref, *, atol, rtol):
         torch.testing.assert_close(a.double(), b.double(), msg=name, atol=atol + ulp, rtol=rtol + ulp)
 
 
-PATHS = {"block": (9, False), "one token": (1, False), "fused one-token step": (1, True)}
+# (tokens, grad mode): a block scans; one token scans under autograd and takes the in-place decode step without
+PATHS = {"block": (9, True), "one token under autograd": (1, True), "one-token decode step": (1, False)}
+GRAD_PATHS = sorted(name for name, (_, grad) in PATHS.items() if grad)
 
 
 @pytest.mark.parametrize("with_valid", [False, True])
 @pytest.mark.parametrize("with_depth", [False, True])
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path", GRAD_PATHS)
 def test_every_path_and_its_gradients_match_the_reference(path, with_depth, with_valid):
-    """Forward and every gradient (parameters and inputs): the scan, the one-token step, and the
-    fused one-token step of generation (:class:`StepPlan`)."""
-    T, fused = PATHS[path]
+    """Forward and every gradient (parameters and inputs) of the paths that run under autograd."""
+    T, _ = PATHS[path]
     layer = make_layer().double()
     x, depth, cell, hidden, valid = layer_inputs(T, with_depth, with_valid)
 
@@ -230,13 +231,13 @@ def test_every_path_and_its_gradients_match_the_reference(path, with_depth, with
         return params, [t.grad for t in inputs]
 
     def ours(x, cell, hidden, depth=None):
-        out = layer(x, cell, hidden, depth=depth, valid=valid, weights=layer.weights(step=fused))
+        out = layer(x, cell, hidden, depth=depth, valid=valid)
         ref = reference(layer, x, depth, cell, hidden, valid)
         torch.testing.assert_close(out.hidden_seq, ref.hidden_seq)
         for name in ("key", "out_gate", "depth_gate"):  # the feedback samples, same in every path
             assert getattr(out, name).shape == (3, T, 4, 8)
-        assert (out.read is not None) == fused  # the fused step keeps its corrections factored
-        return out.correction(0), out.correction(1), out.cell, out.hidden
+        assert out.read is None  # corrections formed: autograd never takes the decode step
+        return out.delta_q, out.delta_o, out.cell, out.hidden
 
     def ref(x, cell, hidden, depth=None):
         return reference(layer, x, depth, cell, hidden, valid)
@@ -248,6 +249,23 @@ def test_every_path_and_its_gradients_match_the_reference(path, with_depth, with
         torch.testing.assert_close(got.get(name, zero), want.get(name, zero), msg=name)
     for a, b in zip(got_in, want_in, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch"])
+@pytest.mark.parametrize("with_valid", [False, True])
+@pytest.mark.parametrize("with_depth", [False, True])
+def test_the_decode_step_matches_the_reference_and_leaves_the_callers_states(with_depth, with_valid, backend):
+    """One token without gradients: the kernel family's in-place step, run on copies of the states."""
+    layer = make_layer().double()
+    x, depth, cell, hidden, valid = layer_inputs(1, with_depth, with_valid)
+    c0, h0 = cell.clone(), hidden.clone()
+    with torch.no_grad():
+        out = layer(x, cell, hidden, depth=depth, valid=valid, backend=backend)
+    assert out.read is not None and out.delta_q is None  # the step: corrections kept factored
+    assert torch.equal(cell, c0) and torch.equal(hidden, h0)
+    assert_close_to_reference(out, reference(layer, x, depth, cell, hidden, valid), atol=1e-12, rtol=1e-12)
+    for name in ("key", "value", "out_gate", "depth_gate"):
+        assert getattr(out, name).shape == (3, 1, 4, 8)
 
 
 @pytest.mark.parametrize("with_depth", [False, True])
@@ -271,17 +289,18 @@ def test_read_only_pass_matches_the_reference_token_by_token(T, with_depth):
 def test_float32_layer_with_float32_and_bf16_states(path, states):
     """A float32 layer against the float64 reference: float32 rounding over a few tokens (1e-5),
     plus one bf16 unit where the states are stored in bf16."""
-    T, fused = PATHS[path]
+    T, grad = PATHS[path]
     layer = make_layer()
     x, depth, cell, hidden, valid = layer_inputs(T, True, True, dtype=torch.float32)
     c, h = cell.to(states), hidden.to(states)
-    with torch.no_grad():
-        out = layer(x, c, h, depth=depth, valid=valid, weights=layer.weights(step=fused))
+    with torch.set_grad_enabled(grad):
+        out = layer(x, c, h, depth=depth, valid=valid)
+    assert (out.read is not None) == (not grad and T == 1)
     ref = reference(layer, x, depth, c, h, valid)
     assert out.cell.dtype == states and out.hidden.dtype == states and out.hidden_seq.dtype == torch.float32
     assert_close_to_reference(out, ref, atol=1e-5, rtol=1e-5)
-    # a bf16 backbone: corrections come back in its dtype (the general body; the fused step's
-    # factored corrections are accumulated by the projections in their own dtype)
+    # a bf16 backbone: corrections come back in its dtype (the decode step's factored corrections
+    # are accumulated by the projections in their own dtype)
     out = layer(x.bfloat16(), c, h, depth=depth, valid=valid)
     assert out.delta_q.dtype == out.delta_o.dtype == torch.bfloat16
 
@@ -310,22 +329,27 @@ def test_blocks_are_bit_stable_and_prefill_equals_steps():
         assert_prefill_equals_steps(layer, x, cell, hidden, depth, full)
 
 
-def test_weights_are_the_stored_parameters_rearranged():
-    """LayerWeights only slice, stack and transpose: the effective maps of App. C.2, W_q/W_k by head."""
-    layer = make_layer()
+def test_weights_arrange_the_paper_maps():
+    """LayerWeights: W_q/W_k by head; ``[v; z; reads] eau + b_eau`` is ``[e | a | u_dep]`` of eq:residual,
+    eq:gates and eq:read, written with the effective maps of App. C.2."""
+    layer = make_layer().double()
     w, P = layer.weights(), layer.paper_parameters()
-    ds, R = layer.state_size, layer.head_dim
-    torch.testing.assert_close(w.gate, layer.effective_gate().t(), rtol=0, atol=0)
+    ds, H, R = layer.state_size, layer.num_heads, layer.head_dim
+    v, z, r_dep, p_dep = (torch.randn(5, ds, dtype=torch.float64) for _ in range(4))
+    by_head = torch.stack([r_dep.view(5, H, R), p_dep.view(5, H, R)], 2).reshape(5, 2 * ds)
+    e = v - P["bpred"] - p_dep @ layer.effective_pred().T
+    a = torch.cat([z, r_dep, e], 1) @ layer.effective_gate().T + P["bgate"]
+    u_dep = r_dep @ P["Wread"][:, ds:].T + P["bread"]
     torch.testing.assert_close(
-        w.gate_first,
-        torch.cat([P["Wgate_full"][:, :ds], P["Wgate_full"][:, 3 * ds :]], 1).t(),
-        rtol=0,
-        atol=0,
+        torch.cat([v, z, by_head], 1) @ w.eau_depth + w.b_eau, torch.cat([e, a, u_dep], 1)
     )
-    torch.testing.assert_close(w.pred, layer.effective_pred().t(), rtol=0, atol=0)
+    e0 = v - P["bpred"]
+    a0 = torch.cat([z, torch.zeros_like(z), e0], 1) @ layer.effective_gate().T + P["bgate"]
+    u0 = P["bread"].expand(5, ds)
+    torch.testing.assert_close(torch.cat([v, z], 1) @ w.eau_first + w.b_eau, torch.cat([e0, a0, u0], 1))
     torch.testing.assert_close(w.read, P["Wread"].t(), rtol=0, atol=0)
-    torch.testing.assert_close(w.corr, layer.scale * torch.cat([P["Wdq"], P["Wdo"]]).t(), rtol=0, atol=0)
-    for j in range(layer.num_heads):
+    assert torch.equal(w.corr_q, P["Wdq"].t()) and torch.equal(w.corr_o, P["Wdo"].t())
+    for j in range(layer.num_heads):  # W_q and W_k head by head
         torch.testing.assert_close(
             w.w_in[:, 2 * j * R : (2 * j + 1) * R], P["Wq"][j * R : (j + 1) * R].t(), rtol=0, atol=0
         )
@@ -344,15 +368,13 @@ def test_the_triton_backend_matches_the_reference(path):
 
     if not triton_available():
         pytest.skip("triton not installed")
-    T, fused = PATHS[path]
+    T, grad = PATHS[path]
     layer = make_layer()
     x, depth, cell, hidden, valid = layer_inputs(T, True, True, dtype=torch.float32)
     for states in (torch.float32, torch.bfloat16):
         c, h = cell.to(states), hidden.to(states)
         c0, h0 = c.clone(), h.clone()
-        with torch.no_grad():
-            out = layer(
-                x, c, h, depth=depth, valid=valid, backend="triton", weights=layer.weights(step=fused)
-            )
+        with torch.set_grad_enabled(grad):
+            out = layer(x, c, h, depth=depth, valid=valid, backend="triton")
         assert torch.equal(c, c0) and torch.equal(h, h0)
         assert_close_to_reference(out, reference(layer, x, depth, c, h, valid), atol=2e-5, rtol=2e-5)

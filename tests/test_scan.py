@@ -119,21 +119,25 @@ def test_extreme_gates_stay_finite():
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_valid", [False, True])
-def test_step_matches_naive(state_dtype, with_valid):
+@pytest.mark.parametrize("with_depth", [False, True])
+def test_step_matches_naive_in_place(state_dtype, with_valid, with_depth):
+    """Every decode-step member updates the states in place and returns the read."""
     args = make_inputs(3, 1)
     x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
     cell = args["initial_cell"].to(state_dtype)
     hidden = args["initial_hidden"].to(state_dtype)
-    depth = args["depth"][:, 0]
+    depth = args["depth"][:, 0] if with_depth else None
     valid = torch.tensor([True, False, True]) if with_valid else None
-    ref_c, ref_h = cell.clone(), hidden.clone()
+    ref_c, ref_h = (t.to(torch.float32, copy=True) for t in (cell, hidden))  # the reference, in float32
     ref_read = step_naive(**x, cell=ref_c, hidden=ref_h, depth=depth, valid=valid)
-    read, c, h = step_torch(**x, cell=cell, hidden=hidden, depth=depth, valid=valid)
+    c, h = cell.clone(), hidden.clone()
+    read = step_torch(**x, cell=c, hidden=h, depth=depth, valid=valid)
     assert c.dtype == state_dtype and h.dtype == state_dtype
     torch.testing.assert_close(read, ref_read, atol=1e-5, rtol=1e-5)
-    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(c.float(), ref_c.float(), **tol)
-    torch.testing.assert_close(h.float(), ref_h.float(), **tol)
+    # float32 states: float32 rounding of one step; bf16 states: plus one bf16 rounding of the result
+    tol = dict(atol=1e-5, rtol=1e-5) if state_dtype == torch.float32 else dict(atol=1e-2, rtol=2**-8)
+    torch.testing.assert_close(c.float(), ref_c, **tol)
+    torch.testing.assert_close(h.float(), ref_h, **tol)
     if with_valid:
         assert torch.equal(c[1], cell[1]) and torch.equal(h[1], hidden[1])
 
@@ -142,12 +146,21 @@ def test_scan_of_one_token_equals_step():
     args = make_inputs(2, 1)
     read, hidden, cell_T, hidden_T = lstmem_scan(**args)
     x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
-    r, c, h = lstmem_step(
-        **x, cell=args["initial_cell"], hidden=args["initial_hidden"], depth=args["depth"][:, 0]
-    )
+    c, h = args["initial_cell"].clone(), args["initial_hidden"].clone()
+    r = lstmem_step(**x, cell=c, hidden=h, depth=args["depth"][:, 0])
     torch.testing.assert_close(read[:, 0], r)
     torch.testing.assert_close(cell_T, c)
     torch.testing.assert_close(hidden_T, h)
+
+
+def test_the_step_refuses_autograd_and_names_the_scan():
+    args = make_inputs(2, 1)
+    x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
+    x["q"] = x["q"].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="lstmem_scan"):
+        lstmem_step(**x, cell=args["initial_cell"].clone(), hidden=args["initial_hidden"].clone())
+    with torch.no_grad():  # without autograd it runs
+        lstmem_step(**x, cell=args["initial_cell"].clone(), hidden=args["initial_hidden"].clone())
 
 
 def test_dispatch_validates_arguments():
@@ -165,27 +178,3 @@ def test_parallel_is_exact_for_every_chunk_length(chunk):
     args = make_inputs(2, 37, dtype=torch.float64, padding="left")
     for a, b in zip(scan_parallel(**args, chunk=chunk), scan_naive(**args), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
-
-
-def test_step_torch_keeps_autograd_and_dtypes():
-    args = make_inputs(2, 1, dtype=torch.float64)
-    x = {k: args[k][:, 0].clone().requires_grad_() for k in ("q", "k", "w", "f", "o")}
-    cell, hidden = (
-        args["initial_cell"].clone().requires_grad_(),
-        args["initial_hidden"].clone().requires_grad_(),
-    )
-    depth = args["depth"][:, 0].clone().requires_grad_()
-    read, c, h = step_torch(**x, cell=cell, hidden=hidden, depth=depth)
-    ref_read, _, ref_c, ref_h = scan_naive(
-        *(t[:, None] for t in x.values()), depth[:, None], None, cell, hidden
-    )
-    for a, b in ((read, ref_read[:, 0]), (c, ref_c), (h, ref_h)):
-        torch.testing.assert_close(a, b)
-    g = torch.autograd.grad(
-        (read.sum() + c.square().sum() + h.sin().sum()), [*x.values(), cell, hidden, depth]
-    )
-    g_ref = torch.autograd.grad(
-        (ref_read.sum() + ref_c.square().sum() + ref_h.sin().sum()), [*x.values(), cell, hidden, depth]
-    )
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b)

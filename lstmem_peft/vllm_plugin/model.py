@@ -216,7 +216,7 @@ class LSTMemState(nn.Module, MambaBase):
                     cell[i], hidden[i] = self._start(slot_list[i], cell[i])
             if self._step_weights is None:
                 with torch.no_grad():
-                    self._step_weights = self.memory.weights(step=True)
+                    self._step_weights = self.memory.weights()
             out = self.memory(
                 x[:decodes, None],
                 cell,
@@ -226,7 +226,6 @@ class LSTMemState(nn.Module, MambaBase):
                 True,
                 self.backend,
                 self._step_weights,
-                False,
             )
             cells[slots[:decodes]] = out.cell
             hiddens[slots[:decodes]] = out.hidden
@@ -249,11 +248,10 @@ class LSTMemState(nn.Module, MambaBase):
                 True,
                 self.backend,
                 None,
-                False,
             )
             cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
-            delta_q[a:b] = out.delta_q[0]
-            delta_o[a:b] = out.delta_o[0]
+            delta_q[a:b] = out.correction(0)[0]  # a one-token chunk keeps its corrections factored
+            delta_o[a:b] = out.correction(1)[0]
             out_seq[a:b] = out.hidden_seq[0]
         delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
         delta_o[tokens:] = 0
