@@ -22,6 +22,46 @@ def sentences(text):
 
 
 # ---------------------------------------------------------------------- official chunking and templates
+def test_official_chunking_defaults_count_with_tiktoken_and_split_with_punkt(monkeypatch):
+    """The defaults of the official chunking: tiktoken's gpt-4o-mini encoding (``<|endoftext|>`` allowed
+    in the text, one token) and ``nltk.sent_tokenize``. The real encoding file cannot be fetched offline,
+    so a byte-level encoding built here stands in for it: one token per byte."""
+    import nltk
+    import tiktoken
+
+    byte_level = tiktoken.Encoding(
+        "bytes",
+        pat_str=r"[\s\S]",
+        mergeable_ranks={bytes([i]): i for i in range(256)},
+        special_tokens={"<|endoftext|>": 256},
+    )
+    asked = []
+    monkeypatch.setattr(tiktoken, "encoding_for_model", lambda name: asked.append(name) or byte_level)
+    monkeypatch.setattr(nltk, "sent_tokenize", lambda text: text.split("#"))
+    # sentences of 4, 3 + 1 (the special token) and 5 tokens, at most 9 per chunk
+    assert mab.sentence_chunks("abcd#xyz<|endoftext|>#efghi", 9) == ["abcd xyz<|endoftext|>", "efghi"]
+    assert asked == ["gpt-4o-mini"]
+
+
+def test_official_chunking_without_its_data_says_how_to_get_it(monkeypatch):
+    import nltk
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")  # what requests raises: an OSError
+
+    monkeypatch.setattr(tiktoken, "encoding_for_model", offline)
+    with pytest.raises(OSError, match="TIKTOKEN_CACHE_DIR.*--chunk-tokenizer model"):
+        mab.sentence_chunks("a. b.", 9, split_sentences=str.split)
+
+    def no_punkt(text):
+        raise LookupError("Resource punkt_tab not found")
+
+    monkeypatch.setattr(nltk, "sent_tokenize", no_punkt)
+    with pytest.raises(LookupError, match="nltk.downloader punkt_tab"):
+        mab.sentence_chunks("a. b.", 9, count_tokens=len)
+
+
 def test_sentence_chunks_pack_sentences_by_token_count():
     text = "one two. three four five. six. seven eight nine ten eleven."
     # sentence token counts 2, 3, 1, 5; limit 5: [2+3], then 1 (+5 would be 6 > 5) -> [1], [5]

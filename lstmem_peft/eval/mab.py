@@ -253,7 +253,15 @@ def _tiktoken_counter() -> Callable[[str], int]:
             "the official MemoryAgentBench protocol chunks contexts with tiktoken's gpt-4o-mini encoding: "
             "pip install tiktoken (its encoding file must be cached for offline runs), or pass count_tokens="
         ) from None
-    encoding = tiktoken.encoding_for_model("gpt-4o-mini")
+    try:
+        encoding = tiktoken.encoding_for_model("gpt-4o-mini")
+    except OSError as err:  # the encoding file is downloaded on first use
+        raise OSError(
+            "the official MemoryAgentBench protocol counts chunk tokens with tiktoken's gpt-4o-mini encoding "
+            f"(o200k_base), which could not be loaded ({type(err).__name__}): tiktoken downloads it once into "
+            "TIKTOKEN_CACHE_DIR; on an offline machine copy a cached o200k_base file there, or pass "
+            "--chunk-tokenizer model (count_tokens=)"
+        ) from None
     return lambda text: len(encoding.encode(text, allowed_special={"<|endoftext|>"}))
 
 
