@@ -8,6 +8,7 @@ A forward, drawn::
       q_proj wrapper of decoder layer l:  x -> pass.run_layer(l, x): memory layer l reads, writes -> Δq, Δo
           (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
       o_proj wrapper of decoder layer l:  adds Δo
+      (memory_only=True: the topmost memory layer raises MemoryWritten; the rest of the backbone is skipped)
       post-hook (same module, also on error): commit the pass (feedback at block ends) or drop it,
           reset ACTIVE (a KeyboardInterrupt skips the post-hook: the module's next forward drops the
           uncommitted pass)
@@ -52,6 +53,34 @@ class Active(NamedTuple):
 ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("lstmem_active", default=None)
 
 
+class MemoryWritten(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by a forward called with ``memory_only=True`` once its topmost memory layer has run:
+    the rest of the backbone (the layers above, the head) cannot change memory, so it is skipped.
+    When it reaches the caller, the pass has been committed (feedback included); ``error`` holds what
+    committing raised instead, which the caller must re-raise (:func:`run_memory_only` does)."""
+
+    def __init__(self) -> None:
+        super().__init__("the forward stopped after its topmost memory layer (memory_only=True)")
+        self.committed = False
+        self.error: BaseException | None = None
+
+
+def run_memory_only(model, **kwargs) -> None:
+    """``model(**kwargs, memory_only=True)``: write memory and skip what cannot change it. Returns
+    when the pass is committed; raises what the forward or the commit raised."""
+    try:
+        model(**kwargs, memory_only=True)
+    except MemoryWritten as stop:
+        if stop.error is not None:
+            raise stop.error from None
+        if not stop.committed:  # the pass never reached its closing hook
+            raise RuntimeError(
+                "the memory-only forward stopped but its memory pass was not committed"
+            ) from None
+        return
+    raise RuntimeError("a memory_only=True forward ran to its end: no LSTMem memory layer ran in it")
+
+
 def current_pass() -> ModelPass | None:
     """The memory pass of the forward in progress in this thread or task, or ``None``."""
     active = ACTIVE.get()
@@ -69,6 +98,7 @@ class ModelPass:
             that states at any position of this forward can be recomputed (generation that may crop
             its KV cache back into this forward).
         draft: an early-exit draft of a ``generate`` call (read-only; the call's memory does not advance).
+        memory_only: stop the forward (:class:`MemoryWritten`) once the topmost memory layer has run.
     """
 
     def __init__(
@@ -78,12 +108,14 @@ class ModelPass:
         memory_pass: MemoryPass,
         record_inputs: bool = False,
         draft: bool = False,
+        memory_only: bool = False,
     ) -> None:
         self.adapter_name = adapter_name
         self.depth_index = depth_index
         self.memory_pass = memory_pass
         self.inputs: list[torch.Tensor] | None = [] if record_inputs else None
         self.draft = draft
+        self.stop = MemoryWritten() if memory_only else None
         self.length = 0  # tokens of the forward (set by the opener)
         self.token: contextvars.Token | None = None  # restores ACTIVE when the pass closes
         self._outputs: dict[int, LayerOutput] = {}
@@ -94,6 +126,8 @@ class ModelPass:
         if self.inputs is not None:
             self.inputs.append(x.detach())
         self._outputs[wrapper.layer_idx] = out
+        if self.stop is not None and self.memory_pass.layers_run == len(self.memory_pass.cache.layers):
+            raise self.stop  # nothing after the topmost memory layer changes memory
         return out
 
     def pop_output(self, layer_idx: int) -> LayerOutput | None:

@@ -9,6 +9,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cache import MemoryCache, MemoryLayout
+from .context import run_memory_only
 from .hooks import MemoryHooks
 from .memory import LSTMemLayer
 from .tuner import LSTMemModel
@@ -93,8 +94,11 @@ def write_history(
         block_size: tokens per block; defaults to the adapter's ``block_size`` (2048).
         past_key_values: a transformers cache to fill with the history too (the paper's evaluation
             protocol keeps the history in the KV cache); blocks then attend to earlier blocks. Without
-            it each block is an independent forward (positions restart at 0) and peak memory does not
-            grow with the history length.
+            it each block is an independent forward (positions restart at 0), peak memory does not
+            grow with the history length, and, without gradients, each block's forward stops after
+            the topmost memory layer (the layers above it and the head cannot change memory;
+            ``memory_only=True``), except on backbones whose wrappers work after each module's
+            forward (accelerate's ``device_map`` offload, FSDP, DeepSpeed ZeRO-3), which run whole.
         progress: show a progress bar; default: when there is more than one block.
 
     Returns:
@@ -123,6 +127,12 @@ def write_history(
             f"got {tuple(attention_mask.shape)}"
         )
     extra = {"logits_to_keep": 1} if _accepts(hooks.model, "logits_to_keep") else {}
+    forward = model
+    if past_key_values is None and not torch.is_grad_enabled() and not _runs_whole(model):
+        # no KV cache to fill and no gradient: skip everything above the topmost memory layer
+        def forward(**kwargs):
+            run_memory_only(model, **kwargs)
+
     valid = full_mask[:, past:].bool()
     if not bool(valid.all()):  # padding: every row is cut into blocks of its own tokens
         if past_key_values is not None:
@@ -136,7 +146,7 @@ def write_history(
                     "past_key_values"
                 )
         else:
-            _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show=progress)
+            _write_row_blocks(forward, model, input_ids, valid, memory_cache, block, extra, show=progress)
             return memory_cache
     positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
     starts = range(0, T, block)
@@ -149,7 +159,7 @@ def write_history(
         else:
             mask = full_mask[:, past + start : past + end]
             pos = (mask.cumsum(dim=1) - 1).clamp_min(0)
-        model(
+        forward(
             input_ids=input_ids[:, start:end],
             attention_mask=mask,
             position_ids=pos,
@@ -163,7 +173,18 @@ def write_history(
     return memory_cache
 
 
-def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show) -> None:
+def _runs_whole(model: nn.Module) -> bool:
+    """Whether ``model``'s forwards must run to their end: accelerate's offload hooks, FSDP and
+    DeepSpeed ZeRO-3 do work after each module's forward (offload, reshard) that a forward stopped
+    after its topmost memory layer would skip."""
+    for module in model.modules():
+        name = type(module).__name__
+        if hasattr(module, "_hf_hook") or "FullyShardedDataParallel" in name or name.startswith("FSDP"):
+            return True
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _write_row_blocks(forward, model, input_ids, valid, memory_cache, block, extra, show) -> None:
     """``write_history`` for a padded batch without a KV cache: block ``k`` of every row is that
     row's tokens ``[k * block, (k + 1) * block)``, whatever padding the batch gave it, so each row's
     memory equals its history written alone. A block forward runs on the rows that still have
@@ -188,7 +209,7 @@ def _write_row_blocks(model, input_ids, valid, memory_cache, block, extra, show)
         part = memory_cache.clone()
         if len(rows) < B:
             part.batch_select_indices(index)
-        model(
+        forward(
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(dim=1) - 1).clamp_min(0),

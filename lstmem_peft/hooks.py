@@ -285,10 +285,12 @@ class MemoryHooks:
         return False
 
     def _open_pass(self, module: nn.Module, args, kwargs):
-        """Forward pre-hook: pop ``memory_cache`` / ``memory_write`` / ``memory_feedback`` and open the pass."""
+        """Forward pre-hook: pop ``memory_cache`` / ``memory_write`` / ``memory_feedback`` /
+        ``memory_only`` and open the pass."""
         cache = kwargs.pop("memory_cache", None)
         write = kwargs.pop("memory_write", None)
         feedback = kwargs.pop("memory_feedback", None)
+        memory_only = bool(kwargs.pop("memory_only", False))
         active = ACTIVE.get()
         if active is not None and active.owner is self and active.model_pass is not None:
             if active.module is not module:  # the inner decoder of the forward that opened the pass
@@ -350,6 +352,14 @@ class MemoryHooks:
             raise ValueError(
                 "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
             )
+        if memory_only and (
+            not write or session is not None or kv is not None or torch.compiler.is_compiling()
+        ):
+            raise ValueError(
+                "memory_only=True stops a forward once memory is written, so it needs memory_write=True, no "
+                "past_key_values (the layers it skips would leave the KV cache incomplete), no generate() and no "
+                "torch.compile; write histories with lstmem_peft.write_history"
+            )
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
         if session is not None and not draft:
             valid = _and(valid, session.extra_valid(length, ref.device))
@@ -370,6 +380,7 @@ class MemoryHooks:
             memory_pass,
             record_inputs=session is not None and not draft and length <= RECORD_LIMIT,
             draft=draft,
+            memory_only=memory_only,
         )
         model_pass.length = length
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
@@ -399,6 +410,16 @@ class MemoryHooks:
             return output
         model_pass = active.model_pass
         ACTIVE.reset(model_pass.token)
+        stop = model_pass.stop
+        if stop is not None and model_pass.memory_pass.layers_run == len(model_pass.memory_pass.cache.layers):
+            # a memory-only forward stopped on purpose (MemoryWritten is on its way to the caller):
+            # commit, and hand the caller what committing raises (torch silences errors in this hook)
+            try:
+                model_pass.close(True)
+                stop.committed = True
+            except BaseException as err:
+                stop.error = err
+            return output
         completed = output is not None and model_pass.memory_pass.layers_run > 0
         model_pass.close(completed)
         if completed and active.session is not None and not model_pass.draft:

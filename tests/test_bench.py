@@ -31,7 +31,7 @@ def test_records_carry_device_versions_date_and_every_figure(records):
         assert {"device", "torch", "transformers", "date", "rows", "benchmark"} <= set(record)
     decode = made["decode"]["rows"]
     assert [r["kv_length"] for r in decode] == [16, 32]
-    timed = [*decode, made["write"]["rows"][0], made["e2e"]["rows"][0], made["generate"]["rows"][0]]
+    timed = [*decode, *made["write"]["rows"], made["e2e"]["rows"][0], made["generate"]["rows"][0]]
     for r in timed:  # every derived figure is derived from the medians it reports
         for side in ("lstmem", "plain"):
             assert r[side]["n"] == 1 and r[side]["min"] <= r[side]["median"] <= r[side]["max"]
@@ -39,7 +39,8 @@ def test_records_carry_device_versions_date_and_every_figure(records):
     for r in decode:  # one token per timed step
         assert r["lstmem_tok_s"] == pytest.approx(1 / r["lstmem"]["median"])
         assert r["plain_tok_s"] == pytest.approx(1 / r["plain"]["median"])
-    assert made["write"]["rows"][0]["tokens"] == 48 and made["e2e"]["rows"][0]["answer_tokens"] == 3
+    assert [(r["tokens"], r["kv_cache"]) for r in made["write"]["rows"]] == [(48, True), (48, False)]
+    assert made["e2e"]["rows"][0]["answer_tokens"] == 3
     generate = made["generate"]["rows"][0]
     assert (generate["prompt_tokens"], generate["new_tokens"]) == (16, 4)
     assert {r["backend"] for r in made["scan"]["rows"]} >= {"naive", "torch"}

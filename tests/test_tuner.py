@@ -333,6 +333,69 @@ def test_write_history_fills_the_kv_cache():
     assert kv.get_seq_length() == 40
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_history_without_kv_cache_stops_each_block_after_the_topmost_memory_layer(padded):
+    """Without a KV cache and without gradients, nothing above the topmost memory layer can change
+    memory: those decoder layers and the head never run, and memory is what whole forwards write."""
+    model = make(layers_to_transform=[0, 1])  # 3 decoder layers
+    hist = ids(2, 40)
+    mask = torch.ones_like(hist)
+    if padded:
+        mask[1, :9] = 0
+    ran = []
+    decoder = model.base_model.model.model
+    handles = [
+        m.register_forward_hook(lambda *a, n=name: ran.append(n))
+        for name, m in (
+            ("layer 2", decoder.layers[2]),
+            ("norm", decoder.norm),
+            ("head", model.base_model.model.lm_head),
+        )
+    ]
+    with torch.no_grad():
+        stopped = write_history(model, hist, MemoryCache(), attention_mask=mask, block_size=16)
+    for handle in handles:
+        handle.remove()
+    assert ran == []
+    whole = MemoryCache()  # the same blocks, whole forwards (what a gradient-enabled write runs)
+    write_history(model, hist, whole, attention_mask=mask, block_size=16)
+    for a, b in zip(stopped.layers, whole.layers, strict=True):
+        assert torch.equal(a.cell, b.cell) and torch.equal(a.hidden, b.hidden)
+    assert torch.equal(stopped.tokens_written, whole.tokens_written)
+
+
+def test_a_failure_while_committing_a_stopped_forward_reaches_the_caller(monkeypatch):
+    """torch silences errors raised in a forward hook while another error propagates: a stopped
+    forward's commit error (here feedback's) must still reach the caller, with the cache unchanged."""
+    from lstmem_peft import engine
+
+    model = make()
+    cache = MemoryCache()
+    with torch.no_grad():
+        write_history(model, ids(1, 16), cache, block_size=16)
+        before = [(s.cell.clone(), s.hidden.clone()) for s in cache.layers]
+
+        def broken(*args, **kwargs):
+            raise FloatingPointError("feedback broke")
+
+        monkeypatch.setattr(engine, "block_feedback", broken)
+        with pytest.raises(FloatingPointError, match="feedback broke"):
+            write_history(model, ids(1, 16, seed=1), cache, block_size=16)
+    for state, (cell, hidden) in zip(cache.layers, before, strict=True):
+        assert torch.equal(state.cell, cell) and torch.equal(state.hidden, hidden)
+
+
+def test_memory_only_forwards_are_refused_where_they_would_skip_needed_work():
+    from transformers import DynamicCache
+
+    model = make()
+    x = ids(1, 8)
+    with torch.no_grad():
+        for kwargs in (dict(memory_write=False), dict(past_key_values=DynamicCache(), use_cache=True)):
+            with pytest.raises(ValueError, match="memory_only=True"):
+                model(input_ids=x, memory_cache=MemoryCache(), memory_only=True, **kwargs)
+
+
 def test_write_history_validates_inputs():
     model = make()
     with pytest.raises(ValueError, match="attention_mask must have shape"):
