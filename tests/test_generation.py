@@ -93,6 +93,30 @@ def test_generate_is_exact(model, mode):
     check(model, start, prompt, mask, out, cache, repeats=kwargs.get("num_return_sequences", 1))
 
 
+@pytest.fixture(scope="module")
+def sliding():
+    """A Mistral whose attention sees only the last 4 positions: its KV caches keep a window."""
+    from tiny_models import COMMON
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    base = MistralForCausalLM(MistralConfig(**{**COMMON, "sliding_window": 4})).double()
+    model = get_peft_model(base, LSTMemConfig())
+    randomize_memory(model, seed=1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static", "use_cache=False"])
+def test_sliding_window_caches(sliding, mode):
+    """Prompts and generations longer than the window: memory keeps what the window drops."""
+    kwargs = {"static": dict(cache_implementation="static"), "use_cache=False": dict(use_cache=False)}
+    prompt, mask = prompt_batch()
+    start = history_cache(sliding, 2)
+    cache = start.clone()
+    out = generate(sliding, prompt, mask, cache, do_sample=False, max_new_tokens=8, **kwargs.get(mode, {}))
+    check(sliding, start, prompt, mask, out, cache)
+
+
 def test_static_cache_without_padding_and_a_static_cache_object(model):
     prompt, _ = prompt_batch((6, 6))
     mask = torch.ones_like(prompt)
