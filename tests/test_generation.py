@@ -117,6 +117,20 @@ def test_sliding_window_caches(sliding, mode):
     check(sliding, start, prompt, mask, out, cache)
 
 
+def test_prompt_lookup_crops_a_sliding_window_cache_and_memory_together(sliding):
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, VOCAB, (4,), generator=g).repeat(4)[None]  # repeats: drafts are proposed
+    mask = torch.ones_like(prompt)
+    start = history_cache(sliding, 1)
+    plain_cache, cache = start.clone(), start.clone()
+    plain = generate(sliding, prompt, mask, plain_cache, do_sample=False, max_new_tokens=10)
+    out = generate(
+        sliding, prompt, mask, cache, do_sample=False, max_new_tokens=10, prompt_lookup_num_tokens=3
+    )
+    assert torch.equal(out.sequences, plain.sequences)
+    assert_same_memory(cache, states(plain_cache), **TOL)
+
+
 def test_static_cache_without_padding_and_a_static_cache_object(model):
     prompt, _ = prompt_batch((6, 6))
     mask = torch.ones_like(prompt)
