@@ -226,6 +226,7 @@ class LSTMemState(nn.Module, MambaBase):
                 True,
                 self.backend,
                 self._step_weights,
+                False,  # no feedback samples: vLLM runs no feedback
             )
             cells[slots[:decodes]] = out.cell
             hiddens[slots[:decodes]] = out.hidden
@@ -248,6 +249,7 @@ class LSTMemState(nn.Module, MambaBase):
                 True,
                 self.backend,
                 None,
+                False,
             )
             cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
             delta_q[a:b] = out.correction(0)[0]  # a one-token chunk keeps its corrections factored
