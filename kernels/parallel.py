@@ -137,17 +137,18 @@ def step_torch(
     C, D = _cast(cell, cd), _cast(hidden, cd)
     depth = None if depth is None else _cast(depth, cd)
     read = (D * q_row).sum(-1)  # D_{t-1} q_t, before D changes (R is small: no batched product)
-    if valid is None and C is cell and D is hidden:  # the states' own dtype: update them where they are
-        cell.mul_(f_col).addcmul_(w_col, k_row)
-        tanh_c = torch.tanh(cell)
-        if depth is None:
-            torch.mul(o_col, tanh_c, out=hidden)
-        else:
-            torch.addcmul(depth, o_col, tanh_c, out=hidden)
-        return _cast(read, q.dtype)
-    C_new = torch.addcmul(f_col * C, w_col, k_row)
+    # in the states' own dtype and without padding the new states are written where they are;
+    # otherwise they are computed aside and copied in
+    in_place = valid is None and C is cell and D is hidden
+    C_new = cell.mul_(f_col).addcmul_(w_col, k_row) if in_place else torch.addcmul(f_col * C, w_col, k_row)
     tanh_c = torch.tanh(C_new)
-    D_new = o_col * tanh_c if depth is None else torch.addcmul(depth, o_col, tanh_c)
+    out = hidden if in_place else None
+    if depth is None:
+        D_new = torch.mul(o_col, tanh_c, out=out)
+    else:
+        D_new = torch.addcmul(depth, o_col, tanh_c, out=out)
+    if in_place:
+        return _cast(read, q.dtype)
     if valid is not None:
         keep = valid.view(-1, 1, 1, 1)
         C_new, D_new = torch.where(keep, C_new, C), torch.where(keep, D_new, D)

@@ -126,7 +126,7 @@ class ModelPass:
         if self.inputs is not None:
             self.inputs.append(x.detach())
         self._outputs[wrapper.layer_idx] = out
-        if self.stop is not None and self.memory_pass.layers_run == len(self.memory_pass.cache.layers):
+        if self.stop is not None and self.memory_pass.all_layers_run:
             raise self.stop  # nothing after the topmost memory layer changes memory
         return out
 

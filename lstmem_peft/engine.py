@@ -90,6 +90,11 @@ class MemoryPass:
         """Memory layers that have run in this pass so far."""
         return self._next
 
+    @property
+    def all_layers_run(self) -> bool:
+        """Whether every memory layer has run in this pass."""
+        return self._next == len(self.cache.layers)
+
     def _sampling(self, T: int, device: torch.device) -> None:
         """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
         valid = self._valid_on(device)
@@ -168,7 +173,7 @@ class MemoryPass:
 
         Returns the :class:`~lstmem_peft.feedback.FeedbackResult` when feedback ran.
         """
-        if self._next != len(self.cache.layers) and self.every_layer:
+        if not self.all_layers_run and self.every_layer:
             raise RuntimeError(
                 f"only {self._next} of {len(self.cache.layers)} memory layers ran in this forward; "
                 "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"

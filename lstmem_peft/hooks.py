@@ -411,7 +411,7 @@ class MemoryHooks:
         model_pass = active.model_pass
         ACTIVE.reset(model_pass.token)
         stop = model_pass.stop
-        if stop is not None and model_pass.memory_pass.layers_run == len(model_pass.memory_pass.cache.layers):
+        if stop is not None and model_pass.memory_pass.all_layers_run:
             # a memory-only forward stopped on purpose (MemoryWritten is on its way to the caller):
             # commit, and hand the caller what committing raises (torch silences errors in this hook)
             try:

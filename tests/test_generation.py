@@ -117,20 +117,6 @@ def test_sliding_window_caches(sliding, mode):
     check(sliding, start, prompt, mask, out, cache)
 
 
-def test_prompt_lookup_crops_a_sliding_window_cache_and_memory_together(sliding):
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(3, VOCAB, (4,), generator=g).repeat(4)[None]  # repeats: drafts are proposed
-    mask = torch.ones_like(prompt)
-    start = history_cache(sliding, 1)
-    plain_cache, cache = start.clone(), start.clone()
-    plain = generate(sliding, prompt, mask, plain_cache, do_sample=False, max_new_tokens=10)
-    out = generate(
-        sliding, prompt, mask, cache, do_sample=False, max_new_tokens=10, prompt_lookup_num_tokens=3
-    )
-    assert torch.equal(out.sequences, plain.sequences)
-    assert_same_memory(cache, states(plain_cache), **TOL)
-
-
 def test_static_cache_without_padding_and_a_static_cache_object(model):
     prompt, _ = prompt_batch((6, 6))
     mask = torch.ones_like(prompt)
@@ -231,7 +217,11 @@ def test_beam_search_through_the_generation_config(model):
     assert cache.batch_size == 1 and out.shape[0] == 1
 
 
-def test_prompt_lookup_rolls_rejected_drafts_back(model):
+@pytest.mark.parametrize("which", ["model", "sliding"])
+def test_prompt_lookup_rolls_rejected_drafts_back(request, which):
+    """Drafts the verifier rejects are cropped from the KV cache (a sliding-window one too) and
+    rolled back from memory."""
+    model = request.getfixturevalue(which)
     g = torch.Generator().manual_seed(7)
     motif = torch.randint(3, VOCAB, (4,), generator=g)
     prompt = motif.repeat(4)[None]  # repeats, so the lookup proposes drafts
