@@ -445,9 +445,50 @@ def _plot(folder: Path, record: dict, name: str, title: str, draw) -> str:
     return f"![{title}]({png.name})"
 
 
+RECORD_KEYS = ("benchmark", "device", "device_kind", "date", "torch", "rows")
+
+
+def read_records(out_dir: str | os.PathLike) -> list[dict]:
+    """The JSON records ``lstmem bench`` wrote to ``out_dir``; a folder that is missing or holds none, or a
+    record that is not one, raises :class:`~lstmem_peft.errors.DataFormatError` naming it."""
+    from .errors import DataFormatError, MissingDataError, describe
+
+    folder = Path(out_dir)
+    expected = "a folder of the JSON records lstmem bench KIND --out FOLDER wrote"
+    fix = "Run lstmem bench decode|generate|ops|e2e|write|scan --out FOLDER first, then report FOLDER"
+    if not folder.exists():
+        raise MissingDataError(folder, expected, "no such folder", fix)
+    if not folder.is_dir():
+        raise DataFormatError(folder, expected, "a file, not a folder", fix)
+    paths = sorted(folder.glob("*.json"))
+    if not paths:
+        raise MissingDataError(folder, expected, "no .json record in it", fix)
+    records = []
+    for path in paths:
+        record_expected = "a JSON record of lstmem bench (an object with " + ", ".join(RECORD_KEYS) + ")"
+        record_fix = "Remove it from the folder or run that benchmark again"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataFormatError(path, record_expected, "not UTF-8 text", record_fix) from None
+        if not text.strip():
+            raise DataFormatError(path, record_expected, "the file is empty", record_fix)
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as err:
+            got = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+            raise DataFormatError(path, record_expected, got, record_fix) from None
+        missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
+        if missing or not isinstance(record["rows"], list):
+            got = f"the file holds {describe(record)}"
+            raise DataFormatError(path, record_expected, got, record_fix)
+        records.append(record)
+    return records
+
+
 def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
     """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
-    records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("*.json"))]
+    records = read_records(out_dir)
     md = Path(results_md)
     lines = [
         "# Benchmark results",

@@ -16,6 +16,11 @@ import argparse
 import os
 import sys
 
+from .errors import DataFormatError, MissingDataError, UsageError, looks_local
+
+# Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
+BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
@@ -28,30 +33,97 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1-65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
+    in where the options are listed, with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The ``lstmem`` command. A user error (missing path, wrong format, bad number) prints one line
-    and exits with 1 (argparse's own usage errors: 2); ``--debug`` shows the traceback instead."""
+    """The ``lstmem`` command.
+
+    Exit status 2 with one line on stderr for what the user gave wrong -- a file or folder that is
+    missing or not in the expected format, a bad option or option combination -- naming the file or
+    option, what was expected and the fix (checked before any model loads); 1 with one line for other
+    failures (a download, a model that will not load, out of memory); a bug in lstmem keeps its
+    traceback. ``--debug`` shows the traceback in every case.
+    """
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         return _dispatch(args)
     except KeyboardInterrupt:
         raise
+    except UsageError as err:  # a bad file, format or option: one line that says what to do
+        if args.debug:
+            raise
+        print(f"lstmem {_where(args)}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except BUGS:
+        raise
     except Exception as err:  # one line for the user; the traceback is one flag away
         if args.debug:
             raise
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, OSError) and _given(args, err.filename):  # open() on a path the user gave
+            line = f"{err.filename}: {err.strerror}; expected a path lstmem can use. Check the path and its permissions"
+            print(f"lstmem {_where(args)}: error: {line}", file=sys.stderr)
+            return 2
         print(
-            f"lstmem {args.command}: error: {message} ({type(err).__name__}; --debug shows the traceback)",
+            f"lstmem {args.command}: error: {_one_line(err)} ({type(err).__name__}; --debug shows the traceback)",
             file=sys.stderr,
         )
         return 1
 
 
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return " ".join(text.splitlines()[0].split()) if text else type(err).__name__
+
+
+def _where(args) -> str:
+    """The subcommand as typed: ``eval locomo``, ``bench report``, ``demo``, ``serve``."""
+    if args.command == "eval":
+        return f"eval {args.benchmark}"
+    if args.command == "bench":
+        return f"bench {args.kind}"
+    return args.command
+
+
+def _given(args, filename) -> bool:
+    """Whether ``filename`` is one of the paths the user passed."""
+    if not filename:
+        return False
+    options = ("data", "model", "adapter", "rescore", "entity_map", "out", "results", "folder", "store")
+    given = [getattr(args, name, None) for name in (*options, "api_keys_file")]
+    target = os.path.abspath(os.path.expanduser(os.fspath(filename)))
+    return any(isinstance(v, str) and os.path.abspath(os.path.expanduser(v)) == target for v in given)
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="lstmem", description="LSTMem online memory for frozen LMs")
+    parser = _Parser(prog="lstmem", description="LSTMem online memory for frozen LMs")
     parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
@@ -74,7 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "report"])
-    bench.add_argument("folder", nargs="?", default="benchmarks/results", help="records folder (report)")
+    bench.add_argument(
+        "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
+    )
     bench.add_argument("--preset", default="cpu-small", help="model dimensions: cpu-small or qwen3-4b")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -142,7 +216,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
     )
-    ev.add_argument("--families", nargs="+", default=None, help="mab: families to run (AR TTL LRU SF)")
+    ev.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        choices=["AR", "TTL", "LRU", "SF"],
+        help="mab: families to run (AR TTL LRU SF)",
+    )
     ev.add_argument(
         "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
     )
@@ -187,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)")
     sv.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    sv.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     sv.add_argument("--name", default=None, help="model id served at /v1/models (default: from the adapter)")
     sv.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
     sv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
@@ -195,7 +275,9 @@ def _parser() -> argparse.ArgumentParser:
         "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
     )
     sv.add_argument("--max-batch", type=positive_int, default=32, help="most sessions per batched forward")
-    sv.add_argument("--batch-wait-ms", type=float, default=5.0, help="wait for more requests to batch")
+    sv.add_argument(
+        "--batch-wait-ms", type=non_negative_float, default=5.0, help="wait for more requests to batch"
+    )
     sv.add_argument("--no-batching", action="store_true", help="run requests one at a time")
     sv.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
     sv.add_argument("--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests")
@@ -223,73 +305,217 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_paths(**named: str | None) -> None:
-    """A value that looks like a filesystem path (not a Hub id ``owner/name``) must exist."""
-    for option, value in named.items():
-        if value is None:
-            continue
-        looks_local = (
-            value.startswith(("/", "./", "../", "~")) or os.path.isabs(value) or value.count("/") > 2
-        )
-        if looks_local and not os.path.exists(os.path.expanduser(value)):
-            label = "DATA" if option == "data" else f"--{option}"
-            raise FileNotFoundError(f"{label} {value}: no such file or folder")
+# ---------------------------------------------------------------------- checks before anything loads
+MODEL_EXPECTED = "a model folder with config.json (as save_pretrained writes it) or a Hub model id owner/name"
+ADAPTER_EXPECTED = (
+    "an LSTMem adapter folder with adapter_config.json (as save_pretrained writes it) or a Hub id owner/name"
+)
 
 
+def _local(value: str) -> bool:
+    """A ``--model``/``--adapter`` value meant as a local path (a Hub model id is ``name`` or ``owner/name``)."""
+    return looks_local(value, bare_names=False) or value.count("/") > 1
+
+
+def _check_folder(option: str, value: str | None, needs: str, expected: str, fix: str) -> None:
+    """A local ``--model``/``--adapter`` must be a folder holding ``needs``; Hub ids are left to the Hub."""
+    if value is None or not _local(value):
+        return
+    path = os.path.expanduser(value)
+    label = f"{option} {value}"
+    if not os.path.exists(path):
+        raise MissingDataError(label, expected, "no such file or folder", fix)
+    if not os.path.isdir(path):
+        raise DataFormatError(label, expected, "a file, not a folder", fix)
+    if not os.path.isfile(os.path.join(path, needs)):
+        raise DataFormatError(label, expected, f"a folder without {needs}", fix)
+
+
+def _check_model(value: str | None) -> None:
+    fix = "Pass the folder save_pretrained wrote for the backbone, or its Hub id"
+    _check_folder("--model", value, "config.json", MODEL_EXPECTED, fix)
+
+
+def _check_adapter(value: str | None) -> None:
+    fix = "Pass the folder an LSTMem model's save_pretrained wrote (or LSTMemTrainer's output), or its Hub id"
+    _check_folder("--adapter", value, "adapter_config.json", ADAPTER_EXPECTED, fix)
+
+
+def _check_output_folder(option: str, value: str | None, what: str = "the outputs") -> None:
+    """An output folder may be missing (it is created) but not a file."""
+    if value is not None and os.path.isfile(os.path.expanduser(value)):
+        expected = f"a folder for {what} (created when missing)"
+        raise DataFormatError(f"{option} {value}", expected, "an existing file", "Pass a folder path")
+
+
+def _check_device(value: str | None) -> None:
+    """``--device``: a device torch knows, and CUDA only where torch sees a GPU."""
+    if value is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"--device {value}: not a device torch knows; expected cpu, cuda or cuda:N. Pass --device cpu, "
+            "or leave --device out (cuda when available)"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(
+                f"--device {value}: torch sees no CUDA device on this machine; expected cpu here. Pass "
+                "--device cpu, or leave --device out"
+            )
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {value}: torch sees {count} CUDA device(s); expected cuda:0 to cuda:{count - 1}. "
+                "Pass one of those"
+            )
+
+
+def _key_values(pairs: list[str], option: str) -> dict:
+    """``KEY=VALUE`` options as a dict (``VALUE`` read as JSON when it parses)."""
+    import json
+
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(
+                f"{option} {pair}: expected KEY=VALUE (VALUE read as JSON when it parses), e.g. "
+                f"{option} enable_thinking=false"
+            )
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+# ---------------------------------------------------------------------- subcommands
 def _dispatch(args) -> int:
-    if args.command in ("eval", "demo"):
-        _check_paths(
-            model=args.model,
-            **({"adapter": args.adapter, "data": args.data} if args.command == "eval" else {}),
-            **({"rescore": args.rescore} if args.command == "eval" else {}),
-        )
     if args.command == "eval":
         return _eval(args)
     if args.command == "serve":
-        _check_paths(model=args.model, adapter=args.adapter)
         return _serve(args)
     if args.command == "bench":
-        from . import bench as benchmarks
+        return _bench(args)
+    return _demo(args)
 
-        if args.kind == "report":
-            print(f"wrote {benchmarks.report(args.folder, args.results)}")
-            return 0
-        benchmarks.run(
-            args.kind,
-            preset=args.preset,
-            device=args.device,
-            dtype=args.dtype,
-            out=args.out,
-            reps=args.reps,
-            kv_lengths=args.kv_lengths,
-            histories=args.histories,
-            answer_tokens=args.answer_tokens,
-            prompt_tokens=args.prompt_tokens,
-            tokens=args.tokens,
-            lengths=args.lengths,
-            batches=args.batches,
-        )
-        return 0
-    if args.command == "demo":
-        from .demo import run
 
-        run(
-            train=args.train,
-            model_id=args.model,
-            num_episodes=args.episodes,
-            ablations=not args.no_ablations,
-            train_steps=args.steps,
-        )
+def _demo(args) -> int:
+    _check_model(args.model)
+    from .demo import run
+
+    run(
+        train=args.train,
+        model_id=args.model,
+        num_episodes=args.episodes,
+        ablations=not args.no_ablations,
+        train_steps=args.steps,
+    )
     return 0
 
 
+def _bench(args) -> int:
+    from . import bench as benchmarks
+
+    if args.kind == "report":
+        folder = args.folder or "benchmarks/results"
+        results = os.path.expanduser(args.results)
+        if os.path.isdir(results):
+            raise DataFormatError(
+                f"--results {args.results}", "the markdown file to write", "a folder", "Pass a file path"
+            )
+        parent = os.path.dirname(os.path.abspath(results))
+        if not os.path.isdir(parent):
+            raise MissingDataError(
+                f"--results {args.results}",
+                "a markdown file in an existing folder",
+                f"no folder {parent}",
+                "Create the folder first, or pass another path",
+            )
+        print(f"wrote {benchmarks.report(folder, results)}")  # reads (and checks) every record first
+        return 0
+    if args.folder is not None:
+        raise UsageError(
+            f"FOLDER {args.folder}: applies to lstmem bench report only; expected no FOLDER with "
+            f"{args.kind}. Pass --out {args.folder} to choose where the records go"
+        )
+    if args.kind != "scan" and args.preset not in benchmarks.PRESETS:
+        raise UsageError(
+            f"--preset {args.preset}: unknown; expected one of {', '.join(sorted(benchmarks.PRESETS))}. "
+            "Pass one of those"
+        )
+    _check_device(args.device)
+    _check_output_folder("--out", args.out, "the JSON records")
+    benchmarks.run(
+        args.kind,
+        preset=args.preset,
+        device=args.device,
+        dtype=args.dtype,
+        out=args.out,
+        reps=args.reps,
+        kv_lengths=args.kv_lengths,
+        histories=args.histories,
+        answer_tokens=args.answer_tokens,
+        prompt_tokens=args.prompt_tokens,
+        tokens=args.tokens,
+        lengths=args.lengths,
+        batches=args.batches,
+    )
+    return 0
+
+
+def _api_keys(path: str) -> list[str]:
+    """The keys of ``--api-keys-file``: one a line, blank lines and ``#`` comments skipped."""
+    label = f"--api-keys-file {path}"
+    expected = "a text file with one accepted API key a line (# starts a comment)"
+    fix = "Put one key a line in it, or pass the keys with --api-key KEY"
+    full = os.path.expanduser(path)
+    if not os.path.exists(full):
+        raise MissingDataError(label, expected, "no such file", fix)
+    if os.path.isdir(full):
+        raise DataFormatError(label, expected, "a folder", fix)
+    try:
+        with open(full, encoding="utf-8") as fh:
+            keys = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    except UnicodeDecodeError:
+        raise DataFormatError(label, expected, "not UTF-8 text", fix) from None
+    except PermissionError:
+        raise DataFormatError(
+            label, "a file you can read", "permission denied", "Fix its permissions"
+        ) from None
+    if not keys:
+        raise DataFormatError(label, expected, "no key in it", fix)
+    return keys
+
+
 def _serve(args) -> int:
+    if (args.model is None) != (args.adapter is None):
+        raise UsageError(
+            "--model and --adapter go together: expected both (a backbone and the LSTMem adapter trained on "
+            "it) or neither (the embedded demo). Pass the other one too"
+        )
+    if args.engine == "vllm" and args.model is None:
+        raise UsageError(
+            "--engine vllm: expected --model and --adapter (a Qwen3 or Llama backbone and its LSTMem "
+            "adapter). Pass both, or drop --engine vllm to serve the embedded demo"
+        )
+    _check_model(args.model)
+    _check_adapter(args.adapter)
+    _check_device(args.device)
+    _check_output_folder("--store", args.store, "the sessions' memory")
     keys = list(args.api_key)
     if args.api_keys_file is not None:
-        with open(args.api_keys_file) as fh:
-            keys += [line.strip() for line in fh if line.strip() and not line.startswith("#")]
-        if not keys:
-            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+        keys += _api_keys(args.api_keys_file)
+    vllm_options = _key_values(args.vllm_arg, "--vllm-arg")
+    if vllm_options and args.engine != "vllm":
+        raise UsageError(
+            "--vllm-arg: applies to --engine vllm only; expected no --vllm-arg. Add --engine vllm"
+        )
     from .serve import serve
 
     serve(
@@ -310,67 +536,93 @@ def _serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
         engine=args.engine,
-        vllm_options=_key_values(args.vllm_arg, "--vllm-arg"),
+        vllm_options=vllm_options,
     )
     return 0
 
 
-def _key_values(pairs: list[str], option: str) -> dict:
-    """``KEY=VALUE`` options as a dict (``VALUE`` read as JSON when it parses)."""
-    import json
-
-    kwargs = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{option} expects KEY=VALUE, got {pair!r}")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
-    return kwargs
+def _eval_options(args) -> dict:
+    """The benchmark's options; option combinations that do not apply raise :class:`UsageError`."""
+    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "protocol": args.protocol}
+    mab = args.benchmark == "mab"
+    if args.split:
+        if mab:
+            raise UsageError(
+                "--split does not apply to mab: its four splits are the families; expected no --split. "
+                "Pass --families (AR TTL LRU SF) instead"
+            )
+        options["split"] = args.split
+    if not mab and args.max_new_tokens is None:
+        del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
+    if not mab and (args.max_questions is not None or args.entity_map is not None or args.families):
+        raise UsageError(
+            f"--max-questions, --entity-map and --families apply to mab only; expected none of them with "
+            f"{args.benchmark}. Drop them"
+        )
+    if args.max_context_chars is not None and (not mab or args.protocol != "paper"):
+        raise UsageError(
+            "--max-context-chars applies to mab with --protocol paper only; expected it with both. Add "
+            "--protocol paper, or drop --max-context-chars"
+        )
+    if args.max_context_chars is not None and args.max_context_chars < 0:
+        raise UsageError(
+            f"--max-context-chars: expected 0 (no clipping) or more, got {args.max_context_chars}. Pass 0 or "
+            "a positive number of characters"
+        )
+    if args.passages != "all" and args.benchmark != "hotpotqa":
+        raise UsageError(f"--passages applies to hotpotqa only; expected none with {args.benchmark}. Drop it")
+    if args.benchmark == "hotpotqa":
+        options["passages"] = args.passages
+    if mab:
+        options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
+        if args.max_context_chars is not None:
+            options["max_context_chars"] = args.max_context_chars
+    if args.rescore is None and args.model is None:
+        raise UsageError(
+            "--model is required; expected a base model (Hub id or local folder). Pass --model ID, or "
+            "--rescore RUN/predictions.jsonl to re-score an existing run"
+        )
+    if args.rescore is not None and (args.model is not None or args.adapter is not None or args.resume):
+        raise UsageError(
+            "--rescore re-scores without a model; expected no --model, --adapter or --resume with it. Drop "
+            "--model/--adapter/--resume"
+        )
+    return options
 
 
 def _eval(args) -> int:
     from .eval import runner
 
-    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "protocol": args.protocol}
-    if args.split:
-        if args.benchmark == "mab":
-            raise SystemExit(
-                "--split does not apply to mab: its four splits are the families (use --families)"
-            )
-        options["split"] = args.split
-    if args.benchmark != "mab" and args.max_new_tokens is None:
-        del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
-    if args.benchmark != "mab" and (args.max_questions is not None or args.entity_map is not None):
-        raise SystemExit("--max-questions and --entity-map apply to mab only")
-    if args.max_context_chars is not None and (args.benchmark != "mab" or args.protocol != "paper"):
-        raise SystemExit("--max-context-chars applies to mab with --protocol paper only")
-    if args.max_context_chars is not None and args.max_context_chars < 0:
-        raise SystemExit(
-            f"--max-context-chars: expected 0 (no clipping) or more, got {args.max_context_chars}"
-        )
+    options = _eval_options(args)
     if args.benchmark == "locomo":
+        from .eval.locomo import DATA as spec
         from .eval.locomo import LoCoMo as make
     elif args.benchmark == "hotpotqa":
+        from .eval.hotpotqa import DATA as spec
         from .eval.hotpotqa import HotpotQA as make
-
-        options["passages"] = args.passages
     else:
+        from .eval.mab import DATA as spec
         from .eval.mab import MemoryAgentBench as make
-
-        options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
-        if args.max_context_chars is not None:
-            options["max_context_chars"] = args.max_context_chars
-    if args.rescore is None and args.model is None:
-        raise SystemExit("lstmem eval: --model is required (unless --rescore re-scores an existing run)")
-    if args.rescore is not None and (args.model is not None or args.resume):
-        raise SystemExit("--rescore re-scores without a model: drop --model/--adapter/--resume")
-    benchmark = make(args.data, **options)
+    # every user-given path and option before the data is read, and the data before the model loads
+    if looks_local(args.data) and not os.path.exists(os.path.expanduser(args.data)):
+        raise MissingDataError(f"DATA {args.data}", spec.expected, "no such file or folder", spec.fix)
+    _check_model(args.model)
+    _check_adapter(args.adapter)
+    _check_device(args.device)
     out = args.out or f"eval-results/{args.benchmark}"
+    _check_output_folder("--out", out)
+    if args.entity_map is not None and not os.path.isfile(os.path.expanduser(args.entity_map)):
+        got = "a folder" if os.path.isdir(os.path.expanduser(args.entity_map)) else "no such file"
+        raise MissingDataError(
+            f"--entity-map {args.entity_map}",
+            "the snapshot's entity2id.json (entity URI -> id)",
+            got,
+            "Pass the entity2id.json of the ai-hyz/MemoryAgentBench snapshot",
+        )
+    template_kwargs = _key_values(args.template_arg, "--template-arg")
+    benchmark = make(os.path.expanduser(args.data) if looks_local(args.data) else args.data, **options)
     if args.rescore is not None:
-        summary = runner.rescore(args.rescore, benchmark, out, plot=not args.no_plot)
+        summary = runner.rescore(os.path.expanduser(args.rescore), benchmark, out, plot=not args.no_plot)
         print(runner.markdown_table(summary))
         print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
         return 0
@@ -390,7 +642,7 @@ def _eval(args) -> int:
         block_size=args.block_size,
         compare_base=not args.no_base,
         chat_template=False if args.no_chat_template else None,
-        template_kwargs=_key_values(args.template_arg, "--template-arg"),
+        template_kwargs=template_kwargs,
         run_info={"model": args.model, "adapter": args.adapter, "data": args.data}
         | ({"chunk_tokenizer": args.chunk_tokenizer} if args.benchmark == "mab" else {}),
         resume=args.resume,

@@ -10,8 +10,9 @@ A forward, drawn::
       o_proj wrapper of decoder layer l:  adds Δo
       (memory_only=True: the topmost memory layer raises MemoryWritten; the rest of the backbone is skipped)
       post-hook (same module, also on error): commit the pass (feedback at block ends) or drop it,
-          reset ACTIVE (a KeyboardInterrupt skips the post-hook: the module's next forward drops the
-          uncommitted pass)
+          reset ACTIVE (a KeyboardInterrupt skips the post-hook: write_history drops the uncommitted
+          pass as the interrupt passes through it; after a bare forward, the module's next forward
+          drops it)
 
 ``generate`` sets ``ACTIVE`` to an ``Active`` with a :class:`~lstmem_peft.generation.GenerateSession`
 and no pass; each forward of the call then opens its pass against that session. Context variables are
@@ -21,6 +22,7 @@ each other's pass, and nothing about a forward is ever stored on a module.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -79,6 +81,20 @@ def run_memory_only(model, **kwargs) -> None:
             ) from None
         return
     raise RuntimeError("a memory_only=True forward ran to its end: no LSTMem memory layer ran in it")
+
+
+@contextlib.contextmanager
+def closing_interrupted_passes():
+    """Around library calls that run forwards (``write_history``): whatever interrupts them
+    (``KeyboardInterrupt`` included, which skips torch's closing hooks) leaves no memory pass open in
+    :data:`ACTIVE`. The uncommitted pass is dropped; the cache keeps the states it had before it."""
+    before = ACTIVE.get()
+    try:
+        yield
+    except BaseException:
+        if ACTIVE.get() is not before:
+            ACTIVE.set(before)
+        raise
 
 
 def current_pass() -> ModelPass | None:

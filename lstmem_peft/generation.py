@@ -203,10 +203,11 @@ class GenerateSession:
         cache: the caller's :class:`MemoryCache` (written only by :meth:`commit`).
         config: the resolved generation config.
         kwargs: the call's keyword arguments (the prompt, for beam search).
+        write: whether the call writes memory (``False``: every forward only reads it).
     """
 
     def __init__(
-        self, hooks, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict
+        self, hooks, adapter: str, cache: MemoryCache, config: GenerationConfig, kwargs: dict, write: bool
     ) -> None:
         self.hooks = hooks
         self.adapter = adapter
@@ -214,7 +215,7 @@ class GenerateSession:
         self.expand = max(config.num_beams or 1, config.num_return_sequences or 1)
         self.beams = (config.num_beams or 1) > 1
         self.return_sequences = config.num_return_sequences or 1
-        self.write = hooks.config(adapter).update_during_generation
+        self.write = write
         self.work: MemoryCache | None = None
         self.kv = None
         self._kv_methods: dict[str, object] = {}
@@ -388,6 +389,9 @@ class GenerateSession:
     # ------------------------------------------------------------------ rollback
     def rollback(self, position: int) -> None:
         """Return the working memory to KV position ``position`` (a crop or a re-forward)."""
+        if not self.write:  # a read-only call never changed the memory: every position has the start's
+            self.position = position
+            return
         if position == self.start_position:
             self.start.restore(self.work)
         elif self.last is not None and self.last.position <= position < self.position:

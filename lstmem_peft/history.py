@@ -9,7 +9,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .cache import MemoryCache, MemoryLayout
-from .context import run_memory_only
+from .context import closing_interrupted_passes, run_memory_only
 from .hooks import MemoryHooks
 from .memory import LSTMemLayer
 from .tuner import LSTMemModel
@@ -51,7 +51,13 @@ def memory_layout(model: nn.Module) -> MemoryLayout:
     return find_memory(model).memory_layout()
 
 
-def generate(model: nn.Module, *args, memory_cache: MemoryCache | None = None, **kwargs):
+def generate(
+    model: nn.Module,
+    *args,
+    memory_cache: MemoryCache | None = None,
+    memory_write: bool | None = None,
+    **kwargs,
+):
     """``model.generate(*args, memory_cache=..., **kwargs)`` for any model with LSTMem layers.
 
     ``PeftModel.generate`` already takes ``memory_cache``. A backbone that received the adapter
@@ -59,7 +65,7 @@ def generate(model: nn.Module, *args, memory_cache: MemoryCache | None = None, *
     ``generate``, which refuses unknown keyword arguments; call this function for it instead (it is
     the same exact, transactional generation; see :mod:`lstmem_peft.generation`).
     """
-    return find_memory(model).generate(*args, memory_cache=memory_cache, **kwargs)
+    return find_memory(model).generate(*args, memory_cache=memory_cache, memory_write=memory_write, **kwargs)
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
@@ -69,6 +75,7 @@ def _accepts(module: nn.Module, name: str) -> bool:
         return False
 
 
+@closing_interrupted_passes()  # an interrupt inside a block's forward leaves no memory pass open
 def write_history(
     model: nn.Module,
     input_ids: torch.Tensor,

@@ -185,10 +185,15 @@ class MemoryHooks:
 
         PEFT toggles every wrapper together (``disable_adapter()``, ``disable_adapter_layers()``,
         transformers' ``disable_adapters()``). Disabling single wrappers would cut the depth chain of
-        the memory (and leave a ``Δo`` without its ``Δq``), so mixed states are refused.
+        the memory (and leave a ``Δo`` without its ``Δq``), so mixed states are refused. With no
+        LSTMem adapter active (the last one deleted), the layers are the plain backbone's.
         """
         wrappers = self.wrappers()
         if not wrappers:
+            return False
+        if not self._lstmem_adapter_active(wrappers[0].active_adapters):
+            # no LSTMem adapter is active: the last one was deleted (PEFT's delete_adapter, transformers'
+            # delete_adapter) or none was set; the wrappers pass through, as PEFT gives the base model back
             return False
         disabled = [w.disable_adapters for w in wrappers]
         if any(disabled) and not all(disabled):
@@ -200,6 +205,15 @@ class MemoryHooks:
                 "with LSTMemConfig(layers_to_transform=[...])"
             )
         return not disabled[0]
+
+    def _lstmem_adapter_active(self, active) -> bool:
+        """Whether one of the ``active`` adapter names is an LSTMem adapter of these layers (without a
+        walk over the wrappers when its plan is built, as on every forward of a running model)."""
+        for name in active:
+            plan = self._plans.get(name)
+            if plan is not None and name in plan[3][0].lstmem_memory:
+                return True
+        return any(name in self.adapters() for name in active)
 
     def active_adapter(self) -> str:
         """The one active adapter, as the layers report it (every door sets it on the layers)."""
@@ -427,13 +441,17 @@ class MemoryHooks:
         return output
 
     # ------------------------------------------------------------------ generate
-    def generate(self, *args, memory_cache: MemoryCache | None = None, **kwargs):
+    def generate(
+        self, *args, memory_cache: MemoryCache | None = None, memory_write: bool | None = None, **kwargs
+    ):
         """``generate`` of the backbone with LSTMem memory (see :mod:`lstmem_peft.generation`).
 
         Args:
-            memory_cache: the sessions' memory; updated in place when the call succeeds (with
-                ``update_during_generation``), untouched when it raises. Without it the call uses a
-                fresh memory.
+            memory_cache: the sessions' memory; updated in place when the call succeeds (when the
+                call writes), untouched when it raises. Without it the call uses a fresh memory.
+            memory_write: whether the prompt and the generated tokens are written into memory
+                (``True``) or only read it (``False``: the cache is left as it was); ``None`` (default)
+                takes the adapter's ``update_during_generation``.
             *args, **kwargs: as for ``transformers.GenerationMixin.generate``.
         """
         generate = self.model.generate
@@ -450,7 +468,10 @@ class MemoryHooks:
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
         cache.check_layout(self._plan(adapter)[0])
-        session = GenerateSession(self, adapter, cache, config, kwargs=kwargs)
+        if memory_write is not None and not isinstance(memory_write, bool):
+            raise TypeError(f"memory_write must be True, False or None, got {memory_write!r}")
+        write = self.config(adapter).update_during_generation if memory_write is None else memory_write
+        session = GenerateSession(self, adapter, cache, config, kwargs=kwargs, write=write)
         criteria = session.stopping_criteria(
             config, kwargs.pop("stopping_criteria", None), kwargs.get("tokenizer")
         )

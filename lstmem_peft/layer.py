@@ -145,18 +145,6 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         self.lstmem_config[adapter_name] = config
         self.set_adapter(self.active_adapters)
 
-    def _freeze_non_trainable_peft_weights(self, adapter_names=None) -> None:
-        """PEFT calls this after marking adapter weights trainable (``set_adapter``): keep
-        ``W_pred^full`` frozen in memory layers without a depth input (it could get no gradient)."""
-        super()._freeze_non_trainable_peft_weights(adapter_names)
-        names = (
-            [adapter_names] if isinstance(adapter_names, str) else adapter_names or list(self.lstmem_memory)
-        )
-        for name in names:
-            memory = self.lstmem_memory[name] if name in self.lstmem_memory else None
-            if memory is not None and not memory.depth_input:
-                memory.w_pred_full.requires_grad_(False)
-
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if _in_captured_graph():
             base = self.base_layer

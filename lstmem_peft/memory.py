@@ -12,10 +12,13 @@ input ``x_t`` (the backbone layer's attention input, after its input norm):
     C_t = diag(f_t) C_{t-1} + diag(i_t) e_t k_t^T                                      eq:write
     D_t = diag(o_t) tanh(C_t) + diag(g_t) D^{(l-1)}_t                                  eq:hidden
 
-``n(.)`` is tanh followed by l2 normalisation within each head (denominator >= 1e-6). The stored
-parameters are the full matrices ``W_pred^full = [P_time | P_dep]`` and
-``W_gate^full = [G_z | G_time | G_dep | G_e]``; the forward uses the effective maps of App. C.2,
-``W~_pred = P_dep`` and ``W~_gate = [G_z | G_dep | G_e]`` (:class:`LayerWeights`).
+``n(.)`` is tanh followed by l2 normalisation within each head (denominator >= 1e-6). The paper stores
+the full matrices ``W_pred^full = [P_time | P_dep]`` and ``W_gate^full = [G_z | G_time | G_dep | G_e]``
+and feeds them zero-padded inputs, so ``P_time`` and ``G_time`` only ever multiply zeros (App. C.2).
+This layer registers exactly the effective maps, ``w_pred = W~_pred = P_dep`` (only in a layer that
+receives a depth input: elsewhere ``p^dep`` is zero and ``W~_pred`` could never get a gradient) and
+``w_gate = W~_gate = [G_z | G_dep | G_e]``: the same function, and every registered parameter can
+learn. Adapter files that carry the full matrices still load (``_from_full_matrices``).
 
 :meth:`LSTMemLayer.forward` is the one body of this math, in the paper's order, for every token
 count, with or without a depth input, writing or read-only, with or without gradients. Its affine
@@ -177,16 +180,18 @@ class LSTMemLayer(nn.Module):
         self.b_x = nn.Parameter(torch.empty(ds, **kw))
         self.w_read = nn.Parameter(torch.empty(ds, 2 * ds, **kw))
         self.b_read = nn.Parameter(torch.empty(ds, **kw))
-        self.w_pred_full = nn.Parameter(torch.empty(ds, 2 * ds, **kw))
+        # W~_pred = P_dep (removed by set_depth_input(False)) and W~_gate = [G_z | G_dep | G_e] (App. C.2)
+        self.w_pred = nn.Parameter(torch.empty(ds, ds, **kw))
         self.b_pred = nn.Parameter(torch.empty(ds, **kw))
-        self.w_gate_full = nn.Parameter(torch.empty(4 * ds, 4 * ds, **kw))
+        self.w_gate = nn.Parameter(torch.empty(4 * ds, 3 * ds, **kw))
         self.b_gate = nn.Parameter(torch.empty(4 * ds, **kw))
         self.w_dq = nn.Parameter(torch.empty(query_size, ds, **kw))
         self.w_do = nn.Parameter(torch.empty(hidden_size, ds, **kw))
         # whether a depth input D^(l-1) reaches this layer (set at injection: not for the first
-        # memory layer, nor without depth coupling); without one, P_dep can never get a gradient
+        # memory layer, nor without depth coupling); without one there is no W~_pred
         self.depth_input = True
         self.reset_parameters()
+        self._register_load_state_dict_pre_hook(_from_full_matrices, with_module=True)
         self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
 
     @property
@@ -200,13 +205,24 @@ class LSTMemLayer(nn.Module):
         return self.alpha / self.head_dim
 
     def set_depth_input(self, receives: bool) -> None:
-        """Declare whether a depth input reaches this layer. Without one, ``W_pred^full`` (whose
-        ``P_dep`` only ever multiplies the depth input) is frozen, so that every trainable
-        parameter receives a gradient (DDP's and PEFT's invariant); it stays in the adapter file.
-        The query wrapper re-freezes it whenever PEFT marks adapter weights trainable."""
+        """Declare whether a depth input ``D^(l-1)`` reaches this layer (injection sets it: not for
+        the first memory layer, nor without depth coupling).
+
+        Without one, ``p^dep = 0`` and ``W~_pred`` could never get a gradient, so the parameter is
+        removed (it is neither trained nor saved); with one, it is registered at its initial value
+        (zero) if absent. Every registered parameter can then learn (DDP's and PEFT's invariant).
+        """
         self.depth_input = bool(receives)
-        if not self.depth_input:
-            self.w_pred_full.requires_grad_(False)
+        has = self._parameters.get("w_pred") is not None
+        if not self.depth_input and has:
+            del self._parameters["w_pred"]
+            self.w_pred = None
+        elif self.depth_input and not has:
+            like = self.b_pred
+            self.w_pred = nn.Parameter(
+                torch.zeros(self.state_size, self.state_size, device=like.device, dtype=like.dtype),
+                requires_grad=like.requires_grad,
+            )
 
     # ------------------------------------------------------------------ initialisation (App. C.4)
     @torch.no_grad()
@@ -222,10 +238,12 @@ class LSTMemLayer(nn.Module):
         self.b_x.zero_()
         identity_then_zero = torch.cat([torch.eye(ds), torch.zeros(ds, ds)], dim=1)
         self.w_read.copy_(identity_then_zero)
-        self.w_pred_full.copy_(identity_then_zero)
+        # W_pred^full = [I | 0] and W_gate^full = 0 (App. C.4) are W~_pred = 0 and W~_gate = 0
+        if self.w_pred is not None:
+            self.w_pred.zero_()
         self.b_read.zero_()
         self.b_pred.zero_()
-        self.w_gate_full.zero_()
+        self.w_gate.zero_()
         self.b_gate.copy_(torch.cat([torch.full((ds,), K.GATE_BIAS[name]) for name in ("i", "f", "o", "g")]))
         self.w_dq.zero_()
         self.w_do.zero_()
@@ -258,21 +276,25 @@ class LSTMemLayer(nn.Module):
 
     # ------------------------------------------------------------------ paper view
     def effective_pred(self) -> torch.Tensor:
-        """``W~_pred = P_dep``, ``(d_s, d_s)``."""
-        return self.w_pred_full[:, self.state_size :]
+        """``W~_pred = P_dep``, ``(d_s, d_s)``: the parameter, or zeros in a layer without depth input
+        (where it only ever multiplies ``p^dep = 0``)."""
+        if self.w_pred is not None:
+            return self.w_pred
+        return torch.zeros(
+            self.state_size, self.state_size, device=self.b_pred.device, dtype=self.b_pred.dtype
+        )
 
     def effective_gate(self) -> torch.Tensor:
         """``W~_gate = [G_z | G_dep | G_e]``, ``(4 d_s, 3 d_s)``."""
-        ds = self.state_size
-        return torch.cat([self.w_gate_full[:, :ds], self.w_gate_full[:, 2 * ds :]], dim=1)
+        return self.w_gate
 
     def paper_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters in paper notation (views of the live parameters).
 
         Keys and shapes: ``Wq, Wk, Wv, Wx`` ``(d_s, d)``; ``bx`` ``(d_s,)``; ``Wread``
-        ``(d_s, 2 d_s)``; ``bread`` ``(d_s,)``; ``Wpred_full`` ``(d_s, 2 d_s)``; ``bpred``
-        ``(d_s,)``; ``Wgate_full`` ``(4 d_s, 4 d_s)``; ``bgate`` ``(4 d_s,)``; ``Wdq``
-        ``(d_q, d_s)``; ``Wdo`` ``(d, d_s)``.
+        ``(d_s, 2 d_s)``; ``bread`` ``(d_s,)``; ``Wpred`` (``W~_pred``, :meth:`effective_pred`)
+        ``(d_s, d_s)``; ``bpred`` ``(d_s,)``; ``Wgate`` (``W~_gate``) ``(4 d_s, 3 d_s)``; ``bgate``
+        ``(4 d_s,)``; ``Wdq`` ``(d_q, d_s)``; ``Wdo`` ``(d, d_s)``.
         """
         wq, wk, wv, wx = self.w_in.split(self.state_size, dim=0)
         return {
@@ -283,9 +305,9 @@ class LSTMemLayer(nn.Module):
             "bx": self.b_x,
             "Wread": self.w_read,
             "bread": self.b_read,
-            "Wpred_full": self.w_pred_full,
+            "Wpred": self.effective_pred(),
             "bpred": self.b_pred,
-            "Wgate_full": self.w_gate_full,
+            "Wgate": self.w_gate,
             "bgate": self.b_gate,
             "Wdq": self.w_dq,
             "Wdo": self.w_do,
@@ -303,7 +325,7 @@ class LSTMemLayer(nn.Module):
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
         qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
-        g_z, _, g_dep, g_e = self.w_gate_full.split(ds, dim=1)  # W_gate^full = [G_z | G_time | G_dep | G_e]
+        g_z, g_dep, g_e = self.w_gate.split(ds, dim=1)  # W~_gate = [G_z | G_dep | G_e]
         p_dep = self.effective_pred()
         w_read_dep = self.w_read[:, ds:]
         zeros = torch.zeros_like(p_dep)
@@ -450,6 +472,36 @@ class LSTMemLayer(nn.Module):
         u = self.scale * u
         delta_q, delta_o = (torch.mm(u, c).view(B, T, -1) for c in (w.corr_q, w.corr_o))
         return _cast(delta_q, dtype), _cast(delta_o, dtype)
+
+
+#: Adapter files written before the layer stored the effective maps carry the paper's full matrices
+#: under these names: ``w_pred_full = [P_time | P_dep]`` ``(d_s, 2 d_s)`` and ``w_gate_full = [G_z |
+#: G_time | G_dep | G_e]`` ``(4 d_s, 4 d_s)``.
+FULL_MATRICES = {"w_pred_full": "w_pred", "w_gate_full": "w_gate"}
+
+
+def effective_from_full(name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The parameter name and value a full matrix of an older adapter file becomes: ``P_dep`` of
+    ``w_pred_full``, ``[G_z | G_dep | G_e]`` of ``w_gate_full``. ``P_time`` and ``G_time`` only ever
+    multiplied zeros (App. C.2), so the layer computes the same function."""
+    if name == "w_pred_full":
+        ds = full.shape[0]
+        return "w_pred", full[:, ds:]
+    ds = full.shape[0] // 4
+    return "w_gate", torch.cat([full[:, :ds], full[:, 2 * ds :]], dim=1)
+
+
+def _from_full_matrices(layer: LSTMemLayer, state_dict: dict, prefix: str, *args) -> None:
+    """Before a state dict is loaded into ``layer``: the full matrices of an older file become the
+    effective maps (:func:`effective_from_full`); ``w_pred`` is dropped in a layer without depth input."""
+    for old in FULL_MATRICES:
+        full = state_dict.pop(prefix + old, None)
+        if full is None:
+            continue
+        name, value = effective_from_full(old, full)
+        if name == "w_pred" and layer.w_pred is None:
+            continue
+        state_dict.setdefault(prefix + name, value)
 
 
 def _refuse_nonfinite_weights(layer: LSTMemLayer, incompatible_keys) -> None:

@@ -66,7 +66,8 @@ def memory_layer_ref(
 
     Args:
         params: :meth:`LSTMemLayer.paper_parameters` (``Wq, Wk, Wv, Wx, bx, Wread, bread,
-            Wpred_full, bpred, Wgate_full, bgate, Wdq, Wdo``).
+            Wpred, bpred, Wgate, bgate, Wdq, Wdo``: the effective maps ``W~_pred``, ``W~_gate``;
+            this function applies them as the paper's full matrices to zero-padded inputs).
         x: ``(B, T, d)`` the layer's attention inputs ``x_t``.
         cell, hidden: ``(B, n_h, r, r)`` ``C_{t0-1}``, ``D_{t0-1}``.
         depth: ``(B, T, n_h, r, r)`` ``D^{(l-1)}_t`` of the memory layer below, or ``None``
@@ -78,6 +79,12 @@ def memory_layer_ref(
     r = P["Wq"].shape[0] // num_heads
     x = x.double()
     C, D = cell.double().clone(), hidden.double().clone()
+    # App. C.2: W_pred^full = [P_time | P_dep] and W_gate^full = [G_z | G_time | G_dep | G_e] act on
+    # inputs whose temporal block is zero, so P_time and G_time never matter (taken as zero here)
+    ds = P["Wpred"].shape[0]
+    Wpred_full = torch.cat([torch.zeros_like(P["Wpred"]), P["Wpred"]], 1)
+    g_z, g_dep, g_e = P["Wgate"].split(ds, 1)
+    Wgate_full = torch.cat([g_z, torch.zeros_like(g_z), g_dep, g_e], 1)
     delta_q, delta_o, hidden_seq = [], [], []
     for t in range(x.shape[1]):
         x_t = x[:, t]
@@ -95,11 +102,11 @@ def memory_layer_ref(
         # eq:residual, with W~_pred p = W_pred^full [0; p] (App. C.2)
         p_dep = per_head(D_below, k_t)
         zeros = torch.zeros_like(p_dep)
-        v_hat = torch.cat([zeros, p_dep], -1) @ P["Wpred_full"].T + P["bpred"]
+        v_hat = torch.cat([zeros, p_dep], -1) @ Wpred_full.T + P["bpred"]
         e_t = v_t - v_hat
         # eq:gates, with W~_gate [z; r_dep; e] = W_gate^full [z; 0; r_dep; e] (App. C.2)
         z_t = x_t @ P["Wx"].T + P["bx"]
-        gates = torch.sigmoid(torch.cat([z_t, zeros, r_dep, e_t], -1) @ P["Wgate_full"].T + P["bgate"])
+        gates = torch.sigmoid(torch.cat([z_t, zeros, r_dep, e_t], -1) @ Wgate_full.T + P["bgate"])
         i_t, f_t, o_t, g_t = (a.unflatten(-1, (num_heads, r)) for a in gates.chunk(4, -1))
         # eq:write
         C_t = f_t[..., None] * C + (i_t * e_t.unflatten(-1, (num_heads, r)))[..., None] * k_t[..., None, :]

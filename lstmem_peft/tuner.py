@@ -22,9 +22,22 @@ from .cache import MemoryCache, MemoryLayout
 from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
 from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
+from .memory import FULL_MATRICES, effective_from_full
 from .quant import check_projection, dense_weight
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _with_output_siblings(state_dict: dict, config: LSTMemConfig) -> dict:
+    """``state_dict`` plus one placeholder key per output projection whose query sibling has tensors
+    in it (for PEFT's module matching only: the placeholders are never loaded)."""
+    marker = f".{config.query_module}.{LSTMemModel.prefix}"
+    extra = {}
+    for key in state_dict:
+        if marker in key:
+            parent = key.split(marker, 1)[0]
+            extra[f"{parent}.{config.output_module}.{LSTMemModel.prefix}"] = None
+    return {**state_dict, **extra}
 
 
 class LSTMemModel(BaseTuner):
@@ -65,6 +78,22 @@ class LSTMemModel(BaseTuner):
                 )
             peft_config.target_modules = list(DEFAULT_TARGET_MODULES[model_type])
         return peft_config
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name: str, state_dict: dict) -> dict:
+        """PEFT's key remapping, after the full matrices of an older adapter file (``w_pred_full``,
+        ``w_gate_full``) became the effective maps the layers register (:func:`~lstmem_peft.memory.
+        effective_from_full`); a ``W~_pred`` for a layer without depth input (which has none) is dropped."""
+        converted = {}
+        for key, value in state_dict.items():
+            head, _, leaf = key.rpartition(".")
+            if leaf in FULL_MATRICES and head.endswith("lstmem_memory"):
+                leaf, value = effective_from_full(leaf, value)
+                key = f"{head}.{leaf}"
+            converted[key] = value
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, converted)
+        # a W~_pred the model has no parameter for kept its checkpoint key (no adapter name): drop it
+        return {k: v for k, v in remapped.items() if not k.endswith(".lstmem_memory.w_pred")}
 
     @staticmethod
     def _layer_index(key: str) -> int | None:
@@ -119,7 +148,19 @@ class LSTMemModel(BaseTuner):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         """PEFT's injection (every door comes through here: the tuner's creation, ``add_adapter``,
         ``load_adapter``, ``inject_adapter_in_model``, transformers' ``load_adapter``), then
-        :meth:`_finish_injection`."""
+        :meth:`_finish_injection`.
+
+        With a ``state_dict`` (``inject_adapter_in_model(..., state_dict=...)``) PEFT targets the
+        modules whose names carry adapter tensors and warns about config targets that carry none. The
+        output projections hold no tensors (the query wrapper owns the memory), so each query
+        projection's output sibling is named to PEFT as targeted too: a normal call warns about nothing.
+        """
+        state_dict = kwargs.get("state_dict")
+        if state_dict is not None:
+            config = self._prepare_adapter_config(
+                self.peft_config[adapter_name], self.get_model_config(model)
+            )
+            kwargs["state_dict"] = _with_output_siblings(state_dict, config)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._finish_injection(model, self.peft_config[adapter_name], adapter_name)
 
@@ -178,10 +219,14 @@ class LSTMemModel(BaseTuner):
         """The adapter's :class:`~lstmem_peft.memory.LSTMemLayer` modules in depth order."""
         return self.memory_hooks.memory_layers(adapter_name)
 
-    def generate(self, *args, memory_cache: MemoryCache | None = None, **kwargs):
+    def generate(
+        self, *args, memory_cache: MemoryCache | None = None, memory_write: bool | None = None, **kwargs
+    ):
         """``generate`` of the backbone with LSTMem memory (:meth:`MemoryHooks.generate
         <lstmem_peft.hooks.MemoryHooks.generate>`); ``PeftModel.generate`` calls it."""
-        return self.memory_hooks.generate(*args, memory_cache=memory_cache, **kwargs)
+        return self.memory_hooks.generate(
+            *args, memory_cache=memory_cache, memory_write=memory_write, **kwargs
+        )
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args, **kwargs):

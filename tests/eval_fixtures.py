@@ -99,6 +99,57 @@ def write_locomo(path) -> str:
     return str(path)
 
 
+def locomo_official_sample() -> dict:
+    """One sample exactly in the released ``locomo10.json`` layout (keys as the release orders them:
+    ``qa`` first, then ``conversation`` with ``session_<n>_date_time`` before ``session_<n>``, an image
+    turn with ``img_url``/``blip_caption``/``query``, a date for a session that has no turns list, and
+    the sample's other fields), for the exact-prompt test of the pinned official code."""
+    return {
+        "qa": [
+            {
+                "question": "What did Melanie run?",
+                "answer": "a charity race",
+                "evidence": ["D2:1"],
+                "category": 4,
+            },
+            {
+                "question": "Did Caroline see a medal?",
+                "evidence": ["D2:2"],
+                "category": 5,
+                "adversarial_answer": "no",
+            },
+        ],
+        "conversation": {
+            "speaker_a": "Caroline",
+            "speaker_b": "Melanie",
+            "session_1_date_time": "1:56 pm on 8 May, 2023",
+            "session_1": [
+                {"speaker": "Caroline", "dia_id": "D1:1", "text": "Hey Mel!"},
+                {"speaker": "Melanie", "dia_id": "D1:2", "text": "Hi Caroline, how are you?"},
+            ],
+            "session_2_date_time": "1:14 pm on 25 May, 2023",
+            "session_2": [
+                {"speaker": "Melanie", "dia_id": "D2:1", "text": "I ran a charity race."},
+                {
+                    "speaker": "Caroline",
+                    "img_url": ["https://example.invalid/medal.jpg"],
+                    "blip_caption": "a photo of a medal",
+                    "query": "medal",
+                    "dia_id": "D2:2",
+                    "text": "Look at this.",
+                },
+            ],
+            "session_3_date_time": "7:55 pm on 9 June, 2023",
+            "session_3": [{"speaker": "Caroline", "dia_id": "D3:1", "text": 'She said "go".'}],
+            "session_4_date_time": "8:00 pm on 10 June, 2023",
+        },
+        "event_summary": {},
+        "observation": {},
+        "session_summary": {},
+        "sample_id": "conv-26",
+    }
+
+
 def hotpot_examples() -> list[dict]:
     """Two examples of ``hotpot_dev_distractor_v1.json`` (context as [title, sentences] pairs)."""
     return [

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,13 +77,15 @@ def predictions(path):
 
 
 # ---------------------------------------------------------------------- LoCoMo and HotpotQA protocols
-def test_locomo_official_protocol_replays_sessions_in_order_with_the_official_prompt(locomo):
+def test_locomo_official_protocol_replays_sessions_in_prompt_order_with_the_official_prompt(locomo):
     first, second = list(locomo.histories())
     assert len(first.segments) == 2 and "".join(first.segments) == first.text and first.system is None
     assert first.segments[0].startswith("Below is a conversation between two people: Ann and Bo.")
-    assert first.text.index("DATE: 1:56 pm on 8 May, 2023") < first.text.index("DATE: 4:10 pm on 9 May, 2023")
-    assert 'Ann said, "Well done!"\n' in first.text and "shared" not in first.text  # no img_file field
-    assert first.text.endswith('"\n' + "\n\n" * 2)  # the code's per-session "\n\n", all at the end
+    # the pinned code lists the newest session first; memory reads the sessions in that order
+    assert first.text.index("DATE: 4:10 pm on 9 May, 2023") < first.text.index("DATE: 1:56 pm on 8 May, 2023")
+    assert first.segments[1].startswith("DATE: 1:56 pm on 8 May, 2023\nCONVERSATION:\n")
+    assert 'Ann said, "Well done!"\n and shared a photo of a medal.\n' in first.text  # blip_caption
+    assert first.text.endswith('"\n\n' + "\n\n" * 2)  # the code's per-session "\n\n", all at the end
     categories = [q.meta["category"] for q in first.questions]
     assert categories == [1, 2, 3, 4]  # category 5 excluded
     temporal = first.questions[1]
@@ -94,6 +97,55 @@ def test_locomo_official_protocol_replays_sessions_in_order_with_the_official_pr
     assert "Use DATE" not in first.questions[3].prompt
     assert all(q.max_new_tokens == 5 for q in first.questions)
     assert second.questions[1].answer == "2020"  # integer answers scored as text
+
+
+def test_locomo_official_prompt_is_the_pinned_official_code_s_exactly(tmp_path):
+    """snap-research/locomo @ 3eb6f2c, task_eval/gpt_utils.py (get_input_context, then
+    query_conv + "\n\n" + QA_PROMPT), written out by hand: newest session first, a blank line after
+    each turn, " and shared <blip_caption>." after an image turn's line, the per-session "\n\n" all at
+    the end (three sessions: session_4 has a date but no turns list), no system message."""
+    from eval_fixtures import locomo_official_sample
+
+    from lstmem_peft.eval import locomo as locomo_module
+
+    assert locomo_module.OFFICIAL_COMMIT == "3eb6f2c585f5e1699204e3c3bdf7adc5c28cb376"
+    assert locomo_module.OFFICIAL_COMMIT in locomo_module.__doc__
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert locomo_module.OFFICIAL_COMMIT in readme  # the README names the pinned commit
+    path = tmp_path / "locomo10.json"
+    path.write_text(json.dumps([locomo_official_sample()]))
+    (history,) = LoCoMo(str(path)).histories()
+    opening = (
+        "Below is a conversation between two people: Caroline and Melanie. The conversation takes place over "
+        "multiple days and the date of each conversation is wriiten at the beginning of the conversation.\n\n"
+    )
+    session_3 = 'DATE: 7:55 pm on 9 June, 2023\nCONVERSATION:\nCaroline said, "She said "go"."\n\n'
+    session_2 = (
+        "DATE: 1:14 pm on 25 May, 2023\nCONVERSATION:\n"
+        'Melanie said, "I ran a charity race."\n\n'
+        'Caroline said, "Look at this."\n and shared a photo of a medal.\n'
+    )
+    session_1 = (
+        "DATE: 1:56 pm on 8 May, 2023\nCONVERSATION:\n"
+        'Caroline said, "Hey Mel!"\n\n'
+        'Melanie said, "Hi Caroline, how are you?"\n\n'
+    )
+    assert history.segments == [opening + session_3, session_2, session_1 + "\n\n" * 3]
+    assert history.text == opening + session_3 + session_2 + session_1 + "\n\n\n\n\n\n"
+    assert history.system is None and history.id == "conv-26"
+    (question,) = history.questions  # the category-5 question is not asked
+    assert history.text + question.prompt == (
+        opening
+        + session_3
+        + session_2
+        + session_1
+        + "\n\n" * 3
+        + "\n\n"
+        + "\nBased on the above context, write an answer in the form of a short phrase for the following "
+        "question. Answer with exact words from the context whenever possible.\n\n"
+        "Question: What did Melanie run? Short answer:\n"
+    )
+    assert question.max_new_tokens == 32 and question.answer == "a charity race"
 
 
 def test_locomo_paper_protocol_has_its_system_prompt_and_question_prompt(tmp_path):
@@ -331,7 +383,7 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
     assert len((tmp_path / "out" / "predictions.jsonl").read_text().splitlines()) == 8
 
 
-def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, monkeypatch):
+def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, monkeypatch, capsys):
     import nltk
     from eval_fixtures import ROWS, write_snapshot
 
@@ -389,11 +441,12 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
     before = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     after = [json.loads(line) for line in (rescored / "predictions.jsonl").read_text().splitlines()]
     assert [r["prediction"] for r in after] == [r["prediction"] for r in before]
-    with pytest.raises(SystemExit, match="--split does not apply"):
-        cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"])
+    capsys.readouterr()
+    assert cli.main(["eval", "mab", str(snapshot), "--model", "x", "--split", "test"]) == 2
+    assert "--split does not apply" in capsys.readouterr().err
 
 
-def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_path, monkeypatch):
+def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_path, monkeypatch, capsys):
     from eval_fixtures import mab_row, write_snapshot
 
     from lstmem_peft import cli
@@ -424,42 +477,270 @@ def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_pa
     assert written == [(mab.PAPER_HEAD + clipped, mab.PAPER_HEAD + clipped)]  # no chat template here
     summary = json.loads((out / "summary.json").read_text())
     assert summary["protocol"] == "paper" and summary["settings"]["max_context_chars"] == 100
-    with pytest.raises(SystemExit, match="--protocol paper only"):
-        cli.main(["eval", "mab", str(snapshot), "--model", "x", "--max-context-chars", "100"])
-    with pytest.raises(SystemExit, match="expected 0"):
-        cli.main(argv[:3] + ["--model", "x", "--protocol", "paper", "--max-context-chars", "-1"])
+    capsys.readouterr()
+    assert cli.main(["eval", "mab", str(snapshot), "--model", "x", "--max-context-chars", "100"]) == 2
+    assert "--protocol paper only" in capsys.readouterr().err
+    assert cli.main(argv[:3] + ["--model", "x", "--protocol", "paper", "--max-context-chars", "-1"]) == 2
+    assert "expected 0 (no clipping) or more, got -1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- bad files, formats and options
+def bad_inputs(root: Path) -> dict[str, str]:
+    """The files the table below names, written under ``root`` (``{name}`` in an argv)."""
+    from eval_fixtures import locomo_samples
+
+    def write(name: str, text: str | bytes) -> str:
+        path = root / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return str(path)
+
+    def folder(name: str, files: dict[str, str] = {}) -> str:  # noqa: B006 (never changed)
+        (root / name).mkdir()
+        for file, text in files.items():
+            (root / name / file).write_text(text)
+        return str(root / name)
+
+    sample = locomo_samples()[1]
+    no_date = {**sample, "conversation": {k: v for k, v in sample["conversation"].items() if "date" not in k}}
+    bad_category = {**sample, "qa": [{"question": "q?", "answer": "a", "category": "temporal"}]}
+    return {
+        "locomo": write("locomo10.json", json.dumps(locomo_samples())),
+        "hotpot": write_hotpot(root / "dev.json"),
+        "missing": str(root / "missing.json"),
+        "not_json": write("not_json.json", "hello"),
+        "empty": write("empty.json", ""),
+        "cut": write("cut.json", "[1, 2, 3"),
+        "other_shape": write("other_shape.json", json.dumps({"a": 1, "b": [2]})),
+        "numbers": write("numbers.json", "[1, 2, 3]"),
+        "empty_list": write("empty_list.json", "[]"),
+        "one_sample": write("one_sample.json", json.dumps(sample)),
+        "no_conversation": write("no_conversation.json", json.dumps([{"sample_id": "x", "qa": []}])),
+        "no_dates": write("no_dates.json", json.dumps([no_date])),
+        "bad_category": write("bad_category.json", json.dumps([bad_category])),
+        "bad_context": write(
+            "bad_context.json", json.dumps([{"question": "q", "answer": "a", "context": 3}])
+        ),
+        "bad_jsonl": write("bad.jsonl", json.dumps(sample) + "\n{not json\n"),
+        "csv": write("data.csv", "question,answer\nq,a\n"),
+        "not_parquet": write("data.parquet", b"PAR1 not really"),
+        "not_utf8": write("latin1.json", b"[\xff\xfe]"),
+        "mab_row": write("Accurate_Retrieval.jsonl", json.dumps({"context": "c", "questions": ["q"]}) + "\n"),
+        "empty_dir": folder("empty_dir"),
+        "file": write("a_file.txt", "x"),
+        "model_dir": folder("model_without_config", {"weights.txt": "x"}),
+        "adapter_dir": folder("adapter_without_config", {"config.json": "{}"}),
+        "predictions": write("predictions.jsonl", json.dumps({"id": "q1", "prediction": "x"}) + "\n"),
+        "records": folder("records", {"decode-cpu-1.json": "{not json"}),
+        "keys": write("keys.txt", "# no key here\n\n"),
+    }
+
+
+LOCOMO_EXPECTED = "expected the LoCoMo JSON list of samples"
+HOTPOT_EXPECTED = "expected HotpotQA distractor examples"
+MAB_EXPECTED = "expected MemoryAgentBench rows"
+M = ["--model", "x/y"]  # a Hub id: never contacted, the inputs are refused first
+
+# (argv with {file} names from bad_inputs, the file named in the message, words the message must hold)
+BAD_INPUTS = [
+    # lstmem eval locomo DATA
+    (["eval", "locomo", "{missing}", *M], "missing", ["no such file or folder", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{not_json}", *M], "not_json", ["not JSON (Expecting value", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{empty}", *M], "empty", ["the file is empty", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{cut}", *M], "cut", ["not JSON", LOCOMO_EXPECTED]),
+    (
+        ["eval", "locomo", "{other_shape}", *M],
+        "other_shape",
+        ["an object with keys ['a', 'b']", "locomo10.json"],
+    ),
+    (["eval", "locomo", "{numbers}", *M], "numbers", ["a list of 3 item(s) (numbers)", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{empty_list}", *M], "empty_list", ["no records", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{one_sample}", *M], "one_sample", ["one record", "not a list", "[ ]"]),
+    (["eval", "locomo", "{no_conversation}", *M], "no_conversation", ["has no 'conversation' field"]),
+    (["eval", "locomo", "{no_dates}", *M], "no_dates", ["session_1 has no session_1_date_time"]),
+    (["eval", "locomo", "{bad_category}", *M], "bad_category", ["category 'temporal', not a number 1-5"]),
+    (["eval", "locomo", "{hotpot}", *M], "hotpot", ["has no 'conversation' field", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{bad_jsonl}", *M], "bad_jsonl", ["line 2 is not JSON", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{csv}", *M], "csv", ["not JSON", ".json, .jsonl or .parquet"]),
+    (["eval", "locomo", "{not_parquet}", *M], "not_parquet", ["not a Parquet file", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{not_utf8}", *M], "not_utf8", ["not UTF-8 text", LOCOMO_EXPECTED]),
+    (["eval", "locomo", "{empty_dir}", *M], "empty_dir", ["no .json, .jsonl or .parquet file", "a folder"]),
+    # lstmem eval hotpotqa DATA
+    (["eval", "hotpotqa", "{locomo}", *M], "locomo", ["has no 'question' field", HOTPOT_EXPECTED]),
+    (["eval", "hotpotqa", "{other_shape}", *M], "other_shape", ["an object with keys", HOTPOT_EXPECTED]),
+    (
+        ["eval", "hotpotqa", "{bad_context}", *M],
+        "bad_context",
+        ['"context" is a number (3)', HOTPOT_EXPECTED],
+    ),
+    (["eval", "hotpotqa", "{missing}", *M], "missing", ["no such file or folder", "hotpot_dev_distractor"]),
+    # lstmem eval mab DATA
+    (["eval", "mab", "{other_shape}", *M], "other_shape", ["an object with keys", MAB_EXPECTED]),
+    (["eval", "mab", "{mab_row}", *M], "mab_row", ["row 0: missing answers, metadata", MAB_EXPECTED]),
+    (
+        ["eval", "mab", "{empty_dir}", *M],
+        "empty_dir",
+        ["named after a split", "a folder holding MemoryAgentBench"],
+    ),
+    (["eval", "mab", "{not_parquet}", *M], "not_parquet", ["not a Parquet file", MAB_EXPECTED]),
+    (["eval", "mab", "{missing}", *M], "missing", ["no such file or folder", "ai-hyz/MemoryAgentBench"]),
+    # lstmem eval: --rescore, --model, --adapter, --out, --entity-map and option errors
+    (
+        ["eval", "locomo", "{locomo}", "--rescore", "{missing}"],
+        "missing",
+        ["no such file", "predictions.jsonl"],
+    ),
+    (["eval", "locomo", "{locomo}", "--rescore", "{not_json}"], "not_json", ["line 1 is not JSON"]),
+    (["eval", "locomo", "{locomo}", "--rescore", "{predictions}"], "predictions", ["has no 'system' field"]),
+    (
+        ["eval", "locomo", "{locomo}", "--rescore", "{empty_dir}"],
+        "empty_dir",
+        ["a folder", "predictions.jsonl"],
+    ),
+    (["eval", "locomo", "{locomo}", "--model", "{model_dir}"], "model_dir", ["without config.json"]),
+    (["eval", "locomo", "{locomo}", "--model", "{file}"], "file", ["a file, not a folder", "model folder"]),
+    (["eval", "locomo", "{locomo}", "--model", "{missing}"], "missing", ["no such file or folder"]),
+    (
+        ["eval", "locomo", "{locomo}", *M, "--adapter", "{adapter_dir}"],
+        "adapter_dir",
+        ["adapter_config.json"],
+    ),
+    (["eval", "locomo", "{locomo}", *M, "--out", "{file}"], "file", ["an existing file", "a folder"]),
+    (["eval", "mab", "{empty_dir}", *M, "--entity-map", "{missing}"], "missing", ["entity2id.json"]),
+    (["eval", "locomo", "{locomo}", *M, "--template-arg", "thinking"], None, ["expected KEY=VALUE"]),
+    (["eval", "locomo", "{locomo}", *M, "--device", "abacus"], None, ["--device abacus", "expected cpu"]),
+    (["eval", "locomo", "{locomo}"], None, ["--model is required", "expected a base model"]),
+    (["eval", "locomo", "{locomo}", *M, "--rescore", "{predictions}"], None, ["expected no --model"]),
+    (["eval", "mab", "{empty_dir}", *M, "--split", "test"], None, ["--split does not apply", "--families"]),
+    (["eval", "locomo", "{locomo}", *M, "--passages", "supporting"], None, ["hotpotqa only", "expected"]),
+    (["eval", "locomo", "{locomo}", *M, "--max-questions", "2"], None, ["mab only", "expected"]),
+    (["eval", "locomo", "{locomo}", *M, "--limit", "0"], None, ["expected a positive integer, got 0"]),
+    (["eval", "mab", "{empty_dir}", *M, "--families", "XX"], None, ["invalid choice: 'XX'"]),
+    (["eval", "squad", "{locomo}", *M], None, ["invalid choice: 'squad'"]),
+    # lstmem demo
+    (["demo", "--model", "{missing}"], "missing", ["no such file or folder", "expected a model folder"]),
+    (["demo", "--model", "{model_dir}"], "model_dir", ["a folder without config.json"]),
+    (["demo", "--episodes", "0"], None, ["expected a positive integer, got 0"]),
+    (["demo", "--steps", "many"], None, ["expected a positive integer, got 'many'"]),
+    # lstmem bench
+    (
+        ["bench", "report", "{missing}"],
+        "missing",
+        ["no such folder", "expected a folder of the JSON records"],
+    ),
+    (["bench", "report", "{empty_dir}"], "empty_dir", ["no .json record in it"]),
+    (["bench", "report", "{records}"], "records", ["decode-cpu-1.json: not JSON", "expected a JSON record"]),
+    (["bench", "report", "{records}", "--results", "{empty_dir}"], "empty_dir", ["the markdown file"]),
+    (["bench", "decode", "--preset", "gpt5"], None, ["--preset gpt5", "expected one of cpu-small"]),
+    (["bench", "decode", "{empty_dir}"], "empty_dir", ["report only", "--out"]),
+    (["bench", "decode", "--out", "{file}"], "file", ["an existing file", "a folder"]),
+    (["bench", "decode", "--device", "abacus"], None, ["--device abacus", "expected cpu"]),
+    (["bench", "generate", "--reps", "0"], None, ["expected a positive integer"]),
+    (["bench", "latency"], None, ["invalid choice: 'latency'"]),
+    # lstmem serve
+    (["serve", "--api-keys-file", "{missing}"], "missing", ["no such file", "one accepted API key a line"]),
+    (["serve", "--api-keys-file", "{keys}"], "keys", ["no key in it", "--api-key"]),
+    (["serve", "--api-keys-file", "{empty_dir}"], "empty_dir", ["a folder", "API key"]),
+    (["serve", "--store", "{file}"], "file", ["an existing file", "a folder"]),
+    (["serve", "--model", "{model_dir}", "--adapter", "x/y"], "model_dir", ["without config.json"]),
+    (["serve", *M, "--adapter", "{adapter_dir}"], "adapter_dir", ["without adapter_config.json"]),
+    (["serve", *M], None, ["--model and --adapter go together", "expected both"]),
+    (["serve", "--vllm-arg", "max_model_len"], None, ["expected KEY=VALUE"]),
+    (["serve", "--port", "70000"], None, ["expected a port number 1-65535"]),
+    (["serve", "--batch-wait-ms", "-1"], None, ["expected a number >= 0"]),
+    (["serve", "--device", "abacus"], None, ["--device abacus", "expected cpu"]),
+    # no subcommand, or an unknown one
+    ([], None, ["the following arguments are required: command"]),
+    (["train"], None, ["invalid choice: 'train'"]),
+]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Every path that would load a model, build a benchmark model or start a server fails the test:
+    bad inputs must be refused before any of it."""
+    import types
+
+    from lstmem_peft import bench, demo
+    from lstmem_peft.eval import runner
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model loaded (or a server started) before the inputs were checked")
+
+    monkeypatch.setattr(runner, "load_model", loaded)
+    monkeypatch.setattr(demo, "run", loaded)
+    monkeypatch.setattr(bench, "run", loaded)
+    monkeypatch.setitem(sys.modules, "lstmem_peft.serve", types.SimpleNamespace(serve=loaded))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.mark.parametrize(
-    "argv, code, message",
-    [
-        (["demo", "--episodes", "0"], 2, "expected a positive integer, got 0"),
-        (["demo", "--episodes", "-1"], 2, "expected a positive integer, got -1"),
-        (["demo", "--model", "/nonexistent/model"], 1, "--model /nonexistent/model: no such file or folder"),
-        (
-            ["eval", "locomo", "/no/such/locomo10.json", "--model", "x/y"],
-            1,
-            "DATA /no/such/locomo10.json: no such",
-        ),
-        (["eval", "hotpotqa", "{data}", "--model", "/nonexistent"], 1, "--model /nonexistent: no such"),
-        (["eval", "locomo", "{bad}", "--model", "x/y"], 1, "error: "),
-        (["bench", "generate", "--reps", "0"], 2, "expected a positive integer"),
-    ],
+    "argv, named, words",
+    BAD_INPUTS,
+    ids=[" ".join(a[:2]) + f" [{i}]" for i, (a, *_) in enumerate(BAD_INPUTS)],
 )
-def test_cli_user_errors_are_one_line_and_nonzero(argv, code, message, tmp_path, capsys):
+def test_every_subcommand_refuses_a_bad_file_format_or_option_in_one_line(
+    argv, named, words, tmp_path, capsys, nothing_loads
+):
+    """Exit status 2, and stderr is one line: the subcommand, the file (or option), what was
+    expected and the fix; no traceback, and nothing loaded first."""
     from lstmem_peft import cli
 
-    data = write_hotpot(tmp_path / "dev.json")
-    bad = tmp_path / "bad.json"
-    bad.write_text("[1, 2, 3")
-    argv = [a.format(data=data, bad=bad) for a in argv]
+    files = bad_inputs(tmp_path)
+    argv = [a.format(**files) for a in argv]
+    capsys.readouterr()
     try:
-        result = cli.main(argv)
+        code = cli.main(argv)
     except SystemExit as exit_:  # argparse's usage errors
-        result = exit_.code
+        code = exit_.code
     err = capsys.readouterr().err
-    assert result == code and message in err.strip().splitlines()[-1]  # one line says what is wrong
-    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    (line,) = lines
+    assert line.startswith("lstmem") and ": error: " in line and "Traceback" not in err
+    if argv[:1] in (["eval"], ["bench"], ["demo"], ["serve"]) and argv[1:2] != ["squad"]:
+        assert line.startswith(f"lstmem {argv[0]}"), line
+    if named is not None:
+        assert files[named] in line, line
+    for word in words:
+        assert word in line, (word, line)
+    if named is not None or "expected" in " ".join(words):  # what was expected, and the fix
+        assert "expected" in line, line
+
+
+def test_a_bad_file_is_refused_before_the_model_loads_and_one_line_says_why(tmp_path, capsys, nothing_loads):
+    """The issue's report: LoCoMo given a JSON file of another shape said "argument of type 'int' is not
+    iterable", and given a file that is not JSON "Expecting value: line 1 column 1 (char 0)"."""
+    from lstmem_peft import cli
+
+    (tmp_path / "other.json").write_text(json.dumps({"a": 1, "b": 2}))
+    (tmp_path / "text.json").write_text("not json at all")
+    code = cli.main(["eval", "locomo", str(tmp_path / "other.json"), "--model", "x/y"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"lstmem eval locomo: error: {tmp_path / 'other.json'}: the file holds an object with keys ['a', 'b']; "
+        'expected the LoCoMo JSON list of samples, each an object with "conversation" (session_<n> lists of '
+        'turns and their session_<n>_date_time) and "qa". Download data/locomo10.json from '
+        "https://github.com/snap-research/locomo and pass its path"
+    )
+    assert cli.main(["eval", "locomo", str(tmp_path / "text.json"), "--model", "x/y"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lstmem eval locomo: error: {tmp_path / 'text.json'}: not JSON (Expecting value")
+    assert "not iterable" not in err and "\n" not in err
+
+
+def test_a_bug_keeps_its_traceback_and_debug_shows_every_traceback(tmp_path, monkeypatch, capsys):
+    from lstmem_peft import cli
+    from lstmem_peft.errors import DataFormatError
+
+    def bug(*args, **kwargs):
+        raise TypeError("argument of type 'int' is not iterable")
+
+    monkeypatch.setattr("lstmem_peft.eval.locomo.LoCoMo.__init__", bug)
+    data = write_hotpot(tmp_path / "dev.json")
+    with pytest.raises(TypeError, match="not iterable"):  # not turned into a one-line message
+        cli.main(["eval", "locomo", data, "--model", "x/y"])
+    with pytest.raises(DataFormatError, match="none.json: no such file"):  # --debug: the exception itself
+        cli.main(["eval", "hotpotqa", str(tmp_path / "none.json"), "--model", "x/y", "--debug"])
 
 
 def test_a_failed_eval_run_leaves_the_previous_outputs_intact(model, tok, tmp_path, monkeypatch):
@@ -542,9 +823,9 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
 
 
 def test_a_hub_id_missing_from_the_offline_cache_fails_clearly(offline_hub):
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from lstmem_peft.errors import MissingDataError
 
-    with pytest.raises(LocalEntryNotFoundError):
+    with pytest.raises(MissingDataError, match=r"nobody/nothing: not in the Hub cache.*snap-research/locomo"):
         LoCoMo("nobody/nothing")
 
 

@@ -93,6 +93,43 @@ def test_generate_is_exact(model, mode):
     check(model, start, prompt, mask, out, cache, repeats=kwargs.get("num_return_sequences", 1))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_num_return_sequences_from_padded_prompts_and_histories_of_their_own(model, seed):
+    """Two prompts (the second left-padded), each with its own history row (of different lengths),
+    sampling with ``num_return_sequences=3`` and end tokens that finish rows at different steps: every
+    returned row follows the contract (its own prompt's and history's memory, nothing past its end)."""
+    from lstmem_peft import MemoryCache
+
+    g = torch.Generator().manual_seed(seed)
+    prompt, mask = prompt_batch((7, 4 + seed % 3), seed=seed)
+    history = torch.randint(3, VOCAB, (2, 20), generator=g)
+    history_mask = torch.ones_like(history)
+    history_mask[1, : 3 + seed] = 0
+    start = MemoryCache()
+    with torch.no_grad():
+        write_history(model, history, start, attention_mask=history_mask, block_size=8, progress=False)
+    cache = start.clone()
+    torch.manual_seed(seed)
+    ends = [3, 4, 5, 6, 7, 8]  # several end tokens: rows stop early, each at its own step
+    out = generate(
+        model,
+        prompt,
+        mask,
+        cache,
+        do_sample=True,
+        num_return_sequences=3,
+        max_new_tokens=8,
+        eos_token_id=ends,
+    )
+    generated = out.sequences[:, prompt.shape[1] :]
+    stops = [next((j for j, t in enumerate(row) if t in ends), None) for row in generated.tolist()]
+    kept = torch.tensor([len(generated[0]) - 1 if j is None else j for j in stops])
+    expected = expected_memory(
+        model, expand(start, 3), prompt.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), generated, kept
+    )
+    assert_same_memory(cache, expected, **TOL)
+
+
 @pytest.fixture(scope="module")
 def sliding():
     """A Mistral whose attention sees only the last 4 positions: its KV caches keep a window."""
@@ -217,21 +254,29 @@ def test_beam_search_through_the_generation_config(model):
     assert cache.batch_size == 1 and out.shape[0] == 1
 
 
-@pytest.mark.parametrize("which", ["model", "sliding"])
+@pytest.mark.parametrize("which", ["model", "sliding", "read-only"])
 def test_prompt_lookup_rolls_rejected_drafts_back(request, which):
     """Drafts the verifier rejects are cropped from the KV cache (a sliding-window one too) and
-    rolled back from memory."""
-    model = request.getfixturevalue(which)
+    rolled back from memory; a read-only call (``memory_write=False``) has nothing to roll back:
+    its logits are those of plain read-only greedy decoding and the cache stays as it was."""
+    model = request.getfixturevalue("model" if which == "read-only" else which)
+    write = {"memory_write": False} if which == "read-only" else {}
     g = torch.Generator().manual_seed(7)
     motif = torch.randint(3, VOCAB, (4,), generator=g)
     prompt = motif.repeat(4)[None]  # repeats, so the lookup proposes drafts
     mask = torch.ones_like(prompt)
     start = history_cache(model, 1)
     plain_cache, cache = start.clone(), start.clone()
-    plain = generate(model, prompt, mask, plain_cache, do_sample=False, max_new_tokens=10)
-    out = generate(model, prompt, mask, cache, do_sample=False, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    plain = generate(model, prompt, mask, plain_cache, do_sample=False, max_new_tokens=10, **write)
+    out = generate(
+        model, prompt, mask, cache, do_sample=False, max_new_tokens=10, prompt_lookup_num_tokens=3, **write
+    )
     assert torch.equal(out.sequences, plain.sequences)
     assert_same_memory(cache, states(plain_cache), **TOL)
+    if write:
+        assert_same_memory(cache, states(start), atol=0, rtol=0)
+        n = len(plain.logits)  # the accepted drafts' logits: the verifier's, as greedy computes them
+        torch.testing.assert_close(torch.stack(out.logits[-n:]), torch.stack(plain.logits), **TOL)
 
 
 @pytest.mark.parametrize("assistant", ["lstmem", "plain"])
@@ -494,6 +539,36 @@ def test_chat_template_conversations_in_a_padded_batch():
         ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert reply["role"] == "assistant"
     assert reply["content"] == tok.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "num_return_sequences", "use_cache=False"])
+def test_memory_write_false_reads_the_starting_memory_at_every_step(model, mode):
+    """``generate(..., memory_write=False)``: each token's logits equal one read-only forward over
+    prompt + tokens so far from the starting memory, and the cache is left as it was."""
+    kwargs = {k: v for k, v in EXACT_MODES[mode].items()}
+    repeats = kwargs.get("num_return_sequences", 1)
+    prompt, mask = prompt_batch()
+    start = history_cache(model, 2)
+    cache = start.clone()
+    torch.manual_seed(0)
+    out = generate(model, prompt, mask, cache, memory_write=False, **kwargs)
+    assert_same_memory(cache, states(expand(start, repeats)), atol=0, rtol=0)
+    ids, full = prompt.repeat_interleave(repeats, 0), mask.repeat_interleave(repeats, 0)
+    generated = out.sequences[:, ids.shape[1] :]
+    reference = expand(start, repeats)
+    for j, logits in enumerate(out.logits):
+        step_ids = torch.cat([ids, generated[:, :j]], 1)
+        step_mask = torch.cat([full, torch.ones_like(generated[:, :j])], 1)
+        with torch.no_grad():
+            ref = model(
+                input_ids=step_ids,
+                attention_mask=step_mask,
+                position_ids=(step_mask.cumsum(-1) - 1).clamp_min(0),
+                memory_cache=reference.clone(),
+                memory_write=False,
+                use_cache=False,
+            ).logits[:, -1]
+        torch.testing.assert_close(logits.double(), ref.double(), **TOL)
 
 
 def test_read_only_generation_expands_but_never_writes(model):

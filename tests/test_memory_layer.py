@@ -41,9 +41,9 @@ def test_paper_parameters_keys_and_shapes():
         "bx": (ds,),
         "Wread": (ds, 2 * ds),
         "bread": (ds,),
-        "Wpred_full": (ds, 2 * ds),
+        "Wpred": (ds, ds),
         "bpred": (ds,),
-        "Wgate_full": (4 * ds, 4 * ds),
+        "Wgate": (4 * ds, 3 * ds),
         "bgate": (4 * ds,),
         "Wdq": (D_Q, ds),
         "Wdo": (D_MODEL, ds),
@@ -60,9 +60,10 @@ def test_initialisation_follows_appendix_c4():
     P = layer.paper_parameters()
     ds = layer.state_size
     eye_zero = torch.cat([torch.eye(ds), torch.zeros(ds, ds)], 1)
-    assert torch.equal(P["Wread"], eye_zero) and torch.equal(P["Wpred_full"], eye_zero)
+    assert torch.equal(P["Wread"], eye_zero)
+    # W_pred^full = [I | 0] and W_gate^full = 0: their effective maps W~_pred = P_dep and W~_gate are 0
+    assert not P["Wpred"].any() and not P["Wgate"].any()
     assert not P["bread"].any() and not P["bpred"].any() and not P["bx"].any()
-    assert not P["Wgate_full"].any()
     bias = P["bgate"].view(4, ds)
     for row, value in enumerate((-1.0, 2.0, 0.0, -1.0)):  # the paper's b_i, b_f, b_o, b_g (App. C.4)
         assert torch.all(bias[row] == value)
@@ -76,15 +77,39 @@ def test_initialisation_follows_appendix_c4():
         torch.testing.assert_close(target[:, :8].norm(dim=0), torch.full((8,), 0.05))
 
 
-def test_effective_blocks_give_the_full_forward_maps():
+def test_adapter_files_with_the_full_matrices_load_as_their_effective_maps():
+    """Files written when the layer stored W_pred^full = [P_time | P_dep] and W_gate^full =
+    [G_z | G_time | G_dep | G_e] load: P_dep and [G_z | G_dep | G_e] are kept, and the forward
+    equals the full matrices applied to the zero-padded inputs of App. C.2 whatever P_time and G_time
+    hold (they only ever multiply zeros)."""
     layer = make_layer()
     ds = layer.state_size
-    p, z, rdep, e = (torch.randn(5, ds) for _ in range(4))
-    full_pred = torch.cat([torch.zeros_like(p), p], -1) @ layer.w_pred_full.T
-    torch.testing.assert_close(p @ layer.effective_pred().T, full_pred)
-    full_gate = torch.cat([z, torch.zeros_like(z), rdep, e], -1) @ layer.w_gate_full.T
-    torch.testing.assert_close(torch.cat([z, rdep, e], -1) @ layer.effective_gate().T, full_gate)
-    assert layer.effective_gate().shape == (4 * ds, 3 * ds)
+    g = torch.Generator().manual_seed(5)
+    w_pred_full, w_gate_full = torch.randn(ds, 2 * ds, generator=g), torch.randn(4 * ds, 4 * ds, generator=g)
+    old = {k: v for k, v in layer.state_dict().items() if k not in ("w_pred", "w_gate")}
+    old |= {"w_pred_full": w_pred_full, "w_gate_full": w_gate_full}
+    for depth_input in (True, False):
+        fresh = make_layer()
+        fresh.set_depth_input(depth_input)
+        fresh.load_state_dict(old, strict=True)
+        p, z, rdep, e = (torch.randn(5, ds, generator=g) for _ in range(4))
+        full_pred = torch.cat([torch.zeros_like(p), p], -1) @ w_pred_full.T
+        if depth_input:
+            torch.testing.assert_close(p @ fresh.effective_pred().T, full_pred)
+        else:  # no depth input: p^dep = 0, and no W~_pred is kept
+            assert fresh.w_pred is None and not fresh.effective_pred().any()
+        full_gate = torch.cat([z, torch.zeros_like(z), rdep, e], -1) @ w_gate_full.T
+        torch.testing.assert_close(torch.cat([z, rdep, e], -1) @ fresh.effective_gate().T, full_gate)
+
+
+def test_a_layer_without_depth_input_registers_no_prediction_map():
+    layer = make_layer()
+    names = lambda: {n for n, _ in layer.named_parameters()}  # noqa: E731
+    assert "w_pred" in names()
+    layer.set_depth_input(False)
+    assert "w_pred" not in names() and "w_pred" not in layer.state_dict()
+    layer.set_depth_input(True)  # registered again at its initial value, W~_pred = 0
+    assert "w_pred" in names() and not layer.w_pred.any()
 
 
 def test_initial_layer_reads_only_temporal_memory_and_writes_v():

@@ -3,6 +3,12 @@ optimum-quanto int8, each loaded through transformers' ``quantization_config`` o
 
 A backend whose library is not installed (they are the optional ``quant`` extra) is skipped; one that
 is installed but cannot load a model on this machine is skipped with the loader's error.
+
+The tiny models here are 64 wide (not the 48 of ``tiny_models``): bitsandbytes' 4-bit kernels on a
+CPU take only projections whose in_features are a multiple of the blocksize (64) and, on a CPU with
+AVX512-BF16 where ``Linear4bit`` repacks its weight at the first eval forward, whose out_features are a
+multiple of ``block_n`` (32). Both of bitsandbytes' CPU weight layouts are tested on any machine: the
+repacking and its inverse are plain torch, applied directly where the native kernel cannot run.
 """
 
 from __future__ import annotations
@@ -11,21 +17,60 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
-from tiny_models import VOCAB, randomize_memory, tiny_model
+from tiny_models import COMMON, VOCAB, randomize_memory, tiny_model
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layers
 from lstmem_peft.layer import LSTMemQueryLayer, _plain_linear
 from lstmem_peft.memory import LSTMemLayer
-from lstmem_peft.quant import SUPPORTED_PROJECTIONS, dense_weight, is_supported_projection, projection_kind
+from lstmem_peft.quant import (
+    BNB_CPU_BLOCK_N,
+    SUPPORTED_PROJECTIONS,
+    bnb_4bit_layout,
+    dense_weight,
+    is_supported_projection,
+    projection_kind,
+)
+
+#: bfloat16's unit roundoff (8 significant bits): rounding to nearest changes a value by at most
+#: this much of itself. bitsandbytes' CPU-packed layout keeps its scales in bfloat16, and its native
+#: kernel computes in bfloat16.
+BF16_U = 2.0**-8
+
+#: The tiny models' sizes for quantised backbones (module docstring): every projection's
+#: in_features is 64 or 128 and its out_features 32, 64 or 128.
+WIDE = dict(COMMON, hidden_size=64, intermediate_size=128)
+QUANTISABLE = {
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=16, **WIDE)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**WIDE)),
+}
 
 
-def _bnb_nf4():
+def quantisable_model(arch: str = "qwen3", seed: int = 0):
+    """A tiny random ``arch`` (eval mode) whose projections bitsandbytes' CPU 4-bit kernels accept."""
+    torch.manual_seed(seed)
+    model = QUANTISABLE[arch]().eval()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":  # transformers keeps lm_head unquantised
+            assert module.in_features % 64 == 0 and module.out_features % BNB_CPU_BLOCK_N == 0, name
+    return model
+
+
+def _bnb_nf4(double_quant: bool = False):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
     )
 
 
@@ -63,17 +108,21 @@ CONFIG = dict(r=4, num_heads=2)
 def checkpoint(tmp_path_factory):
     """A tiny random Qwen3 saved as a normal checkpoint, and the float model it came from."""
     path = tmp_path_factory.mktemp("tiny-qwen3")
-    model = tiny_model("qwen3")
+    model = quantisable_model("qwen3")
     model.save_pretrained(path)
     return path, model
 
 
-def load_quantized(path, backend: str, **kwargs):
+def load_quantized(path, backend: str, config=None, **kwargs):
+    """The checkpoint at ``path`` quantised by ``backend`` (``config``: its quantization_config if not
+    the default one of :data:`BACKENDS`), in eval mode."""
     library, make_config, _, _ = BACKENDS[backend]
     pytest.importorskip(library)
     kwargs.setdefault("dtype", torch.float32)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=make_config(), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=config or make_config(), **kwargs
+        )
     except Exception as err:  # the precise reason this backend does not run here
         pytest.skip(f"{backend} cannot load a model on this machine: {type(err).__name__}: {err}")
     return model.eval()
@@ -122,7 +171,25 @@ def test_dense_weight_is_the_matrix_each_quantised_projection_multiplies_by(chec
         with torch.no_grad():
             xin = x[:, : module.in_features]
             y = module(xin).float()
+        if (
+            kind == "bnb-4bit"
+            and bnb_4bit_layout(module.weight.data, module.weight.quant_state) == "cpu-packed"
+        ):
+            # the forward repacked the weight (AVX512-BF16 CPU): its scales are now bfloat16 and the
+            # native kernel computes in bfloat16, so compare with the matrix of the new layout
+            assert_bf16_product(y, xin, dense_weight(module))
+        else:
             torch.testing.assert_close(y, F.linear(xin, dense), rtol=tol, atol=tol * y.abs().max().item())
+
+
+def assert_bf16_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``y`` (``(m, n)``) is ``x @ weight.T`` (``(m, k)``, ``(n, k)``) as bitsandbytes' native CPU kernel
+    computes it: the input, each weight entry and the output rounded to bfloat16, float32 sums. Each
+    rounding changes a term by at most ``BF16_U`` of itself, so the error is at most about
+    ``3 BF16_U (|x| @ |weight|.T)``, elementwise; checked with ``4 BF16_U``."""
+    bound = 4 * BF16_U * (x.abs() @ weight.abs().T) + 1e-6
+    err = (y.float() - x @ weight.T).abs()
+    assert (err <= bound).all(), f"{(err / bound).max():.2f} times the bfloat16 bound"
 
 
 @backends
@@ -133,7 +200,7 @@ def test_adapter_attaches_in_float32_with_corrections_from_the_dequantised_weigh
     assert params and all(p.dtype == torch.float32 for p in params.values())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and trainable <= set(params), "only adapter parameters may train"
-    float_model = get_peft_model(tiny_model("qwen3"), LSTMemConfig(**CONFIG))
+    float_model = get_peft_model(quantisable_model("qwen3"), LSTMemConfig(**CONFIG))
     for layer, float_layer in zip(
         model.base_model.model.model.layers, float_model.base_model.model.model.layers, strict=True
     ):
@@ -200,6 +267,7 @@ def test_generate_with_memory_cache_reads_and_writes_it(checkpoint, backend):
             input_ids=prompt,
             memory_cache=cache,
             max_new_tokens=4,
+            min_new_tokens=4,  # no row ends early on EOS (the count below assumes every step is written)
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
@@ -287,7 +355,7 @@ def test_nf4_llama_attaches_trains_and_generates(tmp_path):
     """The QLoRA recipe on a second architecture: a tiny Llama in NF4 (no q/k norms, so the query correction
     goes straight into RoPE)."""
     pytest.importorskip("bitsandbytes")
-    tiny_model("llama").save_pretrained(tmp_path)
+    quantisable_model("llama").save_pretrained(tmp_path)
     model = get_peft_model(load_quantized(tmp_path, "bnb-nf4"), LSTMemConfig(**CONFIG))
     randomize_memory(model)
     assert {projection_kind(p) for p in projections(model.base_model.model)} == {"bnb-4bit"}
@@ -309,6 +377,7 @@ def test_nf4_llama_attaches_trains_and_generates(tmp_path):
             input_ids=ids[:, :4],
             memory_cache=cache,
             max_new_tokens=3,
+            min_new_tokens=3,  # no row ends early on EOS (the count below assumes every step is written)
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
@@ -352,4 +421,206 @@ def test_a_bitsandbytes_layer_that_was_never_quantised_is_refused():
     bnb = pytest.importorskip("bitsandbytes")
     layer = bnb.nn.Linear4bit(16, 8, bias=False, quant_type="nf4")  # quantised only when moved to a device
     with pytest.raises(ValueError, match="never quantised"):
+        dense_weight(layer)
+
+
+# --------------------------------------------------------------- bitsandbytes' two CPU 4-bit layouts
+
+
+def _bnb_functional():
+    return pytest.importorskip("bitsandbytes").functional
+
+
+def quantised_linear(quant_type: str = "nf4", double_quant: bool = False, in_features=128, out_features=96):
+    """A bitsandbytes ``Linear4bit`` (eval mode, float32 compute) quantised on the CPU from a random
+    ``(out_features, in_features)`` weight whose rows have different magnitudes (so that scales read
+    from the wrong block show)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        dense.weight.mul_(torch.linspace(0.1, 3.0, out_features)[:, None])
+    layer = bnb.nn.Linear4bit(
+        in_features,
+        out_features,
+        bias=False,
+        compute_dtype=torch.float32,
+        compress_statistics=double_quant,
+        quant_type=quant_type,
+    )
+    layer.load_state_dict(dense.state_dict())
+    return layer.to("cpu").eval()  # Params4bit quantises when moved to its device
+
+
+def packed_reference(qweight: torch.Tensor, state) -> torch.Tensor:
+    """``bitsandbytes.functional.dequantize_4bit`` of a weight in the plain layout (``qweight`` and its
+    ``state``, before repacking) with the scales that the CPU repacking keeps: double quantisation
+    undone as ``_convert_weight_packed_for_cpu`` undoes it, then rounded to bfloat16.
+
+    Returns:
+        ``(out_features, in_features)`` in ``state.dtype``.
+    """
+    functional = _bnb_functional()
+    scales = state.absmax
+    if state.nested:
+        scales = functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    rounded = functional.QuantState(
+        absmax=scales.to(torch.bfloat16).float(),
+        shape=state.shape,
+        code=state.code,
+        blocksize=state.blocksize,
+        quant_type=state.quant_type,
+        dtype=state.dtype,
+    )
+    return functional.dequantize_4bit(qweight, rounded)
+
+
+def storage(layer) -> dict:
+    """What a ``Linear4bit`` stores: its weight's bytes and its quant_state's fields (tensors cloned)."""
+    state = layer.weight.quant_state
+    fields = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(state).items()}
+    return {"data": layer.weight.data.clone(), "state": state, "fields": fields}
+
+
+def assert_storage_unchanged(layer, before: dict) -> None:
+    state = layer.weight.quant_state
+    assert state is before["state"] and torch.equal(layer.weight.data, before["data"])
+    assert set(vars(state)) == set(before["fields"])
+    for k, v in before["fields"].items():
+        now = getattr(state, k)
+        assert torch.equal(now, v) if isinstance(v, torch.Tensor) else now == v, k
+
+
+def pack_for_cpu(layer) -> None:
+    """Repack ``layer``'s weight as ``Linear4bit.forward`` does on a CPU with AVX512-BF16 (plain torch)."""
+    functional = _bnb_functional()
+    layer.weight.data, layer.weight.quant_state = functional._convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state
+    )
+
+
+def relative_bf16_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` is ``b`` with each entry's scale rounded to bfloat16: at most ``BF16_U`` of it, elementwise."""
+    assert ((a - b).abs() <= BF16_U * b.abs()).all()
+    assert not torch.equal(a, b)  # the rounding happened (these scales are not bfloat16 numbers)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double-quant"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_dense_weight_is_exact_in_both_cpu_layouts_of_a_4bit_weight(quant_type, double_quant):
+    """bitsandbytes' repacking and its inverse applied directly (plain torch: runs on any CPU)."""
+    functional = _bnb_functional()
+    layer = quantised_linear(quant_type, double_quant)
+    state = layer.weight.quant_state
+    qweight = layer.weight.data.clone()
+    plain = functional.dequantize_4bit(qweight, state).float()
+    expected_packed = packed_reference(qweight, state).float()
+    assert bnb_4bit_layout(layer.weight.data, state) == "plain"
+    assert torch.equal(dense_weight(layer), plain)
+
+    pack_for_cpu(layer)
+    assert bnb_4bit_layout(layer.weight.data, layer.weight.quant_state) == "cpu-packed"
+    before = storage(layer)
+    dense = dense_weight(layer)
+    assert torch.equal(dense, expected_packed)  # the same dequantisation, of the same codes and scales
+    relative_bf16_rounding(dense, plain)
+    assert_storage_unchanged(layer, before)  # read, not restored to the plain layout
+
+    inverse = functional._convert_weight_packed_for_cpu_inverse
+    layer.weight.data, layer.weight.quant_state = inverse(layer.weight.data, layer.weight.quant_state)
+    assert torch.equal(layer.weight.data, qweight)  # the codes come back exactly
+    if double_quant:  # the inverse re-quantises the scales: dense_weight is the library's dequantisation
+        assert torch.equal(
+            dense_weight(layer), functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        )
+    else:  # bitsandbytes 0.50.2 leaves the scales transposed: refused, never read as plain
+        with pytest.raises(ValueError, match=r"half-restored.*bitsandbytes \S+ .*Reload"):
+            dense_weight(layer)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double-quant"])
+@pytest.mark.parametrize("cpu", ["avx512bf16", "without-avx512bf16"])
+def test_dense_weight_is_the_matrix_a_4bit_forward_multiplies_by_in_the_layout_it_leaves(cpu, double_quant):
+    """A real eval forward without gradients: on a CPU with AVX512-BF16 it repacks the weight and runs
+    bitsandbytes' native kernel; without, it keeps the plain layout (simulated on a CPU that has
+    AVX512-BF16 by clearing the flag ``Linear4bit`` sets from ``has_avx512bf16()`` when it is built)."""
+    functional = _bnb_functional()
+    if cpu == "avx512bf16" and not functional.has_avx512bf16():
+        pytest.skip(
+            "this CPU lacks AVX512-BF16, so bitsandbytes' native packed kernel cannot run here; "
+            "test_dense_weight_is_exact_in_both_cpu_layouts_of_a_4bit_weight covers the packed layout"
+        )
+    layer = quantised_linear("nf4", double_quant)
+    layer.support_avx512bf16_for_cpu = cpu == "avx512bf16"
+    qweight, state = layer.weight.data.clone(), layer.weight.quant_state
+    plain = functional.dequantize_4bit(qweight, state).float()
+    expected_packed = packed_reference(qweight, state).float()
+    assert torch.equal(dense_weight(layer), plain)
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the first forward repacks (AVX512-BF16), the second runs on the repacked weight
+        with torch.no_grad():
+            y = layer(x)
+        dense = dense_weight(layer)
+        if cpu == "avx512bf16":
+            assert bnb_4bit_layout(layer.weight.data, layer.weight.quant_state) == "cpu-packed"
+            assert torch.equal(dense, expected_packed)
+            relative_bf16_rounding(dense, plain)
+            assert_bf16_product(y, x, dense)
+        else:
+            assert bnb_4bit_layout(layer.weight.data, layer.weight.quant_state) == "plain"
+            assert torch.equal(dense, plain)
+            torch.testing.assert_close(y, x @ dense.T, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double-quant"])
+@pytest.mark.parametrize("after", ["eval-forward", "cpu-repacking"])
+def test_attaching_after_the_quantised_base_ran_initialises_the_corrections_as_before(
+    checkpoint, after, double_quant
+):
+    """The user's sequence: evaluate the NF4 base, then ``get_peft_model``. ``eval-forward`` runs the
+    base (it repacks its weights on a CPU with AVX512-BF16, not elsewhere); ``cpu-repacking`` applies
+    bitsandbytes' repacking to every 4-bit layer directly, as that forward would (any CPU)."""
+    functional = _bnb_functional()
+    bnb = pytest.importorskip("bitsandbytes")
+    path = checkpoint[0]
+    config = _bnb_nf4(double_quant)
+    fresh = get_peft_model(load_quantized(path, "bnb-nf4", config), LSTMemConfig(**CONFIG))
+    base = load_quantized(path, "bnb-nf4", config)
+    if after == "eval-forward":
+        with torch.no_grad():
+            base(input_ids=torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5)))
+    else:
+        for module in base.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                pack_for_cpu(module)
+    packed = after == "cpu-repacking" or functional.has_avx512bf16()
+    layouts = {bnb_4bit_layout(p.weight.data, p.weight.quant_state) for p in projections(base)}
+    assert layouts == {"cpu-packed" if packed else "plain"}
+    ran = get_peft_model(base, LSTMemConfig(**CONFIG))
+    memories = [
+        (a.self_attn.q_proj.lstmem_memory["default"], b.self_attn.q_proj.lstmem_memory["default"])
+        for a, b in zip(fresh.base_model.model.model.layers, ran.base_model.model.model.layers, strict=True)
+    ]
+    for before, later in memories:
+        for name in ("w_dq", "w_do"):
+            a, b = getattr(before, name), getattr(later, name)
+            if not packed:
+                assert torch.equal(a, b), name
+                continue
+            # each scale rounded to bfloat16 (at most BF16_U of itself) moves each column entry and the
+            # column's norm by at most BF16_U of themselves: the normalised entry by 2 BF16_U / (1 - BF16_U)
+            torch.testing.assert_close(b, a, rtol=2 * BF16_U / (1 - BF16_U) + 1e-6, atol=0)
+            assert b.abs().max() > 0
+
+
+def test_a_4bit_weight_in_an_unknown_layout_is_refused_naming_the_bitsandbytes_version():
+    bnb = pytest.importorskip("bitsandbytes")
+    layer = quantised_linear()
+    layer.weight.quant_state.packing_format_for_xpu = True  # a layout of some other release
+    with pytest.raises(ValueError, match=rf"packing_format_for_xpu.*bitsandbytes {bnb.__version__}"):
+        dense_weight(layer)
+    del layer.weight.quant_state.packing_format_for_xpu
+    pack_for_cpu(layer)
+    layer.weight.quant_state.absmax = layer.weight.quant_state.absmax.T.contiguous()  # not that layout
+    with pytest.raises(ValueError, match=r"marked packing_format_for_cpu.*Install bitsandbytes"):
         dense_weight(layer)

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB, make
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history
+from lstmem_peft.context import current_pass
 
 
 def history(rows=2, length=48, seed=0):
@@ -63,6 +64,7 @@ def test_an_interrupt_inside_a_history_block_leaves_the_cache_as_it_was_and_resu
         after_first = snapshot(cache)
         with pytest.raises(KeyboardInterrupt), Interrupt(model, layer=1):
             write_history(model, ids[:, 16:32], cache, block_size=16, progress=False)
+        assert current_pass() is None  # the interrupt left no pass open on its way out
         assert_same(cache, after_first)  # no layer, no feedback, no token count half-applied
         # an unrelated forward afterwards neither reads nor writes the interrupted session
         other = MemoryCache()
@@ -86,8 +88,6 @@ def test_an_interrupt_inside_a_plain_forward_drops_the_pass():
         assert_same(cache, before)
         out = model(input_ids=history(length=4, seed=1), memory_cache=cache)
     assert out.logits.isfinite().all() and cache.tokens_written.tolist() == [10, 10]
-    from lstmem_peft.context import current_pass
-
     assert current_pass() is None  # the interrupted pass is gone, not merely bypassed
 
 
@@ -253,10 +253,10 @@ def test_adapter_weights_with_nan_are_refused_at_load(tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     weights = tmp_path / "adapter" / "adapter_model.safetensors"
     tensors = load_file(str(weights))
-    name = next(k for k in tensors if k.endswith("w_gate_full"))
+    name = next(k for k in tensors if k.endswith("w_gate"))
     tensors[name][0, 0] = float("nan")
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"NaN or inf in \['w_gate_full'\]"):
+    with pytest.raises(ValueError, match=r"NaN or inf in \['w_gate'\]"):
         PeftModel.from_pretrained(tiny_model(), tmp_path / "adapter")
 
 

@@ -164,23 +164,34 @@ def same_memory(a: MemoryCache, b: MemoryCache, atol: float = 0.0) -> bool:
 
 
 # ---------------------------------------------------------------------- OpenAI surface
-def reference_answer(loaded, memory: MemoryCache, new: list[int], prompt: list[int], max_new_tokens: int):
-    """What a served greedy turn answers, computed in process: the turn's new message tokens ``new``
-    are written into ``memory`` (in place, as the server does), then ``prompt`` is decoded greedily
-    with ``generate`` from a copy of that memory. Returns the answer's token ids, cut at EOS."""
+def reference_turn(
+    loaded, memory: MemoryCache, prompt: list[int], after: list[int], max_new_tokens: int, before=()
+) -> list[int]:
+    """What a served greedy chat turn does, computed in process (the scheduler's turn rule): the new
+    message tokens that are not in the prompt (``before``) are written into ``memory``; ``prompt`` is
+    decoded greedily with memory read-only (``memory_write=False``); then the new message tokens that
+    are in the prompt (``after``) and the answer message are written in one ``write_history`` call.
+    ``memory`` is updated in place as the server's is. Returns the answer's token ids, cut at EOS."""
+    from lstmem_peft.serve.runtime import ChatFormat
+
     tok, ids = loaded.tokenizer, torch.tensor([prompt])
     with torch.no_grad():
-        write_history(loaded.model, torch.tensor([new]), memory, progress=False)
+        if before:
+            write_history(loaded.model, torch.tensor([list(before)]), memory, progress=False)
         out = loaded.model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            memory_cache=memory.clone(),
+            memory_cache=memory,
+            memory_write=False,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tok.pad_token_id,
         )
-    answer = out[0, ids.shape[1] :].tolist()
-    return answer[: answer.index(tok.eos_token_id)] if tok.eos_token_id in answer else answer
+        answer = out[0, ids.shape[1] :].tolist()
+        answer = answer[: answer.index(tok.eos_token_id)] if tok.eos_token_id in answer else answer
+        message = ChatFormat(tok).message("assistant", tok.decode(answer, skip_special_tokens=True))
+        write_history(loaded.model, torch.tensor([list(after) + message]), memory, progress=False)
+    return answer
 
 
 def test_models_health_and_metrics(server, http):
@@ -201,8 +212,9 @@ def test_models_health_and_metrics(server, http):
 
 
 def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded, tmp_path):
-    """The server's greedy answer is model.generate(memory_cache=...) in process from the same memory,
-    and its memory after the turn is that memory plus the written messages, bit for bit."""
+    """The server's greedy answer is model.generate(memory_cache=..., memory_write=False) in process
+    from the memory before the turn (the question is read, not yet written), and its memory after the
+    turn is that memory plus the question and the answer, written once after answering, bit for bit."""
     from lstmem_peft.serve.runtime import ChatFormat
 
     sid = "exact"
@@ -218,16 +230,17 @@ def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded
     )
     after = load_bytes(http.get(f"/v1/memory/{sid}/export").content, tmp_path, "after.safetensors")
 
-    fmt, model, tok = ChatFormat(loaded.tokenizer), loaded.model, loaded.tokenizer
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     ids = fmt.message("user", question)
     memory = before.clone()
-    new = reference_answer(loaded, memory, ids, ids, max_new_tokens=4)
+    new = reference_turn(loaded, memory, ids, ids, max_new_tokens=4)
     expected = tok.decode(new, skip_special_tokens=True)
     assert reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.usage.completion_tokens == len(new)
-    with torch.no_grad():
-        write_history(model, torch.tensor([fmt.message("assistant", expected)]), memory, progress=False)
+    assert reply.model_extra["lstmem"]["memory_tokens_written"] == len(ids) + len(
+        fmt.message("assistant", expected)
+    )
     assert same_memory(after, memory)
 
 
@@ -395,7 +408,7 @@ def test_bad_input_gets_openai_errors_and_touches_nothing(server, http):
         (dict(json={**chat, "messages": "hello"}), 400),
         (dict(json={**chat, "n": 100}), 400),
         (dict(json={**chat, "temperature": 9}), 400),
-        (dict(json={**chat, "top_p": 0}), 400),
+        (dict(json={**chat, "top_p": -0.5}), 400),
         (dict(json={**chat, "max_tokens": 0}), 400),
         (dict(json={**chat, "max_tokens": 10**6}), 400),
         (dict(json={**chat, "messages": [{"role": "user", "content": "k01 " * 5000}]}), 400),
@@ -473,8 +486,8 @@ def test_client_disconnect_mid_stream_leaves_the_session_as_it_was(server, http)
 # ---------------------------------------------------------------------- concurrency
 def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, loaded, tmp_path):
     """32 sessions x 3 turns at once through AsyncOpenAI: batches form, nothing is lost, and every
-    session ends with the answers and memory of its turns run alone in process (write_history of the
-    new messages, generate from that memory, write_history of the answer)."""
+    session ends with the answers and memory of its turns run alone in process (generate reading the
+    memory before the turn, then write_history of the new messages and the answer)."""
     from lstmem_peft.serve.runtime import ChatFormat
 
     sessions, facts = 32, HISTORY.split(" ; ")
@@ -507,20 +520,17 @@ def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, l
     concurrent = asyncio.run(together())
     assert max(batches) > 1, "no batch formed"
 
-    fmt, model, tok = ChatFormat(loaded.tokenizer), loaded.model, loaded.tokenizer
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     for i in range(sessions):
         memory, context, answers = MemoryCache(), [], []
         new = [fmt.message("user", histories[i])]
         for turn in range(3):
             new.append(fmt.message("user", questions[i % 2][turn]))
             written = [t for ids in new for t in ids]
-            context += written
-            ids = reference_answer(loaded, memory, written, context, max_new_tokens=2)
+            context += written  # every message fits the window: all new ones are in the prompt
+            ids = reference_turn(loaded, memory, context, written, max_new_tokens=2)
             answers.append(tok.decode(ids, skip_special_tokens=True))
-            answer_ids = fmt.message("assistant", answers[-1])
-            with torch.no_grad():
-                write_history(model, torch.tensor([answer_ids]), memory, progress=False)
-            context += answer_ids
+            context += fmt.message("assistant", answers[-1])
             new = []
         assert concurrent[i] == answers, i
         served = load_bytes(http.get(f"/v1/memory/many-{i}/export").content, tmp_path, f"m{i}.safetensors")
@@ -581,7 +591,7 @@ def test_kill9_and_restart_keep_every_session_bit_exact(server, http, loaded, tm
     fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     memory = load_bytes(before["durable"], tmp_path)
     prompt = [t for m in conversation for t in fmt.message(m["role"], m["content"])]
-    ids = reference_answer(loaded, memory, fmt.message("user", "? k16"), prompt, max_new_tokens=3)
+    ids = reference_turn(loaded, memory, prompt, fmt.message("user", "? k16"), max_new_tokens=3)
     assert reply.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
 
 
@@ -805,3 +815,618 @@ def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_pa
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-2:] == ["adapter", "PeftModelForCausalLM"]
+
+
+# ---------------------------------------------------------------------- what a turn writes, and when
+def test_a_turn_writes_new_messages_outside_the_window_before_answering_and_the_rest_after(loaded):
+    """``plan_chat`` / ``plan_completion`` split the new tokens: those older than the prompt are
+    written before answering (``before``), those in the prompt after it (``after``), in order."""
+    from lstmem_peft.serve.runtime import ChatFormat, message_hash
+    from lstmem_peft.serve.scheduler import plan_chat, plan_completion
+    from lstmem_peft.serve.store import Session
+
+    fmt = ChatFormat(loaded.tokenizer)
+    messages = [
+        {"role": "user", "content": "k01 v02 ; k03 v04 ; k05 v06"},
+        {"role": "assistant", "content": "v02"},
+        {"role": "user", "content": "k07 v08 ; k09 v10"},
+        {"role": "user", "content": "? k03"},
+    ]
+    encoded = [fmt.message(m["role"], m["content"]) for m in messages]
+    session = Session("public", "split")
+    session.messages = [
+        {"hash": message_hash(m["role"], m["content"]), "role": m["role"], "tokens": len(e)}
+        for m, e in zip(messages[:2], encoded[:2], strict=True)
+    ]
+    max_tokens = 2
+    # the whole conversation fits: the new messages are read in the prompt and written after
+    plan = plan_chat(fmt, session, messages, 1000, max_tokens)
+    assert plan.before == [] and plan.after == encoded[2] + encoded[3]
+    assert plan.prompt == [t for e in encoded for t in e]
+    # only the question fits: the new message before it is written before answering
+    plan = plan_chat(fmt, session, messages, max_tokens + len(encoded[3]), max_tokens)
+    assert plan.prompt == encoded[3] and plan.before == encoded[2] and plan.after == encoded[3]
+    assert [m["hash"] for m in plan.new_messages] == [
+        message_hash(m["role"], m["content"]) for m in messages[2:]
+    ]
+    # a fresh session, everything new, the last two in the window
+    plan = plan_chat(
+        fmt, Session("public", "fresh"), messages, max_tokens + len(encoded[2]) + len(encoded[3]), 2
+    )
+    assert plan.before == encoded[0] + encoded[1] and plan.after == encoded[2] + encoded[3]
+
+    text = "k01 v02 ; k03 v04 ; k05 v06 ; ? k03"
+    ids = fmt.encode_text(text)
+    plan = plan_completion(fmt, Session("public", "text"), text, 1000, max_tokens)
+    assert (plan.before, plan.prompt, plan.after) == ([], ids, ids)
+    plan = plan_completion(fmt, Session("public", "text"), text, max_tokens + 3, max_tokens)
+    assert (plan.before, plan.prompt, plan.after) == (ids[:-3], ids[-3:], ids[-3:])
+
+
+def test_messages_beyond_the_window_are_written_before_the_answer_reads_memory(loaded, tmp_path):
+    """In process, a window that holds only the question: a turn sending history and question
+    writes the history first, answers the question reading that memory, then writes question and
+    answer; answer and memory equal the in-process turn (``reference_turn``), and the question's
+    answer is the one memory-only recall gives."""
+    from lstmem_peft.serve import app as app_module
+    from lstmem_peft.serve.runtime import ChatFormat
+
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
+    history, question = HISTORY.removeprefix("<s> "), "? k21"
+    app = app_module.create_app(loaded, str(tmp_path / "store"), context_window=6)
+    app.state.scheduler.start()
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": history}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=TIMEOUT) as client:
+            reply = (await client.post("/v1/chat/completions", json=chat, headers=session("w"))).json()
+            exported = (await client.get("/v1/memory/w/export")).content
+            return reply, exported
+
+    try:
+        reply, exported = asyncio.run(scenario())
+    finally:
+        app.state.scheduler.stop()
+    memory = MemoryCache()
+    h, q = fmt.message("user", history), fmt.message("user", question)
+    answer = reference_turn(loaded, memory, q, q, max_new_tokens=2, before=h)
+    assert reply["choices"][0]["message"]["content"] == tok.decode(answer, skip_special_tokens=True)
+    written = len(h) + len(q) + len(fmt.message("assistant", tok.decode(answer)))
+    assert reply["lstmem"]["memory_tokens_written"] == written
+    assert same_memory(load_bytes(exported, tmp_path), memory)
+
+
+def test_n_choices_at_temperature_zero_are_n_equal_answers_in_chat(server, http):
+    """``n=3, temperature=0`` (chat): three equal choices, each the ``n=1`` greedy answer; no answer is
+    written (the client's chosen one is, when sent back) but the question is, once."""
+    client = server.client()
+    http.post("/v1/memory/greedy-n/write", json={"text": HISTORY})
+    http.post("/v1/memory/greedy-1/write", json={"text": HISTORY})
+    messages = [{"role": "user", "content": "? k12"}]
+    three = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, n=3, extra_headers=session("greedy-n")
+    )
+    one = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_headers=session("greedy-1")
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert [c.message.content for c in three.choices] == [one.choices[0].message.content] * 3
+    assert {c.finish_reason for c in three.choices} == {one.choices[0].finish_reason}
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.model_extra["lstmem"]["memory_tokens_written"] == 3  # "<s> ? k12"
+    info = http.get("/v1/memory/greedy-n").json()
+    assert info["messages_written"] == 1 and info["tokens_written"] == len(HISTORY.split()) + 3
+
+
+def test_n_choices_at_temperature_zero_are_n_equal_answers_in_completions(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="<s> ? k09", max_tokens=4, temperature=0)
+    two = client.completions.create(n=2, **kwargs)
+    one = client.completions.create(**kwargs)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [one.choices[0].text] * 2
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
+def test_n_choices_at_temperature_zero_stream_n_equal_answers(server):
+    """Streaming chat and completions with ``n=2, temperature=0``: each choice streams the greedy answer."""
+    client = server.client()
+    messages = [{"role": "user", "content": "? k07"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    parts, finish = {0: [], 1: []}, {}
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2, stream=True
+    ):
+        for choice in chunk.choices:
+            parts[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert {i: "".join(p) for i, p in parts.items()} == {i: plain.choices[0].message.content for i in (0, 1)}
+    assert finish == {0: plain.choices[0].finish_reason, 1: plain.choices[0].finish_reason}
+    kwargs = dict(model=MODEL, prompt="<s> ? k07", max_tokens=4, temperature=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(n=2, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == {0: text, 1: text}
+
+
+@pytest.mark.slow
+def test_recall_through_the_server_equals_in_process_memory_recall(server, loaded):
+    """The demo's recall task through the live server: the history of each episode reaches a session
+    through ``/write`` or as a first chat turn, then the question alone is a later turn (greedy, one
+    token). Recall is within 0.05 of in-process memory-only recall (``demo.evaluate``: history
+    written, question read) on the same episodes. A first turn with ``n=2`` writes only the history
+    (no choice was sent back); with ``n=1`` its answer is written too, and recall then equals the
+    in-process recall of that memory (history and the served answer written, question read)."""
+    from lstmem_peft.data import synthetic_recall_episodes
+    from lstmem_peft.demo import evaluate
+    from lstmem_peft.serve.runtime import ChatFormat
+
+    num, seed = 50, 4242
+    episodes = synthetic_recall_episodes(num, 8, seed=seed)
+    with torch.no_grad():
+        reference = evaluate(loaded.model, loaded.tokenizer, num_episodes=num, seed=seed)["recall_memory"]
+
+    async def episode(client, web, route: str, i: int, e: dict) -> tuple[bool, str]:
+        sid, first = f"recall-{route}-{i}", ""
+        user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+        if route == "write":
+            r = await web.post(f"/v1/memory/{sid}/write", json={"messages": user(e["history"])})
+            assert r.status_code == 200, r.text
+        elif route != "none":
+            n = 2 if route == "turn-n2" else 1
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=user(e["history"]), max_tokens=2, temperature=0, n=n,
+                extra_headers=session(sid),
+            )  # fmt: skip
+            first = reply.choices[0].message.content
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=user(e["prompt"]), max_tokens=1, temperature=0, extra_headers=session(sid)
+        )
+        return reply.choices[0].message.content == e["answer"].strip(), first
+
+    async def run(route: str) -> list[tuple[bool, str]]:
+        async with (
+            openai.AsyncOpenAI(
+                base_url=server.url + "/v1", api_key=KEY, timeout=120, max_retries=0
+            ) as client,
+            httpx.AsyncClient(
+                base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+            ) as web,
+        ):
+            return await asyncio.gather(*(episode(client, web, route, i, e) for i, e in enumerate(episodes)))
+
+    results = {route: asyncio.run(run(route)) for route in ("write", "turn-n2", "turn", "none")}
+    recall = {route: sum(hit for hit, _ in r) / num for route, r in results.items()}
+
+    # the n=1 first turn's memory, in process: history and served answer written, question read
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
+    hits = 0
+    for e, (_, first) in zip(episodes, results["turn"], strict=True):
+        memory = MemoryCache()
+        written = fmt.message("user", e["history"]) + fmt.message("assistant", first)
+        question = torch.tensor([fmt.message("user", e["prompt"])])
+        with torch.no_grad():
+            write_history(loaded.model, torch.tensor([written]), memory, progress=False)
+            logits = loaded.model(input_ids=question, memory_cache=memory, memory_write=False).logits
+        hits += tok.decode(logits[0, -1].argmax().item()) == e["answer"].strip()
+    print(f"recall over {num} episodes: in process {reference:.2f}, served {recall}, "
+          f"in process with the first answer {hits / num:.2f}")  # fmt: skip
+    assert reference > 0.5
+    assert abs(recall["write"] - reference) <= 0.05, (recall, reference)
+    assert abs(recall["turn-n2"] - reference) <= 0.05, (recall, reference)
+    assert abs(recall["turn"] - hits / num) <= 0.05, (recall, hits / num)
+    assert recall["none"] < 0.2
+
+
+# ---------------------------------------------------------------------- OpenAI compatibility
+def reference_logprobs(loaded, memory: MemoryCache, ids: list[int]) -> list[float]:
+    """``log p(ids[t] | ids[:t])`` for ``t >= 1``, from ``memory`` read only, computed in process:
+    one forward with ``memory_write=False`` (what a served answer reads)."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = loaded.model(
+            input_ids=x, attention_mask=torch.ones_like(x), memory_cache=memory.clone(), memory_write=False
+        ).logits
+    lp = logits[0, :-1].float().log_softmax(-1)
+    return lp.gather(-1, x[0, 1:, None])[:, 0].tolist()
+
+
+def test_models_retrieve_names_the_served_model(server):
+    client = server.client()
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-unknown")
+    assert err.value.body["param"] == "model"
+
+
+def test_completions_take_prompt_lists_and_token_id_prompts(server, loaded):
+    client = server.client()
+    texts = ["<s> ? k09", "<s> k03 v04 ; ? k03", "<s> ? k30"]
+    one = [
+        client.completions.create(model=MODEL, prompt=t, max_tokens=3, temperature=0).choices[0].text
+        for t in texts
+    ]
+    ids = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for prompt in (texts, ids):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, n=2)
+        assert [c.index for c in reply.choices] == list(range(6))
+        assert [c.text for c in reply.choices] == [t for t in one for _ in range(2)]
+        assert reply.usage.prompt_tokens == sum(len(i) for i in ids)
+        assert reply.model_extra["lstmem"]["batch_size"] > 1  # the prompts ran as one batch
+    single = client.completions.create(model=MODEL, prompt=ids[1], max_tokens=3, temperature=0)
+    assert single.choices[0].text == one[1]
+    # a session takes one prompt; token ids must be in the vocabulary
+    with server.http(KEY) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": texts[:2]}, headers=session("lists"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [[1, 10**6]]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": texts[:2], "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_completions_echo_and_logprobs_equal_in_process_scoring(server, http, loaded, tmp_path):
+    """``echo`` + ``logprobs`` (what lm-eval's loglikelihood requests send) report every prompt token's
+    log-probability as a read-only forward from the same memory computes it, and the answer's; with
+    ``max_tokens=0`` a request only scores: a session's memory is read and left as it was."""
+    client = server.client()
+    text = "<s> k12 v03 ; k01 v05 ; ? k01"
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    reply = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:-2]], max_tokens=1, temperature=0, echo=True, logprobs=2, seed=1234
+    )
+    first = reply.choices[0]
+    lp = first.logprobs
+    assert first.text.startswith(text) and len(lp.tokens) == len(ids) + 1 == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens[: len(ids)]) == text and lp.text_offset[0] == 0
+    expected = reference_logprobs(loaded, MemoryCache(), ids)
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) == 2 and max(top.values()) >= value
+    # the greedy answer token is the most likely one, and its log-probability the reference's
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    answer = loaded.tokenizer(first.text[len(text) :], add_special_tokens=False)["input_ids"]
+    assert lp.token_logprobs[-1] == pytest.approx(
+        reference_logprobs(loaded, MemoryCache(), ids + answer)[-1], abs=1e-4
+    )
+    assert len(reply.choices[1].logprobs.tokens) == len(ids) - 2 + 1  # each prompt its own choice
+    # without echo: the answer's tokens only, offsets after the prompt
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0, logprobs=0)
+    assert len(plain.choices[0].logprobs.tokens) >= 1 and plain.choices[0].logprobs.text_offset[0] == len(
+        text
+    )
+    assert plain.choices[0].logprobs.top_logprobs[0] == {}
+
+    # max_tokens=0 + echo: scoring only, from the session's memory, which stays as it was
+    sid = "scored"
+    http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY})
+    before = http.get(f"/v1/memory/{sid}").json()
+    memory = load_bytes(http.get(f"/v1/memory/{sid}/export").content, tmp_path)
+    question = loaded.tokenizer("<s> ? k21 v27", add_special_tokens=False)["input_ids"]
+    scored = client.completions.create(
+        model=MODEL,
+        prompt=question,
+        max_tokens=0,
+        echo=True,
+        logprobs=1,
+        temperature=0,
+        extra_headers=session(sid),
+    )
+    choice = scored.choices[0]
+    assert choice.text == "<s> ? k21 v27" and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(question)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        reference_logprobs(loaded, memory, question), abs=1e-4
+    )
+    assert scored.model_extra["lstmem"]["memory_tokens_written"] == 0
+    after = http.get(f"/v1/memory/{sid}").json()
+    assert (after["commit"], after["tokens_written"]) == (before["commit"], before["tokens_written"])
+    # without echo, max_tokens=0 is refused; echo streams the prompt first
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=text, max_tokens=2, temperature=0, echo=True, stream=True
+        )
+        if c.choices
+    )
+    assert (
+        streamed
+        == client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0, echo=True)
+        .choices[0]
+        .text
+    )
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_chat_logprobs_and_top_logprobs(server, http):
+    client = server.client()
+    messages = [{"role": "user", "content": "? k01"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens >= 1
+    assert "".join(t.token for t in content).strip() == reply.choices[0].message.content.strip()
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the best token
+        assert t.logprob == t.top_logprobs[0].logprob <= 0 and t.bytes == list(t.token.encode())
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == reply.choices[0].message.content
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "logprobs": True, "top_logprobs": 21},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_unsupported_parameters_are_refused_by_name_and_supported_ones_accepted(server, http):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "? k07"}], "max_tokens": 2}
+    completion = {"model": MODEL, "prompt": "<s> ? k07", "max_tokens": 2}
+    refused = [
+        (
+            "/v1/chat/completions",
+            {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),
+        ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {**chat, "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {**chat, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/chat/completions", {**chat, "presence_penalty": -1}, "presence_penalty"),
+        ("/v1/chat/completions", {**chat, "top_k": 5}, "top_k"),
+        ("/v1/chat/completions", {**chat, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", {**chat, "stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ("/v1/chat/completions", {**chat, "stop": 5}, "stop"),
+        ("/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {**completion, "best_of": 3}, "best_of"),
+        ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
+        ("/v1/completions", {**completion, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {**completion, "prompt": [["x"]]}, "prompt"),
+        ("/v1/completions", {**completion, "prompt": [[1, -2]]}, "prompt"),
+        ("/v1/completions", {**completion, "prompt": ["<s>"] * 65, "n": 2}, "n"),
+    ]
+    for path, body, param in refused:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (param, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"], error
+        assert ".str" not in error["message"] and "list[" not in error["message"], error  # no union noise
+    five = http.post("/v1/chat/completions", json={**chat, "stop": ["a", "b", "c", "d", "e"]})
+    assert five.status_code == 200, five.text[:300]  # more than OpenAI's 4 (lm-eval sends its own + EOS)
+    for extra in (
+        {"response_format": {"type": "text"}},
+        {"tool_choice": "none"},
+        {"user": "u-1", "metadata": {"k": "v"}},
+        {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}},
+    ):
+        assert http.post("/v1/chat/completions", json={**chat, **extra}).status_code == 200, extra
+    assert http.post("/v1/completions", json={**completion, "best_of": 2, "n": 2}).status_code == 200
+    # top_p=0 is the nucleus of the one most likely token: greedy, whatever the temperature
+    greedy = http.post("/v1/completions", json={**completion, "temperature": 0}).json()["choices"][0]["text"]
+    for _ in range(2):
+        r = http.post("/v1/completions", json={**completion, "temperature": 1.5, "top_p": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy
+
+
+def test_a_json_body_without_a_json_content_type_is_read_as_json(server, http):
+    body = json.dumps({"model": MODEL, "prompt": "<s> ? k07", "max_tokens": 1, "temperature": 0}).encode()
+    expected = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert expected.status_code == 200
+    for headers in (
+        {},
+        {"Content-Type": "application/x-www-form-urlencoded"},
+        {"Content-Type": "text/plain"},
+    ):
+        request = http.build_request("POST", "/v1/completions", content=body, headers=headers)
+        if not headers:
+            request.headers.pop("Content-Type", None)
+        r = http.send(request)
+        assert r.status_code == 200, (headers, r.text[:300])
+        assert r.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+    r = http.post(
+        "/v1/completions",
+        content=b"model=x&prompt=y",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"[1, 2]", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_seeded_greedy_requests_batch_and_seeded_sampling_runs_alone(server):
+    async def together(**kwargs):
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        async with client:
+            replies = await asyncio.gather(
+                *(
+                    client.completions.create(model=MODEL, prompt=f"<s> ? k0{i}", max_tokens=2, **kwargs)
+                    for i in range(6)
+                )
+            )
+        return [r.model_extra["lstmem"]["batch_size"] for r in replies]
+
+    assert max(asyncio.run(together(temperature=0, seed=1234))) > 1
+    assert max(asyncio.run(together(temperature=1.0, seed=7))) == 1
+
+
+LM_EVAL_DOCS = [
+    {"question": "<s> k07 v19 ; k12 v03 ; ? k12", "choices": ["v03", "v19"], "label": 0, "answer": "v03"},
+    {"question": "<s> k01 v05 ; ? k01", "choices": ["v11", "v05"], "label": 1, "answer": "v05"},
+    {"question": "<s> k02 v11 ; k30 v08 ; ? k30", "choices": ["v08", "v11"], "label": 0, "answer": "v08"},
+    {"question": "<s> k21 v27 ; k09 v14 ; ? k21", "choices": ["v14", "v27"], "label": 1, "answer": "v27"},
+    {"question": "<s> k16 v00 ; ? k16", "choices": ["v00", "v03"], "label": 0, "answer": "v00"},
+]
+
+LM_EVAL_TASKS = {
+    "lstmem_serve_mc": """task: lstmem_serve_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""",
+    "lstmem_serve_gen": """task: lstmem_serve_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n"]
+  do_sample: false
+  max_gen_toks: 3
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""",
+}
+
+
+def batches_over_one(http) -> int:
+    """Batches of more than one turn the server ran so far (its Prometheus histogram)."""
+    count = one = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('lstmem_batch_size_count{kind="turn"}'):
+            count = float(line.split()[-1])
+        elif line.startswith('lstmem_batch_size_bucket{kind="turn",le="1.0"}'):
+            one = float(line.split()[-1])
+    return int(count - one)
+
+
+@pytest.mark.timeout(600)
+def test_lm_eval_local_completions_runs_loglikelihood_and_generation_tasks(
+    server, http, loaded, tmp_path, monkeypatch
+):
+    """lm-eval's ``local-completions`` model against the live server, batch size 4: a multiple-choice
+    task (loglikelihood: token-id prompts, echo, logprobs, max_tokens 1) and a generation task (prompt
+    lists with a seed and stop strings), with token-id and text requests. Every loglikelihood equals
+    the in-process read-only forward from a fresh memory, and every generation the server's own
+    answer to that prompt."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip(
+        "tenacity", reason="lm-eval's API models need its api extra: pip install 'lm-eval[api]'"
+    )
+    from lm_eval.tasks import TaskManager
+
+    from lstmem_peft.demo import demo_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    tokenizer_dir = tmp_path / "tokenizer"
+    demo_tokenizer().save_pretrained(tokenizer_dir)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, text in LM_EVAL_TASKS.items():
+        (tasks / f"{name}.yaml").write_text(text.format(data=data))
+
+    def evaluate(tokenized: bool) -> dict:
+        return lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args={
+                "model": MODEL,
+                "base_url": server.url + "/v1/completions",
+                "tokenizer_backend": "huggingface",
+                "tokenizer": str(tokenizer_dir),
+                "tokenized_requests": tokenized,
+                "batch_size": 4,
+                "max_length": 256,
+                "max_retries": 1,
+                "timeout": 120,
+            },
+            tasks=list(LM_EVAL_TASKS),
+            task_manager=TaskManager(include_path=str(tasks)),
+            log_samples=True,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
+
+    batched = batches_over_one(http)
+    tok = loaded.tokenizer
+    client = server.client()
+    outcomes = []
+    for tokenized in (True, False):
+        results = evaluate(tokenized)
+        assert 0.0 <= results["results"]["lstmem_serve_mc"]["acc,none"] <= 1.0
+        assert len(results["samples"]["lstmem_serve_mc"]) == len(results["samples"]["lstmem_serve_gen"]) == 5
+        assert "exact_match,none" in results["results"]["lstmem_serve_gen"]
+        scores = {}
+        for sample in results["samples"]["lstmem_serve_mc"]:
+            doc = LM_EVAL_DOCS[sample["doc_id"]]
+            context = tok(doc["question"], add_special_tokens=False)["input_ids"]
+            for choice, resp in zip(doc["choices"], sample["resps"], strict=True):
+                loglikelihood = float(resp[0][0])
+                ids = context + tok(" " + choice, add_special_tokens=False)["input_ids"]
+                expected = sum(reference_logprobs(loaded, MemoryCache(), ids)[len(context) - 1 :])
+                assert loglikelihood == pytest.approx(expected, abs=1e-4), (doc, choice)
+                scores[(sample["doc_id"], choice)] = loglikelihood
+        generations = {}
+        for sample in results["samples"]["lstmem_serve_gen"]:
+            doc = LM_EVAL_DOCS[sample["doc_id"]]
+            own = client.completions.create(
+                model=MODEL, prompt=doc["question"], max_tokens=3, temperature=0, stop=["\n", "</s>"]
+            )
+            assert sample["resps"][0][0] == own.choices[0].text, doc
+            generations[sample["doc_id"]] = sample["resps"][0][0]
+        outcomes.append((scores, generations))
+    (scores, generations), (text_scores, text_generations) = outcomes
+    assert generations == text_generations and len(generations) == len(LM_EVAL_DOCS)
+    assert scores.keys() == text_scores.keys()
+    for key, value in scores.items():
+        assert text_scores[key] == pytest.approx(value, abs=1e-4)
+    assert batches_over_one(http) > batched  # lm-eval's batches of 4 ran as batches on the server
+
+
+def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded):
+    """``plan_completion`` takes token ids as they are (never re-tokenized) and, like a text prompt,
+    writes only the part after the text the session's completions wrote before."""
+    import hashlib
+
+    from lstmem_peft.serve.runtime import ChatFormat
+    from lstmem_peft.serve.scheduler import plan_completion
+    from lstmem_peft.serve.store import Session
+
+    fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
+    ids = tok("<s> k07 v19 ; ? k07 v19", add_special_tokens=False)["input_ids"]
+    odd = [ids[0], ids[0], *ids[1:]]  # not what the text would tokenize to: kept as it is
+    fresh = Session("public", "chain")
+    plan = plan_completion(fmt, fresh, odd, window=64, max_tokens=4)
+    assert plan.prompt == odd and plan.new_tokens == odd
+    written = "<s> k07 v19 ;"
+    fresh.completion_text = {"length": len(written), "sha256": hashlib.sha256(written.encode()).hexdigest()}
+    plan = plan_completion(fmt, fresh, ids, window=64, max_tokens=4)
+    assert plan.prompt == ids and plan.new_tokens == ids[4:]  # "? k07 v19"
+    assert plan.text_chain == tok.decode(ids, skip_special_tokens=False)

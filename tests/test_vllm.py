@@ -12,6 +12,10 @@ an LSTMem adapter moved off its initialisation so that memory visibly changes th
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +26,7 @@ from tiny_models import randomize_memory  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
-from lstmem_peft.vllm_plugin import engine_args  # noqa: E402
+from lstmem_peft.vllm_plugin import SESSION_DIR_ENV, SESSION_IN, SESSION_OUT, engine_args, session_file  # noqa: E402
 
 VOCAB = 256
 NEW_TOKENS = 8
@@ -89,10 +93,14 @@ def engines(tmp_path_factory):
     """``engines(arch)``: the library model, a vLLM engine over it and their folder, built once per
     architecture (an engine start takes most of this module's time)."""
     built = {}
+    previous = os.environ.get(SESSION_DIR_ENV)
 
     def get(arch: str = "qwen3"):
         if arch not in built:
             root = tmp_path_factory.mktemp(f"vllm-{arch}")
+            os.environ[SESSION_DIR_ENV] = str(
+                root / "sessions"
+            )  # before the engine starts: its worker reads it
             base = tiny_backbone(arch)
             base.save_pretrained(root / "base")
             word_tokenizer().save_pretrained(root / "base")
@@ -110,16 +118,36 @@ def engines(tmp_path_factory):
                 )
             )
             built[arch] = model, llm, root
+        os.environ[SESSION_DIR_ENV] = str(built[arch][2] / "sessions")
         return built[arch]
 
     yield get
     for _, llm, _ in built.values():
         llm.llm_engine.engine_core.shutdown()
+    if previous is None:
+        os.environ.pop(SESSION_DIR_ENV, None)
+    else:
+        os.environ[SESSION_DIR_ENV] = previous
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def setup(engines):
     return engines("qwen3")
+
+
+def session_path(name: str) -> Path:
+    """The file of session ``name`` in the current session directory."""
+    return Path(session_file(os.environ[SESSION_DIR_ENV], name))
+
+
+def save_session(memory: MemoryCache, name: str) -> str:
+    memory.save(session_path(name))
+    return name
+
+
+def no_session(name: str) -> str:
+    """The admission error of an in-session that is missing or cannot be used (one text for all)."""
+    return f"lstmem_session_in: there is no usable session {name!r}"
 
 
 def history_memory(model, seed: int, length: int) -> MemoryCache:
@@ -144,20 +172,16 @@ def library_answer(model, memory: MemoryCache | None, prompt: list[int], new_tok
     return out[0, len(prompt) :].tolist(), cache
 
 
+def greedy(new_tokens: int = NEW_TOKENS, session_in: str | None = None, session_out: str | None = None):
+    extra = {k: v for k, v in ((SESSION_IN, session_in), (SESSION_OUT, session_out)) if v is not None}
+    return vllm.SamplingParams(
+        max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra
+    )
+
+
 def vllm_answers(llm, requests, new_tokens: int = NEW_TOKENS):
-    """``requests``: (prompt, memory_in path or None, memory_out path) -> generated token ids."""
-    params = [
-        vllm.SamplingParams(
-            max_tokens=new_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            detokenize=False,
-            extra_args={
-                k: v for k, v in (("lstmem_memory_in", m_in), ("lstmem_memory_out", m_out)) if v is not None
-            },
-        )
-        for _, m_in, m_out in requests
-    ]
+    """``requests``: (prompt, in-session name or None, out-session name or None) -> generated token ids."""
+    params = [greedy(new_tokens, s_in, s_out) for _, s_in, s_out in requests]
     outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in requests], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -181,26 +205,23 @@ def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_requ
     memories = [history_memory(model, 10 + i, 20 + 17 * i) for i in range(3)] + [None]  # the last: fresh
     requests = []
     for i, memory in enumerate(memories):
-        path = None
-        if memory is not None:
-            path = str(root / f"in-{i}.safetensors")
-            memory.save(path)
-        requests.append((prompts[i], path, str(root / f"out-{i}.safetensors")))
+        name = None if memory is None else save_session(memory, f"in-{i}")
+        requests.append((prompts[i], name, f"out-{i}"))
     tokens = vllm_answers(llm, requests)
     layout = memory_layout(model)
     plain = vllm_answers(llm, [(p, None, None) for p in prompts])
     for i, memory in enumerate(memories):
         expected, final = library_answer(model, memory, prompts[i])
         assert tokens[i] == expected, f"request {i}"
-        assert_same_memory(MemoryCache.load(root / f"out-{i}.safetensors", layout), final)
+        assert_same_memory(MemoryCache.load(session_path(f"out-{i}"), layout), final)
         if memory is not None:
             assert plain[i] != tokens[i], f"request {i}: its memory did not change the answer"
 
 
 def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup, tmp_path):
     """A KV pool too small for the batch: vLLM preempts requests and recomputes them from scratch
-    (their state slot handed out again); each restarted request starts again from its session's
-    memory, and its tokens and final memory are the library's."""
+    (their state slot handed out again); each restarted request starts again from the memory its
+    session held when it first started (read once), and its tokens and final memory are the library's."""
     model, _, root = setup
     llm = vllm.LLM(
         **engine_args(
@@ -218,27 +239,26 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
         g = torch.Generator().manual_seed(5)
         prompts = [torch.randint(3, VOCAB, (12 + 3 * i,), generator=g).tolist() for i in range(6)]
         memories = [history_memory(model, 40 + i, 24) for i in range(6)]
-        requests = []
-        for i, memory in enumerate(memories):
-            memory.save(tmp_path / f"in-{i}.safetensors")
-            requests.append(
-                (prompts[i], str(tmp_path / f"in-{i}.safetensors"), str(tmp_path / f"out-{i}.safetensors"))
-            )
+        requests = [
+            (prompts[i], save_session(memory, f"preempt-in-{i}"), f"preempt-out-{i}")
+            for i, memory in enumerate(memories)
+        ]
         tokens = vllm_answers(llm, requests, new_tokens=100)
         counts = llm.collective_rpc("lstmem_counts")[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert counts["restarted"] > 0, counts  # the pool really was too small
-    assert counts["loaded"] == 6 + counts["restarted"] and counts["saved"] == 6
+    assert counts["loaded"] == 6 and counts["saved"] == 6 and counts["failed"] == 0
     layout = memory_layout(model)
     for i, memory in enumerate(memories):
         expected, cache = library_answer(model, memory, prompts[i], new_tokens=100)
         assert tokens[i] == expected, f"request {i}"
-        assert_same_memory(MemoryCache.load(tmp_path / f"out-{i}.safetensors", layout), cache)
+        assert_same_memory(MemoryCache.load(session_path(f"preempt-out-{i}"), layout), cache)
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):
-    """Two sessions of two turns each, their turns sent together to vLLM; each equals the library
+    """Two sessions of two turns each, their turns sent together to vLLM, each turn reading and
+    writing its session in place (in- and out-session the same name); each equals the library
     running that session alone (turn 2 continues from the memory turn 1 left)."""
     model, llm, root = setup
     g = torch.Generator().manual_seed(2)
@@ -247,13 +267,10 @@ def test_two_interleaved_sessions_equal_each_alone(setup):
         for lengths in ((6, 9), (13, 3))
     ]
     starts = [history_memory(model, 20, 40), history_memory(model, 21, 25)]
-    paths = []
-    for s, memory in enumerate(starts):
-        paths.append([str(root / f"session{s}-{t}.safetensors") for t in range(3)])
-        memory.save(paths[s][0])
+    names = [save_session(memory, f"session{s}") for s, memory in enumerate(starts)]
     got = [[], []]
     for t in range(2):
-        answers = vllm_answers(llm, [(turns[s][t], paths[s][t], paths[s][t + 1]) for s in range(2)])
+        answers = vllm_answers(llm, [(turns[s][t], names[s], names[s]) for s in range(2)])
         for s in range(2):
             got[s].append(answers[s])
     layout = memory_layout(model)
@@ -262,42 +279,141 @@ def test_two_interleaved_sessions_equal_each_alone(setup):
         for t in range(2):
             expected, cache = library_answer(model, cache, turns[s][t])
             assert got[s][t] == expected, f"session {s}, turn {t}"
-        assert_same_memory(MemoryCache.load(paths[s][2], layout), cache)
+        assert_same_memory(MemoryCache.load(session_path(names[s]), layout), cache)
 
 
-def test_a_bad_session_file_is_refused_at_admission_and_the_engine_goes_on(setup, tmp_path):
+def test_the_session_file_is_complete_when_generate_returns(setup):
+    """One session continued in place by eight ``generate`` calls of 4 to 11 new tokens: the file
+    read right after each call holds that call's final memory (the library's), not a missing file or
+    the previous call's memory (it is written in the step that samples the request's last token,
+    before vLLM returns its output)."""
+    model, llm, _ = setup
+    g = torch.Generator().manual_seed(7)
+    layout = memory_layout(model)
+    memory = None
+    for k, new_tokens in enumerate(range(4, 12)):
+        prompt = torch.randint(3, VOCAB, (3 + k,), generator=g).tolist()
+        tokens = vllm_answers(llm, [(prompt, "loop" if k else None, "loop")], new_tokens=new_tokens)[0]
+        expected, memory = library_answer(model, memory, prompt, new_tokens=new_tokens)
+        assert tokens == expected, f"call {k}"
+        assert_same_memory(MemoryCache.load(session_path("loop"), layout), memory)
+
+
+def test_bad_sessions_are_refused_at_admission_and_the_engine_goes_on(setup, tmp_path, monkeypatch):
+    """Names that are paths, the keys of earlier versions (paths), in-sessions that are missing,
+    damaged, of two rows or of another adapter (one error text for all), an out-session whose name
+    is taken by a folder, ``n`` > 1 with an out-session, and requests while sessions are off: each
+    refused when vLLM admits it (``VLLMValidationError``), nothing written, and the engine goes on."""
     from vllm.exceptions import VLLMValidationError
 
     model, llm, root = setup
-    (tmp_path / "damaged.safetensors").write_bytes(b"not a safetensors file")
+    session_path("damaged").parent.mkdir(parents=True, exist_ok=True)
+    session_path("damaged").write_bytes(b"not a safetensors file")
     two_rows = history_memory(model, 60, 20)
     two_rows.batch_repeat_interleave(2)
-    two_rows.save(tmp_path / "two-rows.safetensors")
+    save_session(two_rows, "two-rows")
+    other = get_peft_model(
+        tiny_backbone(), LSTMemConfig(r=8, num_heads=4, memory_id="another-adapter")
+    ).eval()
+    save_session(history_memory(other, 3, 20), "foreign")
+    session_path("folder").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a memory")
+    relative = os.path.relpath(victim, session_path("x").parent)
+    before = sorted(os.listdir(session_path("x").parent))
     prompt = [5, 6, 7]
-    for extra, message in (
-        ({"lstmem_memory_in": str(tmp_path / "damaged.safetensors")}, "not a readable safetensors file"),
-        ({"lstmem_memory_in": str(tmp_path / "two-rows.safetensors")}, "holds the memory of 2 sequences"),
-        ({"lstmem_memory_out": str(tmp_path / "no-such-folder" / "out.safetensors")}, "does not exist"),
-    ):
+    cases = [
+        ({SESSION_IN: name}, no_session(name)) for name in ("ghost", "damaged", "two-rows", "foreign")
+    ] + [
+        ({SESSION_OUT: str(victim)}, "invalid session id"),
+        ({SESSION_OUT: relative}, "invalid session id"),
+        ({SESSION_IN: "../sessions/two-rows"}, "invalid session id"),
+        ({SESSION_OUT: ".hidden"}, "invalid session id"),
+        ({SESSION_OUT: "alice\n"}, "invalid session id"),
+        ({SESSION_IN: ["alice"]}, "a session name is a string"),
+        ({"lstmem_memory_out": str(victim)}, "lstmem_memory_out took a file path"),
+        ({"lstmem_memory_in": relative}, "lstmem_memory_in took a file path"),
+        ({"lstmem_sesion_in": "alice"}, "unknown key 'lstmem_sesion_in'"),
+        ({SESSION_OUT: "folder"}, "session 'folder' cannot be written"),
+    ]
+    for extra, message in cases:
         params = vllm.SamplingParams(max_tokens=2, detokenize=False, extra_args=extra)
-        with pytest.raises(VLLMValidationError, match=message):
+        with pytest.raises(VLLMValidationError, match=re.escape(message)):
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    params = vllm.SamplingParams(
+        n=2, temperature=1.0, max_tokens=2, detokenize=False, extra_args={SESSION_OUT: "x"}
+    )
+    with pytest.raises(VLLMValidationError, match="n=2 choices would each write session 'x'"):
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    with monkeypatch.context() as env:
+        env.delenv(SESSION_DIR_ENV)
+        with pytest.raises(VLLMValidationError, match="sessions are off on this server.*LSTMEM_SESSION_DIR"):
+            llm.generate([{"prompt_token_ids": prompt}], greedy(2, session_out="x"), use_tqdm=False)
+    assert victim.read_text() == "not a memory" and session_path("folder").is_dir()
+    assert sorted(os.listdir(session_path("x").parent)) == before
     assert vllm_answers(llm, [(prompt, None, None)]) == [library_answer(model, None, prompt)[0]]
 
 
-def test_a_memory_from_another_adapter_is_refused(setup):
+def test_a_session_file_that_fails_in_the_worker_fails_its_request_only(setup):
+    """Files changed by someone else after admission: an in-session removed before its request
+    starts, and an out-session whose name became a folder before the request ends. The worker logs
+    and counts both (``failed``): the first request runs from an empty memory and writes nothing, the
+    second's write fails and leaves the folder; the requests ahead of them and the engine go on.
+    Eight long requests fill the engine's sequences (``max_num_seqs`` 8), so the two wait, admitted,
+    while the files change."""
+    model, llm, _ = setup
+    engine = llm.llm_engine
+    LONG = 160  # noqa: N806 (steps enough for the files to change while the two wait)
+    before = llm.collective_rpc("lstmem_counts")[0]
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (4,), generator=g).tolist() for _ in range(10)]
+    names = {}  # the engine's request id (it may add a suffix) -> ours
+
+    def add(name, prompt, params):
+        names[engine.add_request(name, {"prompt_token_ids": prompt}, params)] = name
+
+    save_session(history_memory(model, 70, 20), "vanishing")
+    for i in range(8):
+        add(f"long-{i}", prompts[i], greedy(LONG))
+    add("vanished-in", prompts[8], greedy(6, "vanishing", "after-vanishing"))
+    add("folder-out", prompts[9], greedy(6, session_out="became-a-folder"))
+    session_path("vanishing").unlink()
+    session_path("became-a-folder").mkdir()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[names.get(out.request_id, out.request_id)] = list(out.outputs[0].token_ids)
+    counts = llm.collective_rpc("lstmem_counts")[0]
+    assert counts["failed"] - before["failed"] == 2, counts
+    assert counts["saved"] == before["saved"]
+    assert not session_path("after-vanishing").exists() and session_path("became-a-folder").is_dir()
+    assert outputs["vanished-in"] == library_answer(model, None, prompts[8], new_tokens=6)[0]
+    assert outputs["folder-out"] == library_answer(model, None, prompts[9], new_tokens=6)[0]
+    for i in range(8):
+        assert outputs[f"long-{i}"] == library_answer(model, None, prompts[i], new_tokens=LONG)[0]
+    assert vllm_answers(llm, [(prompts[0], None, None)]) == [library_answer(model, None, prompts[0])[0]]
+
+
+def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
     from lstmem_peft.vllm_plugin.sessions import load_session
 
     model, llm, root = setup
     other = get_peft_model(
         tiny_backbone(), LSTMemConfig(r=8, num_heads=4, memory_id="another-adapter")
     ).eval()
-    path = root / "other.safetensors"
+    path = tmp_path / "other.safetensors"
     history_memory(other, 3, 20).save(path)
     with pytest.raises(ValueError, match="was saved for"):
         load_session(str(path), memory_layout(model))
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the default engine answers with memory read-only (the turn rule of lstmem_peft.serve.scheduler); "
+    "the vLLM plugin has no read-only decoding yet, so vLLM's answers read memory its prompt wrote and "
+    "greedy answers can differ (README, Serve on vLLM)",
+)
 def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
     """``lstmem serve --engine vllm``: the same API and session store; two greedy chat turns of one
     session give the same answers as the default engine, and the same stored memory (written by the
@@ -365,10 +481,10 @@ from vllm import LLM, SamplingParams
 from lstmem_peft.vllm_plugin import engine_args
 
 if __name__ == "__main__":
-    options, prompt, memory = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+    options, prompt, session = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
     llm = LLM(**engine_args("user/backbone", "user/adapter", dtype="float32", skip_tokenizer_init=True, **options))
     params = SamplingParams(
-        max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"lstmem_memory_in": memory}
+        max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False, extra_args={"lstmem_session_in": session}
     )
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
@@ -379,9 +495,8 @@ if __name__ == "__main__":
 def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, tmp_path):
     """``engine_args("user/backbone", "user/adapter")`` with both repos only in the Hub cache (its own
     layout: snapshots/<commit>/..., refs/main) and ``HF_HUB_OFFLINE=1``: every vLLM process resolves
-    them, and the answer from a saved memory is the library's."""
+    them, and the answer from a saved session is the library's."""
     import json
-    import os
     import shutil
     import subprocess
     import sys
@@ -394,19 +509,20 @@ def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, t
         (entry / "refs").mkdir(parents=True)
         (entry / "refs" / "main").write_text("0" * 40)
     memory = history_memory(model, 30, 33)
-    memory.save(tmp_path / "memory.safetensors")
+    (tmp_path / "sessions").mkdir()
+    memory.save(session_file(str(tmp_path / "sessions"), "memory"))
     prompt = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(4)).tolist()
     expected, _ = library_answer(model, memory, prompt)
     (tmp_path / "hub_run.py").write_text(HUB_SCRIPT)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "home")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(hub),
+        "HF_HOME": str(tmp_path / "home"),
+        SESSION_DIR_ENV: str(tmp_path / "sessions"),
+    }
     result = subprocess.run(
-        [
-            sys.executable,
-            "hub_run.py",
-            json.dumps(ENGINE),
-            json.dumps(prompt),
-            str(tmp_path / "memory.safetensors"),
-        ],
+        [sys.executable, "hub_run.py", json.dumps(ENGINE), json.dumps(prompt), "memory"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -418,10 +534,18 @@ def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, t
     assert json.loads(line.split(" ", 1)[1]) == expected
 
 
-def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
-    """vLLM's own OpenAI server with the plugin (``--hf-overrides`` and ``--worker-cls`` as
-    :func:`engine_args` sets them): a completion whose ``vllm_xargs`` name a memory file answers as
-    the library does from that memory."""
+def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
+    """vLLM's own OpenAI server with the plugin (``--hf-overrides``, ``--worker-cls``,
+    ``--logits-processors``, no prefix caching and no async scheduling, as :func:`engine_args` sets
+    them; ``LSTMEM_SESSION_DIR`` in its environment), sessions named in ``vllm_xargs``:
+
+    * a completion from a saved session answers as the library does from that memory;
+    * a session continued in place by three completions: the file read as soon as each response
+      arrives holds that completion's final memory (the library's);
+    * paths (absolute, relative with ``..``, the keys of earlier versions) naming an existing text
+      file, a missing or damaged in-session (one error text), an out-session whose name is a folder
+      and stop strings with an out-session get HTTP 400; the text file is untouched, nothing is
+      written, and the server still answers."""
     import json
     import socket
     import subprocess
@@ -431,6 +555,8 @@ def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
     import httpx
 
     model, _, root = setup
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
     args = engine_args(str(root / "base"), str(root / "adapter"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -451,15 +577,27 @@ def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
     ]
     command += ["--hf-overrides", json.dumps(args["hf_overrides"]), "--worker-cls", args["worker_cls"]]
     command += ["--logits-processors", *args["logits_processors"]]
-    command += ["--no-enable-prefix-caching", "--max-model-len", str(ENGINE["max_model_len"])]
-    command += [
-        "--gpu-memory-utilization",
-        "0.3",
-        "--kv-cache-memory-bytes",
-        str(ENGINE["kv_cache_memory_bytes"]),
-    ]
+    command += ["--no-enable-prefix-caching", "--no-async-scheduling"]
+    command += ["--max-model-len", str(ENGINE["max_model_len"]), "--gpu-memory-utilization", "0.3"]
+    command += ["--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    env = {**os.environ, SESSION_DIR_ENV: str(sessions)}
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 (closed below)
-    server = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def complete(prompt, max_tokens=NEW_TOKENS, **xargs):
+        body = {
+            "model": str(root / "base"),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "vllm_xargs": {k: v for k, v in xargs.items() if k not in ("stop",)},
+        }
+        if "stop" in xargs:
+            body["stop"] = xargs["stop"]
+        return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -471,24 +609,61 @@ def test_vllm_serve_answers_from_a_session_memory(setup, tmp_path):
             except httpx.HTTPError:
                 pass
             time.sleep(2)
+        layout = memory_layout(model)
+        g = torch.Generator().manual_seed(6)
+
         memory = history_memory(model, 50, 30)
-        memory.save(tmp_path / "memory.safetensors")
-        prompt = torch.randint(3, VOCAB, (7,), generator=torch.Generator().manual_seed(6)).tolist()
-        r = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={
-                "model": str(root / "base"),
-                "prompt": prompt,
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "vllm_xargs": {"lstmem_memory_in": str(tmp_path / "memory.safetensors")},
-            },
-            timeout=120,
-        )
+        memory.save(session_file(str(sessions), "alice"))
+        prompt = torch.randint(3, VOCAB, (7,), generator=g).tolist()
+        r = complete(prompt, lstmem_session_in="alice")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == library_answer(model, memory, prompt)[0]
+
+        memory = None
+        for k, max_tokens in enumerate((4, 7, 11)):
+            prompt = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+            xargs = {"lstmem_session_out": "web", **({"lstmem_session_in": "web"} if k else {})}
+            r = complete(prompt, max_tokens, **xargs)
+            saved = MemoryCache.load(session_file(str(sessions), "web"), layout)  # as the answer arrives
+            assert r.status_code == 200, r.text
+            expected, memory = library_answer(model, memory, prompt, new_tokens=max_tokens)
+            assert r.json()["choices"][0]["token_ids"] == expected, f"completion {k}"
+            assert_same_memory(saved, memory)
+
+        victim = tmp_path / "victim.txt"
+        victim.write_text("not a memory")
+        (sessions / "damaged.safetensors").write_bytes(b"not a safetensors file")
+        (sessions / "folder.safetensors").mkdir()
+        before = sorted(os.listdir(sessions))
+        refused = {}
+        for label, xargs, message in (
+            ("absolute", {"lstmem_session_out": str(victim)}, "invalid session id"),
+            ("dot-dot", {"lstmem_session_out": "../victim.txt"}, "invalid session id"),
+            ("old key", {"lstmem_memory_out": str(victim)}, "lstmem_memory_out took a file path"),
+            (
+                "old key, relative",
+                {"lstmem_memory_out": "../victim.txt"},
+                "lstmem_memory_out took a file path",
+            ),
+            ("old key, in", {"lstmem_memory_in": "../sessions/alice.safetensors"}, "lstmem_memory_in took"),
+            ("missing", {"lstmem_session_in": "ghost"}, no_session("ghost")),
+            ("damaged", {"lstmem_session_in": "damaged"}, no_session("damaged")),
+            ("folder", {"lstmem_session_out": "folder"}, "session 'folder' cannot be written"),
+            ("stop", {"lstmem_session_out": "bob", "stop": ["w010"]}, "stop strings end a request"),
+        ):
+            r = complete([5, 6, 7], **xargs)
+            assert r.status_code == 400, (label, r.status_code, r.text)
+            assert message in r.json()["error"]["message"], (label, r.text)
+            refused[label] = r.json()["error"]["message"]
+        # a missing and a damaged in-session are told apart by nothing but their names
+        assert refused["missing"].replace("ghost", "NAME") == refused["damaged"].replace("damaged", "NAME")
+        assert victim.read_text() == "not a memory"
+        assert sorted(os.listdir(sessions)) == before
+        prompt = [5, 6, 7]
+        r = complete(prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == library_answer(model, None, prompt)[0]
+        assert server.poll() is None
     finally:
         server.terminate()
         server.wait(60)

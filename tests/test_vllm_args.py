@@ -1,11 +1,20 @@
 """The vLLM plugin's engine arguments, which need no vLLM (the plugin itself: tests/test_vllm.py)."""
 
 import importlib.util
+import os
 
 import pytest
 from tiny_models import tiny_model
 
-from lstmem_peft.vllm_plugin import MEMORY_LAYER_TYPE, SESSION_FILE_CHECK, WORKER, engine_args
+from lstmem_peft.vllm_plugin import (
+    MEMORY_LAYER_TYPE,
+    SESSION_FILE_CHECK,
+    WORKER,
+    SessionIdError,
+    check_session_id,
+    engine_args,
+    session_file,
+)
 
 
 def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
@@ -17,6 +26,7 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
         "worker_cls": WORKER,
         "logits_processors": [SESSION_FILE_CHECK],
         "enable_prefix_caching": False,
+        "async_scheduling": False,
         "dtype": "float32",
     }
     assert overrides == {
@@ -28,10 +38,12 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
     }
 
 
-def test_prefix_caching_and_other_architectures_are_refused(tmp_path):
+def test_prefix_caching_async_scheduling_and_other_architectures_are_refused(tmp_path):
     tiny_model("qwen3").save_pretrained(tmp_path / "qwen3")
     with pytest.raises(ValueError, match="enable_prefix_caching=True would let a request skip"):
         engine_args(str(tmp_path / "qwen3"), "a", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="async_scheduling=True would run a finished request one more step"):
+        engine_args(str(tmp_path / "qwen3"), "a", async_scheduling=True)
     tiny_model("mistral").save_pretrained(tmp_path / "mistral")
     with pytest.raises(ValueError, match=r"not of 'MistralForCausalLM'.*lstmem serve"):
         engine_args(str(tmp_path / "mistral"), "a")
@@ -55,3 +67,38 @@ def test_serve_with_the_vllm_engine_names_the_extra_when_vllm_is_missing(tmp_pat
     tiny_model("qwen3").save_pretrained(tmp_path / "base")
     with pytest.raises(ImportError, match=r'pip install "lstmem-peft\[vllm\]"'):
         load_model(str(tmp_path / "base"), "user/adapter", engine="vllm")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "..",
+        ".",
+        "../alice",
+        "/etc/passwd",
+        "a/b",
+        "a\\b",
+        ".hidden",
+        "",
+        "alice\n",
+        "x" * 129,
+        None,
+        5,
+        ["a"],
+    ],
+)
+def test_a_session_name_that_is_not_a_plain_name_is_refused(tmp_path, name):
+    with pytest.raises(SessionIdError, match="invalid session id"):
+        session_file(str(tmp_path), name)
+
+
+def test_a_session_is_a_file_of_the_session_directory(tmp_path):
+    assert check_session_id("alice-2.turn_1") == "alice-2.turn_1"
+    assert session_file(str(tmp_path), "alice") == os.path.join(
+        os.path.realpath(tmp_path), "alice.safetensors"
+    )
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "sessions").mkdir()
+    (tmp_path / "sessions" / "link.safetensors").symlink_to(tmp_path / "outside" / "x.safetensors")
+    with pytest.raises(ValueError, match="resolves outside the session directory"):
+        session_file(str(tmp_path / "sessions"), "link")

@@ -25,8 +25,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import constants as K
+from ..errors import DataFormatError, describe
 from . import scorers
-from .protocol import Benchmark, History, Question, require_fields
+from .protocol import Benchmark, DataSpec, History, Question, read_benchmark
 
 QA_PROMPT = (
     "\nAnswer the question using the passages above. Reply with the answer only: a few words, or yes or no."
@@ -38,6 +39,32 @@ QA_PROMPT = (
 # {context}: the part before it opens the history, the part after it is the question prompt).
 PAPER_HEAD = "Answer the question using only the passages below.\nReply with a short span or yes/no only.\n\n"
 PAPER_QUESTION = "\n\nQuestion: {}\nAnswer:"
+
+
+def _example_problem(example: dict[str, Any]) -> str | None:
+    """What keeps a record from being a HotpotQA example (``None``: nothing)."""
+    context = example["context"]
+    if isinstance(context, dict):  # Hugging Face layout
+        titles, sentences = context.get("title"), context.get("sentences")
+        if not (isinstance(titles, list) and isinstance(sentences, list) and len(titles) == len(sentences)):
+            return f'"context" is {describe(context)}, not {{"title": [...], "sentences": [[...], ...]}}'
+        return None
+    if not isinstance(context, list):
+        return f'"context" is {describe(context)}, not a list of [title, sentences] pairs'
+    for i, passage in enumerate(context):
+        if not (isinstance(passage, (list, tuple)) and len(passage) == 2 and isinstance(passage[1], list)):
+            return f'"context" item {i} is {describe(passage)}, not a [title, [sentence, ...]] pair'
+    return None
+
+
+DATA = DataSpec(
+    expected="HotpotQA distractor examples (the list in hotpot_dev_distractor_v1.json, or rows of the Hub "
+    'dataset hotpotqa/hotpot_qa), each with "question", "answer" and "context"',
+    fix="Download hotpot_dev_distractor_v1.json from https://hotpotqa.github.io and pass its path, or pass "
+    "the Hub id hotpotqa/hotpot_qa/distractor",
+    fields=("question", "answer", "context"),
+    check=_example_problem,
+)
 
 
 def score_answer(prediction: str, gold: str, protocol: str = "official") -> dict[str, float]:
@@ -107,15 +134,24 @@ class HotpotQA(Benchmark):
         split: str = "validation",
         protocol: str = "official",
     ) -> None:
-        from ..data import read_records
-
         self.protocol = scorers.check_protocol(protocol)
         if passages not in ("all", "supporting"):
             raise ValueError(f"passages must be 'all' or 'supporting', got {passages!r}")
-        self.examples = list(read_records(source, split))[:limit]
+        self.examples = read_benchmark(source, split, DATA)[:limit]
         self.passages = passages
         self.max_new_tokens = max_new_tokens
-        require_fields(self.examples, ("question", "answer", "context"), source, "the HotpotQA schema")
+        if passages == "supporting":  # checked now, not when the history is built after the model loads
+            for n, example in enumerate(self.examples):
+                if not _supporting_titles(example):
+                    got = (
+                        f'example {n} ({example.get("_id", example.get("id", n))}) has no "supporting_facts"'
+                    )
+                    raise DataFormatError(
+                        source,
+                        "examples with supporting_facts (--passages supporting)",
+                        got,
+                        "Pass --passages all, or the official file, which has them",
+                    )
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -1,16 +1,32 @@
 """LoCoMo: the ``official`` and ``paper`` protocols over the official ``locomo10.json``.
 
 Both protocols ask the category 1-4 questions (1,540 in LoCoMo-10; category 5 is excluded), replay each
-conversation's sessions into memory in chronological (session number) order, one segment per session,
+conversation into memory one segment per session, in the order the protocol's prompt lists the sessions,
 and reset the memory before every conversation. Category-2 (temporal) questions carry the official
 suffix "Use DATE of CONVERSATION to answer with an approximate date."
 
-* ``official`` -- LoCoMo's API-model path (``task_eval/evaluate_gpts.py``, batch size 1): no system
-  message; one user turn ``CONV_START_PROMPT + conversation + "\n\n" + QA_PROMPT``; each session is
-  ``DATE: ...\nCONVERSATION:\n`` and its turns ``<speaker> said, "<text>"`` (an image turn adds
-  ``[shares <caption>]`` when it has ``img_file``, as that code checks); the ``"\n\n"`` the code adds per
-  session all land after the last session; 32 new tokens (its ``num_tokens_request``); the whole reply
-  is scored (:func:`~lstmem_peft.eval.scorers.locomo_official_score`).
+* ``official`` -- LoCoMo's released QA code for API models, pinned at commit
+  ``3eb6f2c585f5e1699204e3c3bdf7adc5c28cb376`` (:data:`OFFICIAL_COMMIT`) of ``snap-research/locomo``,
+  ``task_eval/gpt_utils.py``. Why that commit: it is the head of ``main`` (unchanged from 2024-08-12
+  to at least May 2026; ``gpt_utils.py`` is as commit ``cbfbc1d``, "Cleaned and update QA code",
+  left it), and the code the repository's README tells users to run (``scripts/evaluate_gpts.sh`` ->
+  ``task_eval/evaluate_qa.py`` -> ``gpt_utils.get_gpt_answers``). The older
+  ``task_eval/evaluate_gpts.py`` existed only in commit ``9228632`` (2024-08-07; ``cbfbc1d`` removed
+  it two days later) and reads ``clean_text`` and ``img_file`` fields the released ``locomo10.json``
+  does not have.
+  What the pinned code builds for one question (``get_input_context``; the batch-size-1 path, its
+  ``--batch-size`` default): no system message; one user turn ``CONV_START_PROMPT + conversation +
+  "\\n\\n" + QA_PROMPT``. The conversation lists the sessions **newest first**, each
+  ``DATE: <session_<n>_date_time>\\nCONVERSATION:\\n`` followed by its turns in order; a turn is
+  ``<speaker> said, "<text>"\\n``, then `` and shared <blip_caption>.`` when the turn has a
+  ``blip_caption`` field, then ``\\n`` (so turns without an image are separated by a blank line);
+  the ``"\\n\\n"`` the code adds per session all land after the oldest session, at the very end. The
+  code fills a token budget (the model's window less the prompt and 50 tokens per question) from the
+  first session on and leaves out what does not fit; with ``gpt-4-turbo`` (128k) no LoCoMo-10
+  conversation reaches it, and histories here are never cut. The opening names ``speaker_a`` and
+  ``speaker_b`` (the code takes ``session_1``'s speakers in a Python set's order, which varies between
+  runs). 32 new tokens (its ``num_tokens_request``); the whole reply is scored
+  (:func:`~lstmem_peft.eval.scorers.locomo_official_score`).
 * ``paper`` -- δ-Mem's ``locomo_protocol.py`` ``official_prompt`` mode: its system prompt, its question
   prompt ("... write a short answer for the following question in a few words ..."), turns rendered
   ``<speaker> said, "<text>"`` plus `` and shared <caption>.``, 50 new tokens, the first line of the reply
@@ -19,7 +35,9 @@ suffix "Use DATE of CONVERSATION to answer with an approximate date."
   first (it lists the newest first).
 
 Data: the official ``locomo10.json`` (a list of samples with ``conversation`` and ``qa``), or a Hub
-dataset id with the same fields. Deviations from the released code are listed in the README.
+dataset id with the same fields; anything else is refused with a
+:class:`~lstmem_peft.errors.DataFormatError` that names the file and what it holds. Deviations from
+the released code are listed in the README.
 """
 
 from __future__ import annotations
@@ -29,8 +47,9 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import describe
 from . import scorers
-from .protocol import Benchmark, History, Question, question_weighted, require_fields
+from .protocol import Benchmark, DataSpec, History, Question, question_weighted, read_benchmark
 
 SCORED_CATEGORIES = (1, 2, 3, 4)
 LOCOMO10_QUESTIONS = 1540  # category 1-4 questions of the 10 LoCoMo-10 conversations (paper App. B)
@@ -38,8 +57,12 @@ CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-ho
 MAX_NEW_TOKENS = {"official": 32, "paper": 50}
 TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date."
 
-# Source: snap-research/locomo, task_eval/evaluate_gpts.py (CONV_START_PROMPT, QA_PROMPT), word for word,
-# its spelling included.
+# The pinned official code: snap-research/locomo at this commit (main's head), task_eval/gpt_utils.py.
+OFFICIAL_COMMIT = "3eb6f2c585f5e1699204e3c3bdf7adc5c28cb376"
+OFFICIAL_SOURCE = f"https://github.com/snap-research/locomo/blob/{OFFICIAL_COMMIT}/task_eval/gpt_utils.py"
+
+# Source: snap-research/locomo @ OFFICIAL_COMMIT, task_eval/gpt_utils.py (CONV_START_PROMPT, QA_PROMPT), word
+# for word, its spelling included.
 CONVERSATION_START = (
     "Below is a conversation between two people: {} and {}. The conversation takes place over multiple days "
     "and the date of each conversation is wriiten at the beginning of the conversation.\n\n"
@@ -75,23 +98,69 @@ def _session_numbers(conversation: dict[str, Any]) -> list[int]:
     return numbers
 
 
+def _sample_problem(sample: dict[str, Any]) -> str | None:
+    """What keeps a record from being a LoCoMo sample the protocols can read (``None``: nothing)."""
+    conversation = sample["conversation"]
+    if not isinstance(conversation, dict):
+        return f'"conversation" is {describe(conversation)}, not an object of session_<n> lists'
+    sessions = [key for key in conversation if _SESSION.match(key)]
+    if not sessions:
+        return f'"conversation" has no session_<n> list ({describe(conversation)})'
+    for key in sessions:
+        turns = conversation[key]
+        if not isinstance(turns, list):
+            return f"{key} is {describe(turns)}, not a list of turns"
+        if f"{key}_date_time" not in conversation:
+            return f"{key} has no {key}_date_time"
+        for i, turn in enumerate(turns):
+            if not (isinstance(turn, dict) and "speaker" in turn and "text" in turn):
+                return f'{key} turn {i} is {describe(turn)}, not a turn with "speaker" and "text"'
+    questions = sample["qa"]
+    if not isinstance(questions, list):
+        return f'"qa" is {describe(questions)}, not a list of questions'
+    for i, qa in enumerate(questions):
+        if not (isinstance(qa, dict) and "question" in qa and "category" in qa):
+            return f'qa {i} is {describe(qa)}, not a question with "question", "answer" and "category"'
+        try:
+            category = int(qa["category"])
+        except (TypeError, ValueError):
+            return f"qa {i} has category {qa['category']!r}, not a number 1-5"
+        if category not in (*SCORED_CATEGORIES, 5):
+            return f"qa {i} has category {category}, not 1-5"
+        if category in SCORED_CATEGORIES and "answer" not in qa:
+            return f'qa {i} (category {category}) has no "answer"'
+    return None
+
+
+DATA = DataSpec(
+    expected='the LoCoMo JSON list of samples, each an object with "conversation" (session_<n> lists of turns '
+    'and their session_<n>_date_time) and "qa"',
+    fix="Download data/locomo10.json from https://github.com/snap-research/locomo and pass its path",
+    fields=("conversation", "qa"),
+    check=_sample_problem,
+)
+
+
+def official_turn(turn: dict[str, Any]) -> str:
+    """One turn as the pinned code writes it: ``<speaker> said, "<text>"`` and a line break, then
+    `` and shared <caption>.`` when the turn has a ``blip_caption`` field, then another line break."""
+    line = f'{turn["speaker"]} said, "{turn["text"]}"\n'
+    if "blip_caption" in turn:
+        line += f" and shared {turn['blip_caption']}."
+    return line + "\n"
+
+
 def official_sessions(conversation: dict[str, Any]) -> list[str]:
-    """The official API path's conversation text, one string per session (oldest first), the opening
-    line on the first; the per-session ``"\\n\\n"`` all after the last session."""
+    """The pinned official code's conversation text, one string per session in prompt order: newest
+    session first, the opening line on the first string, the per-session ``"\\n\\n"`` all after the
+    last (oldest) one. ``"".join(...)`` is exactly what ``get_input_context`` returns after the code
+    prepends ``CONV_START_PROMPT`` (with its whole token budget)."""
     numbers = _session_numbers(conversation)
-    last = max((n for n in numbers if conversation[f"session_{n}"]), default=None)
-    if last is None:
-        raise ValueError("a LoCoMo conversation has no turns")
-    numbers = [n for n in numbers if n <= last]
-    sessions = []
-    for n in numbers:
-        turns = []
-        for turn in conversation[f"session_{n}"]:
-            line = f'{turn["speaker"]} said, "{turn["text"]}"\n'
-            if turn.get("img_file"):
-                line += f"[shares {turn.get('blip_caption')}]\n"
-            turns.append(line)
-        sessions.append(f"DATE: {conversation[f'session_{n}_date_time']}\nCONVERSATION:\n" + "".join(turns))
+    sessions = [
+        f"DATE: {conversation[f'session_{n}_date_time']}\nCONVERSATION:\n"
+        + "".join(official_turn(turn) for turn in conversation[f"session_{n}"])
+        for n in reversed(numbers)
+    ]
     sessions[0] = (
         CONVERSATION_START.format(conversation.get("speaker_a"), conversation.get("speaker_b")) + sessions[0]
     )
@@ -148,12 +217,9 @@ class LoCoMo(Benchmark):
         split: str = "train",
         protocol: str = "official",
     ) -> None:
-        from ..data import read_records
-
         self.protocol = scorers.check_protocol(protocol)
-        self.samples = list(read_records(source, split))[:limit]
+        self.samples = read_benchmark(source, split, DATA)[:limit]
         self.max_new_tokens = max_new_tokens or MAX_NEW_TOKENS[protocol]
-        require_fields(self.samples, ("conversation", "qa"), source, "the official locomo10.json schema")
         scored = sum(
             int(qa["category"]) in SCORED_CATEGORIES for sample in self.samples for qa in sample["qa"]
         )

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..data import hub_dataset_folder, read_file
+from ..errors import DataFormatError, MissingDataError, describe, looks_local
 from . import scorers
-from .protocol import Benchmark, History, Question, question_weighted
+from .protocol import Benchmark, DataSpec, History, Question, hub_folder, question_weighted, read_rows
 
 FAMILIES = ("AR", "TTL", "LRU", "SF")
 SPLITS = {
@@ -290,36 +290,61 @@ def _split_of(path: str) -> str | None:
     return next((split for split in SPLITS if name.startswith(split.lower())), None)
 
 
+DATA = DataSpec(
+    expected="MemoryAgentBench rows with context, questions, answers and metadata.source (the "
+    "ai-hyz/MemoryAgentBench snapshot: data/<Split>-00000-of-00001.parquet for the splits "
+    + ", ".join(SPLITS)
+    + ")",
+    fix="Pass the Hub id ai-hyz/MemoryAgentBench, or the folder of its downloaded snapshot",
+    fields=COLUMNS,
+)
+
+
 def _read_file(path: str) -> list[dict[str, Any]]:
     """Rows of one ``.parquet``, ``.jsonl`` or ``.json`` file."""
     if path.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        missing = [c for c in COLUMNS if c not in pq.read_schema(path).names]
+        try:
+            names = pq.read_schema(path).names
+        except (pa.ArrowException, OSError):
+            names = COLUMNS  # read_rows names what is wrong with the file
+        missing = [c for c in COLUMNS if c not in names]
         if missing:
-            raise ValueError(f"{path}: missing column(s) {', '.join(missing)} of {', '.join(COLUMNS)}")
+            got = f"missing column(s) {', '.join(missing)} of {', '.join(COLUMNS)}"
+            raise DataFormatError(path, DATA.expected, got, DATA.fix)
     elif not path.endswith((".jsonl", ".json")):
-        raise ValueError(f"{path}: not a .parquet, .jsonl or .json file")
-    return list(read_file(path))
+        raise DataFormatError(path, DATA.expected, "not a .parquet, .jsonl or .json file", DATA.fix)
+    return read_rows(path, DATA)
 
 
 def _as_list(value: Any) -> list[Any]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _check_row(row: Any, where: str) -> tuple[str, list[str], list[Any], dict[str, Any]]:
-    """``(context, questions, answers, metadata)`` of one row; raises an error saying what is wrong."""
+def _check_row(row: Any, path: str, n: int) -> tuple[str, list[str], list[Any], dict[str, Any]]:
+    """``(context, questions, answers, metadata)`` of row ``n`` of ``path``; a
+    :class:`~lstmem_peft.errors.DataFormatError` saying what is wrong otherwise."""
+
+    def bad(problem: str) -> DataFormatError:
+        return DataFormatError(path, DATA.expected, f"row {n}: {problem}", DATA.fix)
+
     if not isinstance(row, dict):
-        raise TypeError(f"{where}: expected an object with {', '.join(COLUMNS)}, got {type(row).__name__}")
+        raise bad(f"{describe(row)}, not an object with {', '.join(COLUMNS)}")
     missing = [c for c in COLUMNS if row.get(c) is None]
     if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)} (a row has {', '.join(COLUMNS)})")
+        raise bad(f"missing {', '.join(missing)} (a row has {', '.join(COLUMNS)})")
     meta = row["metadata"]
     if not isinstance(meta, dict) or not meta.get("source"):
-        raise ValueError(f"{where}: metadata has no 'source'")
+        raise bad("metadata has no 'source'")
+    if not isinstance(row["questions"], (str, list, tuple)) or not isinstance(
+        row["answers"], (str, list, tuple)
+    ):
+        raise bad("questions and answers must be lists")
     questions, answers = _as_list(row["questions"]), _as_list(row["answers"])
     if len(questions) != len(answers):
-        raise ValueError(f"{where}: {len(questions)} questions but {len(answers)} answers")
+        raise bad(f"{len(questions)} questions but {len(answers)} answers")
     return str(row["context"]), questions, answers, meta
 
 
@@ -373,7 +398,9 @@ class MemoryAgentBench(Benchmark):
         if unknown := sorted(chosen - set(FAMILIES)):
             raise ValueError(f"unknown MemoryAgentBench families {unknown}; known families: {FAMILIES}")
         if not os.path.exists(source):  # a Hub dataset id: its snapshot folder (the Hub cache offline)
-            source = hub_dataset_folder(source)
+            if looks_local(source):
+                raise MissingDataError(source, DATA.expected, "no such file or folder", DATA.fix)
+            source = hub_folder(source, DATA)
         self.source, self.limit, self.max_questions = source, limit, max_questions
         self.families = tuple(f for f in FAMILIES if f in chosen)
         self.entity_map = entity_map
@@ -399,15 +426,15 @@ class MemoryAgentBench(Benchmark):
                 if f.endswith((".parquet", ".jsonl", ".json")) and _split_of(f)
             ]
             if not paths:
-                splits = ", ".join(SPLITS)
-                raise FileNotFoundError(f"{src}: no .parquet/.jsonl/.json file named after a split: {splits}")
+                got = "no .parquet/.jsonl/.json file named after a split in it"
+                raise MissingDataError(src, f"a folder holding {DATA.expected}", got, DATA.fix)
             for path in sorted(paths, key=lambda p: (order.index(_split_of(p)), p)):
                 if SPLITS[_split_of(path)] in self.families:
                     yield path, _split_of(path), _read_file(path)
         elif os.path.isfile(src):
             yield src, _split_of(src), _read_file(src)
         else:
-            raise FileNotFoundError(f"{src!r} is neither a local folder or file nor a Hub dataset id")
+            raise MissingDataError(src, DATA.expected, "no such file or folder", DATA.fix)
 
     def _load(self) -> list[History]:
         histories: list[History] = []
@@ -416,14 +443,15 @@ class MemoryAgentBench(Benchmark):
         for where, split, rows in self._files():
             for n, row in enumerate(rows):
                 at = f"{where}: row {n}"
-                context, questions, answers, meta = _check_row(row, at)
+                context, questions, answers, meta = _check_row(row, where, n)
                 source = str(meta["source"])
                 try:
                     spec = source_spec(source)
                 except ValueError as err:
-                    raise ValueError(f"{at}: {err}") from None
+                    raise DataFormatError(where, DATA.expected, f"row {n}: {err}", DATA.fix) from None
                 if split is not None and SPLITS[split] != spec.family:
-                    raise ValueError(f"{at}: source {source!r} is {spec.family}, not {split}")
+                    got = f"row {n}: source {source!r} is {spec.family}, not {split}"
+                    raise DataFormatError(where, DATA.expected, got, DATA.fix)
                 index = per_source[source] = per_source.get(source, -1) + 1
                 if spec.family not in per_family or per_family[spec.family] == self.limit:
                     continue
@@ -452,7 +480,8 @@ class MemoryAgentBench(Benchmark):
         source = str(meta["source"])
         gold = scorers.flatten_golds(answer)
         if not gold:
-            raise ValueError(f"{at}: question {j} has no gold answer")
+            where, _, row = at.rpartition(": ")
+            raise DataFormatError(where, DATA.expected, f"{row}: question {j} has no gold answer", DATA.fix)
         info: dict[str, Any] = {"family": spec.family, "source": source, "metric": spec.metric}
         if spec.metric == "recall@5":
             info["gold_titles"] = self._entity_titles(gold, at)
@@ -475,10 +504,18 @@ class MemoryAgentBench(Benchmark):
         """``{entity id: official title}`` from ``entity2id.json`` (read once)."""
         if self._titles is None:
             path = self._entity_path()
-            with open(path, encoding="utf-8") as fh:
-                table = json.load(fh)
-            if not isinstance(table, dict):
-                raise ValueError(f"{path}: expected an object mapping entity URIs to ids")
+            expected = f"the snapshot's {ENTITY_FILE}: an object mapping entity URIs to ids"
+            fix = f"Pass the {ENTITY_FILE} of the ai-hyz/MemoryAgentBench snapshot with --entity-map"
+            if not os.path.isfile(path):
+                raise MissingDataError(path, expected, "no such file", fix)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    table = json.load(fh)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                got = f"not JSON ({getattr(err, 'msg', err.__class__.__name__)})"
+                raise DataFormatError(path, expected, got, fix) from None
+            if not isinstance(table, dict) or not table:
+                raise DataFormatError(path, expected, f"the file holds {describe(table)}", fix)
             self._titles = redial_catalogue(table)
         return self._titles
 
@@ -487,7 +524,10 @@ class MemoryAgentBench(Benchmark):
         table = self._entity_table()
         unknown = [i for i in ids if i.strip() not in table]
         if unknown:
-            raise ValueError(f"{at}: ReDial entity id(s) {unknown} are not in {ENTITY_FILE}")
+            where, _, row = at.rpartition(": ")
+            got = f"{row}: ReDial entity id(s) {unknown} are not in {self._entity_path()}"
+            fix = f"Pass the {ENTITY_FILE} of the same snapshot with --entity-map"
+            raise DataFormatError(where, f"rows whose ReDial ids {ENTITY_FILE} names", got, fix)
         return [table[i.strip()] for i in ids]
 
     def catalogue(self) -> list[str]:
@@ -504,9 +544,11 @@ class MemoryAgentBench(Benchmark):
         candidates = [os.path.join(d, ENTITY_FILE) for d in (folder, os.path.dirname(folder))]
         found = next((c for c in candidates if os.path.isfile(c)), None)
         if found is None:
-            raise FileNotFoundError(
-                f"ReDial answers are entity ids: put the snapshot's {ENTITY_FILE} at "
-                f"{' or '.join(candidates)}, or pass entity_map="
+            raise MissingDataError(
+                candidates[0],
+                f"the snapshot's {ENTITY_FILE} (ReDial answers are entity ids)",
+                "no such file",
+                f"Put it at {' or '.join(candidates)}, or pass its path with --entity-map (entity_map=)",
             )
         return found
 

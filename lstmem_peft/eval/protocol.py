@@ -14,9 +14,13 @@ A benchmark subclasses :class:`Benchmark` and implements :meth:`~Benchmark.histo
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import json
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import DataFormatError, MissingDataError, describe, looks_local
 
 
 @dataclass
@@ -132,8 +136,183 @@ def question_weighted(records: list[dict[str, Any]], metrics: tuple[str, ...]) -
 
 
 def require_fields(rows: list[dict[str, Any]], fields: tuple[str, ...], source: str, schema: str) -> None:
-    """Raise a ValueError naming the file, row and field when a row lacks one of ``fields``."""
+    """Raise a :class:`~lstmem_peft.errors.DataFormatError` (a ValueError) naming the file, row and
+    field when a row is not an object or lacks one of ``fields``."""
     for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataFormatError(source, schema, f"record {n} is {describe(row)}")
         missing = [key for key in fields if key not in row]
         if missing:
-            raise ValueError(f"{source}: record {n} has no {missing[0]!r} field (expected {schema})")
+            raise DataFormatError(source, schema, f"record {n} has no {missing[0]!r} field")
+
+
+# ---------------------------------------------------------------------- reading a benchmark's data
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a benchmark's data must be, for errors that say what to do.
+
+    Attributes:
+        expected: the format in words (``the LoCoMo JSON list of samples (...)``).
+        fix: where the official file comes from, or what to pass instead.
+        fields: what every record must hold.
+        check: a record's problem in words (``None``: none), checked after ``fields``.
+    """
+
+    expected: str
+    fix: str
+    fields: tuple[str, ...] = ()
+    check: Callable[[dict[str, Any]], str | None] | None = None
+
+
+def hub_folder(source: str, spec: DataSpec) -> str:
+    """The local snapshot folder of the Hub dataset ``source``; a missing or unreachable one raises
+    :class:`~lstmem_peft.errors.MissingDataError`."""
+    from ..data import hub_dataset_folder
+
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:  # older huggingface_hub
+        from huggingface_hub.utils import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return hub_dataset_folder(source)
+    except RepositoryNotFoundError:
+        got = "no such Hub dataset (or it is private or gated)"
+    except LocalEntryNotFoundError:
+        got = "not in the Hub cache, and the Hub cannot be reached (offline)"
+    except FileNotFoundError as err:
+        got = str(err).replace(f"{source!r} ", "").replace(source, "").strip(": ")
+    raise MissingDataError(source, spec.expected, got, spec.fix)
+
+
+def data_paths(source: str, split: str, spec: DataSpec) -> list[str]:
+    """The data files ``source`` (a file, a folder, or a Hub dataset id) stands for, for ``split``."""
+    from ..data import data_files
+
+    source = os.path.expanduser(os.fspath(source))
+    if os.path.isfile(source):
+        return [source]
+    if os.path.isdir(source):
+        folder = source
+    elif looks_local(source):
+        raise MissingDataError(source, spec.expected, "no such file or folder", spec.fix)
+    else:
+        folder = hub_folder(source, spec)
+    try:
+        return data_files(folder, split)
+    except FileNotFoundError as err:
+        got = str(err).replace(folder, "").strip(": ")
+        if "(data files: none)" in got:
+            got = "no .json, .jsonl or .parquet file in it"
+        raise MissingDataError(folder, f"a folder holding {spec.expected}", got, spec.fix) from None
+
+
+def read_rows(path: str, spec: DataSpec) -> list[Any]:
+    """The records of one data file (``.json``: a list of records, or an object mapping ids to records;
+    ``.jsonl``: one record a line; ``.parquet``: one a row). A file that cannot be read so raises
+    :class:`~lstmem_peft.errors.DataFormatError` naming it; the records themselves are not checked."""
+    lower = path.lower()
+    try:
+        if lower.endswith(".parquet"):
+            return _parquet_rows(path, spec)
+        with open(path, encoding="utf-8") as fh:
+            if lower.endswith(".jsonl"):
+                rows = []
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as err:
+                            got = f"line {n} is not JSON ({err.msg} at column {err.colno})"
+                            raise DataFormatError(path, spec.expected, got, spec.fix) from None
+                if not rows:
+                    raise DataFormatError(path, spec.expected, "the file is empty", spec.fix)
+                return rows
+            text = fh.read()
+    except UnicodeDecodeError:
+        raise DataFormatError(path, spec.expected, "not UTF-8 text", spec.fix) from None
+    except PermissionError:
+        raise DataFormatError(
+            path, "a file you can read", "permission denied", "Fix its permissions"
+        ) from None
+    if not text.strip():
+        raise DataFormatError(path, spec.expected, "the file is empty", spec.fix)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        got = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+        if not lower.endswith(".json"):
+            got += "; a data file is .json, .jsonl or .parquet"
+        raise DataFormatError(path, spec.expected, got, spec.fix) from None
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+        if not (spec.fields and all(f in data for f in spec.fields)):  # an object mapping ids to records
+            return [{"id": key, **value} for key, value in data.items()]
+    if isinstance(data, dict) and spec.fields and all(f in data for f in spec.fields):
+        got = f"the file holds one record ({describe(data)}), not a list of them"
+        raise DataFormatError(path, spec.expected, got, spec.fix + " (or put the record inside [ ])")
+    raise DataFormatError(path, spec.expected, f"the file holds {describe(data)}", spec.fix)
+
+
+def _parquet_rows(path: str, spec: DataSpec) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ModuleNotFoundError as err:
+        from ..extras import missing_extra
+
+        raise missing_extra(err, "eval", f"Reading {path}") from err
+    import pyarrow as pa
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        got = f"not a Parquet file pyarrow can read ({message})"
+        raise DataFormatError(path, spec.expected, got, spec.fix) from None
+    if not rows:
+        raise DataFormatError(path, spec.expected, "the table has no rows", spec.fix)
+    return rows
+
+
+def record_name(row: Any, n: int) -> str:
+    """``record 3`` with the record's id when it has one (``record 3 (sample_id 'conv-30')``)."""
+    if isinstance(row, dict):
+        for key in ("sample_id", "_id", "id"):
+            if isinstance(row.get(key), (str, int)):
+                return f"record {n} ({key} {row[key]!r})"
+    return f"record {n}"
+
+
+def check_records(rows: list[Any], path: str, spec: DataSpec) -> None:
+    """Every row an object with ``spec.fields`` and no ``spec.check`` problem, or a
+    :class:`~lstmem_peft.errors.DataFormatError` naming the file, the record and what is wrong."""
+    if not rows:
+        raise DataFormatError(path, spec.expected, "it holds no records (an empty list)", spec.fix)
+    if not any(isinstance(row, dict) for row in rows):
+        raise DataFormatError(path, spec.expected, f"the file holds {describe(rows)}", spec.fix)
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataFormatError(path, spec.expected, f"record {n} is {describe(row)}", spec.fix)
+        missing = [key for key in spec.fields if key not in row]
+        if missing:
+            got = f"{record_name(row, n)} has no {missing[0]!r} field ({describe(row)})"
+            raise DataFormatError(path, spec.expected, got, spec.fix)
+        problem = spec.check(row) if spec.check is not None else None
+        if problem:
+            raise DataFormatError(path, spec.expected, f"{record_name(row, n)}: {problem}", spec.fix)
+
+
+def read_benchmark(source: str, split: str, spec: DataSpec) -> list[dict[str, Any]]:
+    """Every record of a benchmark's data (a file, a folder, or a Hub dataset id), checked against
+    ``spec``: what cannot be used raises a :class:`~lstmem_peft.errors.DataFormatError` (a ValueError)
+    that names the file, what it holds, what was expected and where the right file comes from."""
+    records: list[dict[str, Any]] = []
+    for path in data_paths(source, split, spec):
+        rows = read_rows(path, spec)
+        check_records(rows, path, spec)
+        records.extend(rows)
+    return records

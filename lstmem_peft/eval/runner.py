@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from .. import constants as K
 from ..cache import MemoryCache
+from ..errors import DataFormatError, MissingDataError, describe
 from ..history import find_memory, write_history
 from .protocol import Benchmark, History, Question
 from .scorers import PROTOCOLS
@@ -649,6 +650,49 @@ def rescore_records(benchmark: Benchmark, records: list[dict]) -> list[dict]:
     return out
 
 
+PREDICTION_FIELDS = ("system", "history", "id", "group", "prediction", "gold")
+
+
+def read_predictions(path: str) -> list[dict[str, Any]]:
+    """The per-question records of an ``lstmem eval`` run's ``predictions.jsonl``; anything else raises a
+    :class:`~lstmem_peft.errors.DataFormatError` naming the file and the line."""
+    expected = (
+        "the predictions.jsonl an lstmem eval run wrote (one JSON object a line with "
+        + ", ".join(PREDICTION_FIELDS)
+        + ")"
+    )
+    fix = "Pass RUN/predictions.jsonl of a finished lstmem eval run (RUN: its --out folder)"
+    if not os.path.exists(path):
+        raise MissingDataError(path, expected, "no such file", fix)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "predictions.jsonl")):
+            fix = f"Pass {os.path.join(path, 'predictions.jsonl')}"
+        raise DataFormatError(path, expected, "a folder", fix)
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    got = f"line {n} is not JSON ({err.msg} at column {err.colno})"
+                    raise DataFormatError(path, expected, got, fix) from None
+                if not isinstance(row, dict):
+                    raise DataFormatError(path, expected, f"line {n} is {describe(row)}", fix)
+                missing = [k for k in PREDICTION_FIELDS if k not in row]
+                if missing:
+                    got = f"line {n} has no {missing[0]!r} field ({describe(row)})"
+                    raise DataFormatError(path, expected, got, fix)
+                rows.append(row)
+    except UnicodeDecodeError:
+        raise DataFormatError(path, expected, "not UTF-8 text", fix) from None
+    if not rows:
+        raise DataFormatError(path, expected, "the file is empty (no predictions)", fix)
+    return rows
+
+
 def rescore(
     predictions: str | os.PathLike,
     benchmark: Benchmark,
@@ -664,20 +708,24 @@ def rescore(
     ``"generated"``.
     """
     predictions = os.fspath(predictions)
-    with open(predictions, encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    if not rows:
-        raise ValueError(f"{predictions}: no predictions")
-    missing = [k for k in ("system", "history", "id", "group", "prediction", "gold") if k not in rows[0]]
-    if missing:
-        raise ValueError(f"{predictions}: not an lstmem eval predictions file (no {missing[0]!r} field)")
+    rows = read_predictions(predictions)
     origin = os.path.join(os.path.dirname(predictions), "summary.json")
     generated = None
     if os.path.isfile(origin):
-        with open(origin, encoding="utf-8") as fh:
-            generated = json.load(fh)
+        expected = "the summary.json lstmem eval wrote beside the predictions (a JSON object)"
+        fix = "Restore it, or re-score a copy of predictions.jsonl in a folder of its own"
+        try:
+            with open(origin, encoding="utf-8") as fh:
+                generated = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            got = f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
+            raise DataFormatError(origin, expected, got, fix) from None
+        if not isinstance(generated, dict):
+            raise DataFormatError(origin, expected, f"the file holds {describe(generated)}", fix)
         if generated.get("benchmark") not in (None, benchmark.name):
-            raise ValueError(f"{predictions} is a {generated['benchmark']} run, not {benchmark.name}")
+            got = f"a {generated['benchmark']} run (its summary.json says so)"
+            fix = f"Run lstmem eval {generated['benchmark']} --rescore ..., or pass a {benchmark.name} run"
+            raise DataFormatError(predictions, f"the predictions of a {benchmark.name} run", got, fix)
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
     records = {s: rescore_records(benchmark, [r for r in rows if r["system"] == s]) for s in systems}
     summary = {

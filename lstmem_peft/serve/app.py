@@ -3,12 +3,20 @@
 Sessions are chosen by the ``X-Session-Id`` header (chat and completions) or the path (memory
 routes). With API keys, each key sees only its own sessions (:func:`~.store.namespace_for`).
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx code.
+
+OpenAI compatibility: ``/v1/completions`` takes a prompt, a list of prompts or token-id prompts,
+``echo``, and ``logprobs`` (with ``max_tokens=0`` and ``echo``: scoring only, which reads memory and
+writes nothing); ``/v1/chat/completions`` takes ``logprobs`` / ``top_logprobs``. A parameter this
+server does not implement is refused with a 400 error naming it (see :mod:`.schemas`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -32,9 +40,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..cache import MemoryCache
 from .page import PAGE
-from .runtime import LoadedModel, Sampling, state_norms
+from .runtime import Answer, LoadedModel, Sampling, TokenLogprobs, state_norms
 from .scheduler import Job, Scheduler, ServeError
-from .schemas import ChatCompletionRequest, CompletionRequest, MemoryWriteRequest
+from .schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, MemoryWriteRequest
 from .store import SessionIdError, SessionStore, check_session_id, namespace_for
 
 SESSION_HEADER = "X-Session-Id"
@@ -117,6 +125,48 @@ class _TooLarge(Exception):
     pass
 
 
+class JsonBody:
+    """ASGI middleware: the body of a ``POST /v1/...`` sent without a Content-Type, or as
+    ``application/x-www-form-urlencoded`` (what ``curl -d`` sends) or ``text/plain``, is read as
+    JSON (every such route takes JSON); a body that is not JSON then gets the invalid-JSON error."""
+
+    LOOSE = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+            headers = list(scope.get("headers") or [])
+            kind = next((v for k, v in headers if k == b"content-type"), b"")
+            if kind.split(b";")[0].strip().lower() in self.LOOSE:
+                headers = [(k, v) for k, v in headers if k != b"content-type"]
+                scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+        return await self.app(scope, receive, send)
+
+
+#: Parts of a pydantic error location that name a union member, not a field.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _where(loc) -> str:
+    parts = [
+        str(x)
+        for x in loc
+        if x != "body"
+        and (
+            isinstance(x, int)
+            or ("[" not in str(x) and str(x) not in _TYPE_TAGS and not str(x).startswith("function-"))
+        )
+    ]
+    return ".".join(parts)
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no infinity: a log-probability of -inf (a token the model rules out) is -9999."""
+    return x if x is None or math.isfinite(x) else -9999.0
+
+
 def create_app(
     loaded: LoadedModel,
     store_dir: str,
@@ -177,7 +227,16 @@ def create_app(
         loaded,
         metrics,
     )
+    app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    try:  # the request handlers' own tokenizer (the worker thread uses loaded.tokenizer)
+        tokenizer = copy.deepcopy(loaded.tokenizer)
+    except Exception:  # noqa: BLE001  (a tokenizer that cannot be copied is shared)
+        tokenizer = loaded.tokenizer
+    try:
+        vocab = int(loaded.model.get_input_embeddings().num_embeddings)
+    except Exception:  # noqa: BLE001
+        vocab = len(loaded.tokenizer)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ServeError)
@@ -187,15 +246,36 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation(request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        where = _where(first.get("loc", ()))
+        param = where.split(".")[0] or None
         kind = first.get("type", "")
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         if kind == "json_invalid":
-            return error_json(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
+            return error_json(
+                400,
+                f"the body is not valid JSON ({message}); send a JSON object with Content-Type: application/json",
+                code="invalid_json",
+            )
+        if not where:
+            return error_json(
+                400,
+                f"the body must be a JSON object with the request's parameters, sent with Content-Type: "
+                f"application/json ({message})",
+                code="invalid_body",
+            )
+        if kind == "extra_forbidden":
+            return error_json(
+                400,
+                f"unsupported parameter {where!r}: this server does not implement it",
+                param=param,
+                code="unsupported_parameter",
+            )
+        unsupported = "not supported by this server" in message
         return error_json(
             400,
-            f"{where or 'body'}: {first.get('msg', 'invalid')}",
-            param=where or None,
-            code="invalid_value",
+            f"{where}: {message}",
+            param=param,
+            code="unsupported_parameter" if unsupported else "invalid_value",
         )
 
     @app.exception_handler(StarletteHTTPException)
@@ -263,54 +343,159 @@ def create_app(
     async def models(ns: str = Depends(namespace)):
         return {
             "object": "list",
-            "data": [{"id": loaded.name, "object": "model", "created": 0, "owned_by": "lstmem"}],
+            "data": [model_card()],
         }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, ns: str = Depends(namespace)):
+        check_model(model_id)
+        return model_card()
+
+    def model_card() -> dict:
+        return {"id": loaded.name, "object": "model", "created": 0, "owned_by": "lstmem"}
 
     @app.post("/v1/chat/completions")
     async def chat(
         body: ChatCompletionRequest, ns: str = Depends(namespace), sid: str | None = Depends(session_header)
     ):
         check_model(body.model)
+        check_stream_options(body)
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
         check_max_tokens(max_tokens)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ServeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.logprobs and body.stream:
+            raise ServeError(
+                400,
+                "logprobs is not available with stream=true",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return await _turn(
-            body,
+        job = Job(
+            "turn",
             ns,
             sid,
-            max_tokens,
             {"mode": "chat", "messages": messages, "display": messages[-1]["content"]},
+            sampling=sampling_of(body, max_tokens, logprobs),
+            stream=body.stream,
         )
+        return await _respond(body, [job], None, True, sid)
 
     @app.post("/v1/completions")
     async def completions(
         body: CompletionRequest, ns: str = Depends(namespace), sid: str | None = Depends(session_header)
     ):
         check_model(body.model)
-        check_max_tokens(body.max_tokens)
-        prompt = body.prompt_text()
-        if not prompt:
-            raise ServeError(400, "the prompt is empty", param="prompt")
-        return await _turn(
-            body, ns, sid, body.max_tokens, {"mode": "completion", "prompt": prompt, "display": prompt[-500:]}
+        check_stream_options(body)
+        prompts = body.prompts()
+        n = body.n
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if body.best_of is not None and body.best_of != n:
+            raise ServeError(
+                400,
+                f"best_of {body.best_of} with n {n} is not supported: best_of must equal n (every sequence "
+                "decoded is returned; none is picked by log-probability)",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+        if max_tokens == 0 and not body.echo:
+            raise ServeError(
+                400,
+                "max_tokens 0 only scores a prompt: pass echo=true (and logprobs for its tokens' log-probabilities)",
+                param="max_tokens",
+            )
+        check_max_tokens(max_tokens)
+        if len(prompts) > 1 and sid is not None:
+            raise ServeError(
+                400,
+                f"a request on a session ({SESSION_HEADER}) takes one prompt; send a list of prompts without a session",
+                param="prompt",
+            )
+        if len(prompts) * n > MAX_PROMPTS:
+            raise ServeError(
+                400,
+                f"prompts x n is {len(prompts) * n}; at most {MAX_PROMPTS} choices per request",
+                param="n",
+            )
+        if body.stream and len(prompts) > 1:
+            raise ServeError(
+                400, "stream=true takes one prompt per request", param="stream", code="unsupported_parameter"
+            )
+        if body.stream and body.logprobs is not None:
+            raise ServeError(
+                400,
+                "logprobs is not available with stream=true",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) and max(p) >= vocab:
+                raise ServeError(
+                    400,
+                    f"prompt {i} has token id {max(p)}; the vocabulary has {vocab} tokens",
+                    param="prompt",
+                )
+        texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+        if body.echo and max_tokens > 0:  # the echoed tokens must be the whole prompt, in context
+            for i, p in enumerate(prompts):
+                count = (
+                    len(p)
+                    if not isinstance(p, str)
+                    else len(tokenizer(p, add_special_tokens=False)["input_ids"])
+                )
+                if count + max_tokens > window:
+                    raise ServeError(
+                        400,
+                        f"prompt {i} is {count} tokens; with echo the whole prompt and max_tokens {max_tokens} "
+                        f"must fit the context window of {window} tokens",
+                        code="context_length_exceeded",
+                        param="prompt",
+                    )
+        sampling = sampling_of(body, max_tokens, body.logprobs, echo=body.echo)
+        jobs = [
+            Job(
+                "score" if max_tokens == 0 else "turn",
+                ns,
+                sid,
+                {"mode": "completion", "prompt": p, "display": text[-500:]},
+                sampling=sampling,
+                stream=body.stream,
+            )
+            for p, text in zip(prompts, texts, strict=True)
+        ]
+        return await _respond(body, jobs, texts, False, sid)
+
+    def check_stream_options(body) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise ServeError(400, "stream_options needs stream=true", param="stream_options")
+
+    def sampling_of(body, max_tokens: int, logprobs: int | None, echo: bool = False) -> Sampling:
+        """The decoding parameters. Greedy (``temperature`` 0, or ``top_p`` 0: a nucleus of the one
+        most likely token) decoding has no seed to apply, so seeded greedy requests batch."""
+        if body.greedy:
+            return Sampling(max_tokens, 0.0, 1.0, body.n, body.stops(), None, logprobs, echo)
+        return Sampling(
+            max_tokens, body.temperature, body.top_p, body.n, body.stops(), body.seed, logprobs, echo
         )
 
-    async def _turn(body, ns, sid, max_tokens, payload):
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.n, body.stops(), body.seed)
-        job = Job("turn", ns, sid, payload, sampling=sampling, stream=body.stream)
-        chat = payload["mode"] == "chat"
+    async def _respond(body, jobs: list[Job], texts: list[str] | None, chat: bool, sid):
+        """Run the jobs (one per prompt) and answer: one JSON body, or a stream (one job)."""
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        echoes = texts if (texts is not None and body.echo) else None
         if not body.stream:
-            result = await run(job)
-            return _completion_body(result, ident, created, chat, sid)
+            results = await asyncio.gather(*(run(job) for job in jobs))
+            return _completion_body(results, ident, created, chat, sid, body.n, texts, echoes)
+        job = jobs[0]
         scheduler.submit(job)
         first = await job.events.get()
         if first[0] == "error":
             raise first[1]
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(job, first, ident, created, chat, sampling.n, include_usage, sid),
+            _sse(job, first, ident, created, chat, body.n, include_usage, sid, echoes[0] if echoes else ""),
             media_type="text/event-stream",
         )
 
@@ -326,7 +511,7 @@ def create_app(
             out["usage"] = usage
         return "data: " + json.dumps(out) + "\n\n"
 
-    async def _sse(job, first, ident, created, chat, n, include_usage, sid):
+    async def _sse(job, first, ident, created, chat, n, include_usage, sid, echo=""):
         event = first
         try:
             if chat:
@@ -338,6 +523,13 @@ def create_app(
                         {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                         for c in range(n)
                     ],
+                )
+            elif echo:
+                yield _chunk(
+                    ident,
+                    created,
+                    chat,
+                    [{"index": c, "text": echo, "finish_reason": None} for c in range(n)],
                 )
             while True:
                 kind = event[0]
@@ -361,7 +553,7 @@ def create_app(
                         yield _chunk(ident, created, chat, [end])
                     _count_tokens(result)
                     if include_usage:
-                        yield _chunk(ident, created, chat, [], _usage(result, sid))
+                        yield _chunk(ident, created, chat, [], _usage([result]))
                     break
                 event = await job.events.get()
             yield "data: [DONE]\n\n"
@@ -374,30 +566,78 @@ def create_app(
         metrics.tokens.labels(kind="completion").inc(sum(len(a.token_ids) for a in result["choices"]))
         metrics.tokens.labels(kind="memory").inc(result["written"])
 
-    def _usage(result, sid):
-        completion = sum(len(a.token_ids) for a in result["choices"])
+    def _usage(results):
+        prompt = sum(r["prompt_tokens"] for r in results)
+        completion = sum(len(a.token_ids) for r in results for a in r["choices"])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _chat_logprobs(answer: Answer) -> dict:
+        """OpenAI's chat form: one entry per answer token (the EOS that ended it is not one)."""
+        lp: TokenLogprobs = answer.logprobs
+        content = []
+        for t in range(len(answer.token_ids)):
+            content.append(
+                {
+                    "token": lp.tokens[t],
+                    "logprob": _finite(lp.logprobs[t]),
+                    "bytes": list(lp.tokens[t].encode()),
+                    "top_logprobs": [
+                        {"token": x, "logprob": _finite(v), "bytes": list(x.encode())} for x, v in lp.top[t]
+                    ],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(lp: TokenLogprobs, offset: int) -> dict:
+        """OpenAI's completions form: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
+        token, ``None`` for a prompt's first token) and ``text_offset`` (characters into the text)."""
+        offsets = []
+        for token in lp.tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops = []
+        for top in lp.top:
+            if top is None:
+                tops.append(None)
+                continue
+            best: dict[str, float] = {}
+            for x, v in top:  # best first: a text two tokens share keeps its better value
+                best.setdefault(x, _finite(v))
+            tops.append(best)
         return {
-            "prompt_tokens": result["prompt_tokens"],
-            "completion_tokens": completion,
-            "total_tokens": result["prompt_tokens"] + completion,
+            "tokens": lp.tokens,
+            "token_logprobs": [_finite(x) for x in lp.logprobs],
+            "top_logprobs": tops,
+            "text_offset": offsets,
         }
 
-    def _completion_body(result, ident, created, chat, sid):
-        _count_tokens(result)
+    def _completion_body(results, ident, created, chat, sid, n, texts=None, echoes=None):
         choices = []
-        for c, answer in enumerate(result["choices"]):
-            if chat:
+        for p, result in enumerate(results):
+            _count_tokens(result)
+            for c, answer in enumerate(result["choices"]):
+                index = p * n + c
+                if chat:
+                    choices.append(
+                        {
+                            "index": index,
+                            "message": {"role": "assistant", "content": answer.text},
+                            "finish_reason": answer.finish_reason,
+                            "logprobs": None if answer.logprobs is None else _chat_logprobs(answer),
+                        }
+                    )
+                    continue
+                echo = echoes[p] if echoes else ""
+                logprobs = None
+                if answer.logprobs is not None:
+                    logprobs = _completion_logprobs(answer.logprobs, 0 if echoes else len(texts[p]))
                 choices.append(
                     {
-                        "index": c,
-                        "message": {"role": "assistant", "content": answer.text},
+                        "index": index,
+                        "text": echo + answer.text,
                         "finish_reason": answer.finish_reason,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                     }
-                )
-            else:
-                choices.append(
-                    {"index": c, "text": answer.text, "finish_reason": answer.finish_reason, "logprobs": None}
                 )
         return {
             "id": ident,
@@ -405,12 +645,12 @@ def create_app(
             "created": created,
             "model": loaded.name,
             "choices": choices,
-            "usage": _usage(result, sid),
+            "usage": _usage(results),
             "lstmem": {
                 "session": sid,
-                "memory_tokens_written": result["written"],
-                "session_tokens_written": result["tokens_written"],
-                "batch_size": result["batch"],
+                "memory_tokens_written": sum(r["written"] for r in results),
+                "session_tokens_written": results[-1]["tokens_written"],
+                "batch_size": max(r["batch"] for r in results),
             },
         }
 

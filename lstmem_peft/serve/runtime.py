@@ -3,8 +3,8 @@
 Everything here runs on the scheduler's single worker thread (the model is never entered by two
 threads at once). Memory is handled only through the library's public API: a batch of sessions is
 gathered into one :class:`~lstmem_peft.MemoryCache` with ``batch_repeat_interleave`` +
-``update_rows``, written with :func:`~lstmem_peft.write_history`, answered with
-``model.generate(memory_cache=...)``, and scattered back with ``clone`` + ``batch_select_indices``.
+``update_rows``, written with :func:`~lstmem_peft.write_history`, read (never written) by
+``model.generate(memory_cache=..., memory_write=False)``, and scattered back with ``clone`` + ``batch_select_indices``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -353,27 +353,39 @@ class Sampling:
     n: int
     stop: tuple[str, ...]
     seed: int | None
+    logprobs: int | None = None  # log-probabilities of the answer's tokens, with this many top tokens
+    echo: bool = False  # ... and of the prompt's tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def decoded(self) -> int:
+        """Sequences decoded per prompt: ``n`` when sampling; one when greedy (its ``n`` choices are
+        that one answer, as OpenAI returns them: equal)."""
+        return 1 if self.greedy else self.n
+
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one ``generate`` call; a seeded request runs alone
         (one RNG stream per call), which the scheduler enforces."""
+        scored = (self.logprobs, self.echo)
         if self.greedy:
-            return ("greedy", self.max_tokens, self.n, self.stop)
-        return ("sample", self.max_tokens, self.temperature, self.top_p, self.n, self.stop)
+            return ("greedy", self.max_tokens, self.n, self.stop, *scored)
+        return ("sample", self.max_tokens, self.temperature, self.top_p, self.n, self.stop, *scored)
 
     def generate_kwargs(self) -> dict:
-        """Keyword arguments of ``model.generate`` for these parameters (``top_k`` off: OpenAI has none)."""
+        """Keyword arguments of ``model.generate`` for these parameters (``top_k`` off: OpenAI has none).
+
+        Greedy decoding gets no ``num_return_sequences`` (transformers refuses it without sampling):
+        :func:`generate_rows` decodes once and repeats the answer ``n`` times."""
         if self.greedy:
             kwargs = {"do_sample": False}
         else:
             kwargs = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
         kwargs["max_new_tokens"] = self.max_tokens
-        if self.n > 1:
-            kwargs["num_return_sequences"] = self.n
+        if self.decoded > 1:
+            kwargs["num_return_sequences"] = self.decoded
         return kwargs
 
 
@@ -426,6 +438,8 @@ class Answer:
     token_ids: list[int]
     text: str
     finish_reason: str
+    end_token: int | None = None  # the EOS token that ended it (not in ``token_ids``), if one did
+    logprobs: TokenLogprobs | None = None  # with ``Sampling.logprobs``: see :func:`attach_logprobs`
 
 
 def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[str, ...]) -> Answer:
@@ -435,10 +449,10 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[
         :class:`Answer`; ``token_ids`` are the tokens up to EOS, or the tokens whose decoding
         reaches the stop string.
     """
-    ids, finish = [], "length"
+    ids, finish, end = [], "length", None
     for t in token_ids:
         if t in eos_ids:
-            finish = "stop"
+            finish, end = "stop", t
             break
         ids.append(t)
     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -450,7 +464,8 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[
                 if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut:
                     ids = ids[:k]
                     break
-    return Answer(ids, text, finish)
+            end = None
+    return Answer(ids, text, finish, end)
 
 
 def end_of_sequence_ids(loaded: LoadedModel) -> set[int]:
@@ -473,8 +488,13 @@ def generate_rows(
 ) -> list[list[Answer]]:
     """Answer ``prompts[i]`` from memory ``rows[i]`` with one left-padded ``generate`` call.
 
-    The memory a row answers from is a copy (generate writes prompt and answer into it while
-    decoding, as ``model.generate(memory_cache=...)`` does in process); ``rows`` are not modified.
+    Memory is only read: ``model.generate(memory_cache=..., memory_write=False)``, so every prompt
+    and answer token reads the memory as it was, and ``rows`` are not modified. What a turn writes,
+    and when, is the scheduler's (:mod:`lstmem_peft.serve.scheduler`). (With ``--engine vllm`` the
+    answer comes from vLLM, whose engine state takes in the prompt while answering.)
+
+    Greedy decoding with ``n > 1`` decodes each prompt once and returns that answer ``n`` times (the
+    choices are equal, as OpenAI's are); sampling decodes ``n`` sequences per prompt.
 
     Args:
         loaded: the served model.
@@ -489,14 +509,34 @@ def generate_rows(
         per row, ``sampling.n`` :class:`Answer` objects.
     """
     tok = loaded.tokenizer
-    n = sampling.n
+    n, k = sampling.n, sampling.decoded  # choices per prompt, sequences decoded per prompt
     stops = stops or [sampling.stop] * len(rows)
-    expanded_stops = [s for s in stops for _ in range(n)]
+    expanded_stops = [s for s in stops for _ in range(k)]
     eos_ids = end_of_sequence_ids(loaded)
+    if k < n:  # greedy: decoded row ``r`` stands for the equal choices ``r * n .. r * n + n - 1``
+        choice_token, choice_cancelled = on_token, cancelled
+        if choice_token is not None:
+
+            def on_token(row: int, token: int) -> None:
+                for c in range(n):
+                    choice_token(row * n + c, token)
+
+        if choice_cancelled is not None:
+
+            def cancelled(row: int) -> bool:
+                return all(choice_cancelled(row * n + c) for c in range(n))
+
+    def choices(answers: list[Answer]) -> list[list[Answer]]:
+        per_row = [answers[i * k : (i + 1) * k] for i in range(len(rows))]
+        if k == n:
+            return per_row
+        return [[replace(a[0], token_ids=list(a[0].token_ids)) for _ in range(n)] for a in per_row]
+
     if loaded.engine is not None:
-        answers = loaded.engine.generate(rows, prompts, sampling, eos_ids, on_token)
-        answers = [cut_answer(tok, a, eos_ids, expanded_stops[r]) for r, a in enumerate(answers)]
-        return [answers[i * n : (i + 1) * n] for i in range(len(rows))]
+        decoding = sampling if k == n else replace(sampling, n=k)
+        answers = loaded.engine.generate(rows, prompts, decoding, eos_ids, on_token)
+        answers = choices([cut_answer(tok, a, eos_ids, expanded_stops[r]) for r, a in enumerate(answers)])
+        return attach_logprobs(loaded, rows, prompts, sampling, answers)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pad = 0 if pad is None else pad
     ids, mask = left_pad(prompts, pad, loaded.device)
@@ -512,8 +552,166 @@ def generate_rows(
         torch.manual_seed(sampling.seed)
     with torch.no_grad():
         out = loaded.model.generate(
-            input_ids=ids, attention_mask=mask, memory_cache=memory, pad_token_id=pad, **kwargs
+            input_ids=ids,
+            attention_mask=mask,
+            memory_cache=memory,
+            memory_write=False,
+            pad_token_id=pad,
+            **kwargs,
         )
     generated = out[:, ids.shape[1] :].tolist()
-    answers = [cut_answer(tok, generated[r], eos_ids, expanded_stops[r]) for r in range(len(generated))]
-    return [answers[i * n : (i + 1) * n] for i in range(len(rows))]
+    answers = choices(
+        [cut_answer(tok, generated[r], eos_ids, expanded_stops[r]) for r in range(len(generated))]
+    )
+    return attach_logprobs(loaded, rows, prompts, sampling, answers)
+
+
+# ---------------------------------------------------------------------- log-probabilities
+#: Logits held at once while scoring (rows x positions x vocabulary): larger batches are scored in parts.
+SCORE_ELEMENTS = 1 << 27
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of a run of tokens (what OpenAI's ``logprobs`` report).
+
+    Attributes:
+        ids: the tokens.
+        tokens: each token's text: its piece of the decoded text.
+        logprobs: each token's log-probability given the tokens before it; ``None`` for the first
+            token of a prompt (nothing before it predicts it).
+        top: per token, the most likely tokens at its position, ``(text, logprob)`` best first
+            (``None`` where ``logprobs`` is).
+    """
+
+    ids: list[int]
+    tokens: list[str]
+    logprobs: list[float | None]
+    top: list[list[tuple[str, float]] | None]
+
+
+def _piece(tokenizer, context: list[int], head: str, token: int) -> str:
+    """The text ``token`` adds after ``context`` (whose text is ``head``)."""
+    full = tokenizer.decode(context + [token], skip_special_tokens=False)
+    if context and full.startswith(head):
+        return full[len(head) :]
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def score_rows(
+    loaded: LoadedModel, rows: list[MemoryCache], sequences: list[list[int]], starts: list[int], top: int
+) -> list[TokenLogprobs]:
+    """Log-probabilities of ``sequences[i][starts[i]:]`` read from memory ``rows[i]``.
+
+    One left-padded forward per group of rows with ``memory_write=False``: memory is read, never
+    written (``rows`` are not modified), exactly as ``generate_rows`` reads it, so a token's
+    log-probability here is the one its answer was decoded from (up to floating-point order). The
+    values are the model's own distribution (log-softmax of the logits, before temperature or
+    ``top_p``).
+
+    Args:
+        loaded: the served model.
+        rows: one-row caches.
+        sequences: token ids per row (the prompt in context, then the answer).
+        starts: the first position reported per row (0: the whole sequence; its first token gets
+            ``None``).
+        top: how many most likely tokens to report per position (0: none).
+    """
+    tok = loaded.tokenizer
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    todo = [i for i in range(len(rows)) if starts[i] < len(sequences[i])]
+    for i in range(len(rows)):
+        if i not in todo:
+            out[i] = TokenLogprobs([], [], [], [])
+    vocab = int(getattr(getattr(loaded.model, "config", None), "vocab_size", None) or len(tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = 0 if pad is None else pad
+    while todo:
+        group = [todo.pop(0)]
+        width = len(sequences[group[0]])
+        while todo and (len(group) + 1) * max(width, len(sequences[todo[0]])) * vocab <= SCORE_ELEMENTS:
+            group.append(todo.pop(0))
+            width = max(width, len(sequences[group[-1]]))
+        ids, mask = left_pad([sequences[i] for i in group], pad, loaded.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = loaded.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                memory_cache=gather([rows[i] for i in group]),
+                memory_write=False,
+                use_cache=False,
+            ).logits
+        for j, i in enumerate(group):
+            seq, start = sequences[i], starts[i]
+            first = max(start, 1)  # position 0 has nothing before it
+            offset = ids.shape[1] - len(seq)  # left padding
+            chosen: list[float] = []
+            best: list[list[tuple[int, float]]] = []
+            for a in range(first, len(seq), 512):  # log-softmax over the vocabulary, in parts
+                b = min(a + 512, len(seq))
+                lp = logits[j, offset + a - 1 : offset + b - 1].float().log_softmax(-1)
+                target = torch.tensor(seq[a:b], device=lp.device)
+                chosen += lp.gather(-1, target[:, None])[:, 0].tolist()
+                if top:
+                    values, index = lp.topk(min(top, lp.shape[-1]), dim=-1)
+                    best += [
+                        list(zip(x, v, strict=True))
+                        for x, v in zip(index.tolist(), values.tolist(), strict=True)
+                    ]
+                else:
+                    best += [[] for _ in range(b - a)]
+            pieces, tops = [], []
+            for t in range(start, len(seq)):
+                context = seq[max(0, t - 4) : t]
+                head = tok.decode(context, skip_special_tokens=False) if context else ""
+                pieces.append(_piece(tok, context, head, seq[t]))
+                if t >= first:
+                    tops.append([(_piece(tok, context, head, x), v) for x, v in best[t - first]])
+            lead = [None] * (first - start)
+            out[i] = TokenLogprobs(list(seq[start:]), pieces, lead + chosen, lead + tops)
+    return out
+
+
+def attach_logprobs(
+    loaded: LoadedModel,
+    rows: list[MemoryCache],
+    prompts: list[list[int]],
+    sampling: Sampling,
+    answers: list[list[Answer]],
+) -> list[list[Answer]]:
+    """With ``sampling.logprobs`` set, give each answer its :class:`TokenLogprobs`: its tokens (the
+    EOS token that ended it included), after the prompt's tokens with ``sampling.echo``, scored by
+    :func:`score_rows` from the memory the answer was generated from. Returns ``answers``."""
+    if sampling.logprobs is None:
+        return answers
+    owners, sequences, starts, memories = [], [], [], []
+    for i, choices in enumerate(answers):
+        for c, answer in enumerate(choices[: sampling.decoded]):  # greedy: the choices are one answer
+            ids = answer.token_ids + ([answer.end_token] if answer.end_token is not None else [])
+            owners.append((i, c))
+            sequences.append(list(prompts[i]) + ids)
+            starts.append(0 if sampling.echo else len(prompts[i]))
+            memories.append(rows[i])
+    scores = score_rows(loaded, memories, sequences, starts, sampling.logprobs)
+    for (i, c), score in zip(owners, scores, strict=True):
+        targets = answers[i] if sampling.decoded < sampling.n else [answers[i][c]]
+        for answer in targets:
+            answer.logprobs = score
+    return answers
+
+
+def tokens_after(tokenizer, ids: list[int], chars: int) -> list[int] | None:
+    """The tokens of ``ids`` after its first ``chars`` characters of decoded text, or ``None`` when
+    no token boundary falls exactly there (a token-id prompt that extends a text written before)."""
+    lo, hi = 0, len(ids)
+    while lo < hi:  # the fewest leading tokens whose text reaches ``chars``
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=False)) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    if len(tokenizer.decode(ids[:lo], skip_special_tokens=False)) != chars:
+        return None
+    return ids[lo:]

@@ -10,16 +10,27 @@ Rules:
 * A request with a ``seed`` runs alone (one RNG stream per ``generate`` call), so the seed alone
   fixes its tokens.
 
-A turn (:meth:`Scheduler._run_turns`):
+A turn (:meth:`Scheduler._run_turns`) reads every new token before it writes it, and writes it
+once:
 
 1. the messages of the request that the session has not written yet are found (the written
-   record's prefix is skipped; see :func:`plan_chat`) and written into memory with
-   ``write_history`` (blocks + feedback);
-2. the answer is generated from that memory with the session's prompt policy: the latest messages
-   that fit the context window, older ones living only in memory;
-3. the answer message is written into memory (``write_history``), and the new memory and record
-   are committed to disk (:meth:`~lstmem_peft.serve.store.SessionStore.commit`) before the
-   response (or the stream's last event) is sent.
+   record's prefix is skipped; see :func:`plan_chat`); the prompt is the latest messages that fit
+   the context window;
+2. new messages that are *not* in the prompt (older than the window) are written into memory
+   (``write_history``: blocks + feedback) first: memory is the only place the answer can read them;
+3. the answer is generated with memory read-only (``generate(memory_cache=..., memory_write=False)``):
+   the prompt in context, memory as it was before this turn's in-context messages;
+4. the new messages that are in the prompt, then the answer message, are written after answering,
+   in conversation order, in one ``write_history`` call (with ``n > 1`` the answer is not written: the
+   client's chosen choice is written when it is sent back as a message of a later turn); the new
+   memory and record are committed to disk (:meth:`~lstmem_peft.serve.store.SessionStore.commit`)
+   before the response (or the stream's last event) is sent.
+
+A completion is the same turn on text (:func:`plan_completion`): of the prompt's tokens the session
+has not written, those before the context window are written before answering, the rest and then the
+completion after it. So a question sent as a turn is answered from memory as the in-process
+"write the history, then read the question" (``lstmem_peft.demo.evaluate``) does, and memory holds
+each message once, in order.
 
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
 went away before the commit (the job is marked cancelled, decoding of its rows stops early and
@@ -38,13 +49,16 @@ from dataclasses import dataclass, field, replace
 
 from ..cache import MemoryCache
 from .runtime import (
+    Answer,
     ChatFormat,
     LoadedModel,
     Sampling,
     fresh_memory,
     generate_rows,
     message_hash,
+    score_rows,
     state_norms,
+    tokens_after,
     write_rows,
 )
 from .store import Session, SessionStore
@@ -73,20 +87,29 @@ class Plan:
     """What one turn writes and prompts with.
 
     Attributes:
-        new_tokens: token ids written into memory before answering.
+        before: token ids written into memory before answering: the new messages (or text) that are
+            not in the prompt.
         prompt: token ids of the prompt in the context window.
-        new_messages: record entries of the messages written now (chat).
+        after: token ids written after answering, ahead of the answer: the new messages (or text)
+            that are in the prompt.
+        new_messages: record entries of the messages written now (chat), in order.
         commit_role: the role of the answer message that is committed after the turn (chat), or
             ``None`` (completions commit the answer as text).
         text_chain: completions only: the text chain the record covers after the turn, minus the
             answer (prompt text).
     """
 
-    new_tokens: list[int]
+    before: list[int]
     prompt: list[int]
+    after: list[int] = field(default_factory=list)
     new_messages: list[dict] = field(default_factory=list)
     commit_role: str | None = "assistant"
     text_chain: str | None = None
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """Every token of the request that this turn writes, in order (the answer aside)."""
+        return self.before + self.after
 
 
 def _fit(budget: int, what: str) -> None:
@@ -110,7 +133,8 @@ def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: i
     (409): reset the session or start another.
 
     The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
-    the latest message must fit, or the request is refused (400).
+    the latest message must fit, or the request is refused (400). New messages before the prompt
+    are written before answering (``before``), new messages in it after (``after``).
     """
     written = [m["hash"] for m in session.messages]
     hashes = [message_hash(m["role"], m["content"]) for m in messages]
@@ -128,15 +152,16 @@ def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: i
         )
     encoded = [fmt.message(m["role"], m["content"]) for m in messages]
     new = list(range(k, len(messages)))
-    new_tokens = [t for i in new for t in encoded[i]]
     opening = fmt.generation_prompt()
     budget = window - max_tokens - len(opening)
     _fit(budget, "prompt")
     prompt: list[int] = []
+    first = len(encoded)  # the first message in the prompt
     for ids in reversed(encoded):
         if len(prompt) + len(ids) > budget:
             break
         prompt = ids + prompt
+        first -= 1
     if not prompt:
         raise ServeError(
             400,
@@ -147,16 +172,28 @@ def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: i
             param="messages",
         )
     new_messages = [{"hash": hashes[i], "role": messages[i]["role"], "tokens": len(encoded[i])} for i in new]
-    return Plan(new_tokens, prompt + opening, new_messages)
+    before = [t for i in new if i < first for t in encoded[i]]
+    after = [t for i in new if i >= first for t in encoded[i]]
+    return Plan(before, prompt + opening, after, new_messages)
 
 
-def plan_completion(fmt: ChatFormat, session: Session, prompt: str, window: int, max_tokens: int) -> Plan:
+def plan_completion(
+    fmt: ChatFormat, session: Session, prompt: str | list[int], window: int, max_tokens: int
+) -> Plan:
     """Which part of a completions prompt is new, and what stays in context.
 
     If the text written by earlier completions of the session (prompt plus answer) is a prefix of
-    ``prompt``, only the rest is written; otherwise the whole prompt is. The context gets the
-    prompt's last ``window - max_tokens`` tokens (the rest lives in memory).
+    ``prompt``, only the rest is new; otherwise the whole prompt is. The context gets the prompt's
+    last ``window - max_tokens`` tokens (the rest lives in memory). Of the new text's tokens, the
+    last ones, as many as the context holds, are written after answering (``after``); any before
+    them are written before answering (``before``).
+
+    A prompt of token ids is taken as it is (never re-tokenized); its decoded text is what the
+    record's text chain sees.
     """
+    tokens = None if isinstance(prompt, str) else list(prompt)
+    if tokens is not None:
+        prompt = fmt.tokenizer.decode(tokens, skip_special_tokens=False)
     chain = session.completion_text
     length = chain["length"]
     if (
@@ -169,10 +206,17 @@ def plan_completion(fmt: ChatFormat, session: Session, prompt: str, window: int,
         new_text = prompt
     budget = window - max_tokens
     _fit(budget, "prompt")
-    ids = fmt.encode_text(prompt)
+    ids = fmt.encode_text(prompt) if tokens is None else tokens
     if not ids:
         raise ServeError(400, "the prompt is empty after tokenization", param="prompt")
-    return Plan(fmt.encode_text(new_text), ids[-budget:], commit_role=None, text_chain=prompt)
+    context = ids[-budget:]
+    if tokens is None:
+        new_ids = fmt.encode_text(new_text)
+    else:
+        new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
+        new_ids = tokens if new_ids is None else new_ids
+    split = len(new_ids) - min(len(new_ids), len(context))
+    return Plan(new_ids[:split], context, new_ids[split:], commit_role=None, text_chain=prompt)
 
 
 # ---------------------------------------------------------------------- jobs
@@ -181,7 +225,8 @@ class Job:
     """One queued request.
 
     Attributes:
-        kind: ``turn`` (chat or completion), ``write``, ``reset`` or ``import``.
+        kind: ``turn`` (chat or completion), ``score`` (a completion with ``max_tokens=0``: reads
+            memory, writes nothing), ``write``, ``reset`` or ``import``.
         namespace, session: the session (``session=None``: a fresh memory that is not stored).
         payload: kind-specific (see the ``_run_*`` methods).
         sampling: decoding parameters (turns).
@@ -211,7 +256,7 @@ class Job:
         return (self.kind,)
 
     def batchable(self) -> bool:
-        return self.kind in ("turn", "write") and not (
+        return self.kind in ("turn", "score", "write") and not (
             self.sampling is not None and self.sampling.seed is not None
         )
 
@@ -417,8 +462,9 @@ class Scheduler:
             return
         jobs = ok
         start = time.perf_counter()
+        # new messages older than the prompt: written first, memory is where the answer reads them
         memories, gates_in = write_rows(
-            self.loaded, [self._memory(s) for s in sessions], [p.new_tokens for p in plans]
+            self.loaded, [self._memory(s) for s in sessions], [p.before for p in plans]
         )
         n = sampling.n
         streams = [
@@ -441,6 +487,7 @@ class Scheduler:
             on_token=on_token if any(s is not None for s in streams) else None,
             cancelled=lambda row: jobs[row // n].cancelled.is_set(),
         )
+        # then the new messages that were in the prompt (read, not yet written) and the answer, once
         commit_tokens = []
         for plan, choices in zip(plans, answers, strict=True):
             if n > 1:
@@ -449,7 +496,9 @@ class Scheduler:
                 commit_tokens.append(self.fmt.message(plan.commit_role, choices[0].text))
             else:
                 commit_tokens.append(self.fmt.encode_text(choices[0].text))
-        finals, gates_out = write_rows(self.loaded, memories, commit_tokens)
+        finals, gates_out = write_rows(
+            self.loaded, memories, [p.after + c for p, c in zip(plans, commit_tokens, strict=True)]
+        )
         elapsed = time.perf_counter() - start
         for i, job in enumerate(jobs):
             if job.cancelled.is_set():
@@ -480,14 +529,15 @@ class Scheduler:
                     "length": len(chain),
                     "sha256": hashlib.sha256(chain.encode()).hexdigest(),
                 }
+            later = len(plan.after) + len(commit_tokens[i])
             turn = {
                 "kind": job.payload["mode"],
                 "input": job.payload.get("display", ""),
                 "answer": choices[0].text,
-                "written": len(plan.new_tokens) + len(commit_tokens[i]),
+                "written": len(plan.before) + later,
                 "prompt_tokens": len(plan.prompt),
                 "batch": len(jobs),
-                "gates": _merge_gates(gates_in[i], gates_out[i], len(plan.new_tokens), len(commit_tokens[i])),
+                "gates": _merge_gates(gates_in[i], gates_out[i], len(plan.before), later),
             }
             try:
                 new = self._commit(job, session, finals[i], turn, **changes)
@@ -577,6 +627,64 @@ class Scheduler:
             }
             new = self._commit(job, fresh, memory.to(self.loaded.device), turn)
             job.emit(("done", {"tokens_written": new.tokens_written}))
+
+    # ------------------------------------------------------------------ scoring
+    def _run_scores(self, jobs: list[Job]) -> None:
+        """Completions with ``max_tokens=0`` (and ``echo``): the log-probabilities of each prompt's
+        tokens (:func:`~.runtime.score_rows`) from its session's memory, or a fresh one. Memory is
+        read, never written, and nothing is committed: scoring leaves a session as it was."""
+        start = time.perf_counter()
+        ok, prompts, sessions = [], [], []
+        for job in jobs:
+            p = job.payload["prompt"]
+            ids = self.fmt.encode_text(p) if isinstance(p, str) else list(p)
+            if not ids or len(ids) > self.window:
+                job.emit(
+                    (
+                        "error",
+                        ServeError(
+                            400,
+                            "the prompt is empty after tokenization"
+                            if not ids
+                            else f"the prompt is {len(ids)} tokens; the context window is {self.window}",
+                            code=None if not ids else "context_length_exceeded",
+                            param="prompt",
+                        ),
+                    )
+                )
+                continue
+            ok.append(job)
+            prompts.append(ids)
+            sessions.append(self._session(job))
+        wanted = [i for i, job in enumerate(ok) if job.sampling.logprobs is not None]
+        top = max((ok[i].sampling.logprobs for i in wanted), default=0)
+        scores = score_rows(
+            self.loaded,
+            [self._memory(sessions[i]) for i in wanted],
+            [prompts[i] for i in wanted],
+            [0] * len(wanted),
+            top,
+        )
+        scored = dict(zip(wanted, scores, strict=True))
+        for i, job in enumerate(ok):
+            logprobs = scored.get(i)
+            if logprobs is not None and job.sampling.logprobs < top:
+                k = job.sampling.logprobs
+                logprobs = replace(logprobs, top=[t if t is None else t[:k] for t in logprobs.top])
+            answer = Answer([], "", "length", logprobs=logprobs)
+            job.emit(
+                (
+                    "done",
+                    {
+                        "choices": [answer] * job.sampling.n,
+                        "prompt_tokens": len(prompts[i]),
+                        "written": 0,
+                        "tokens_written": sessions[i].tokens_written,
+                        "batch": len(ok),
+                        "seconds": time.perf_counter() - start,
+                    },
+                )
+            )
 
 
 def _merge_gates(a: dict | None, b: dict | None, na: int, nb: int) -> dict | None:

@@ -4,9 +4,12 @@ The server (:mod:`lstmem_peft.serve`) keeps its API, session store and turn rule
 turn, answering from the session's memory, runs on vLLM. Memory is still written by the library
 model loaded beside it (the request's new messages and the answer, in history blocks with feedback,
 as the paper writes histories; vLLM does not write histories with feedback). Each answered row's
-memory reaches vLLM as a :class:`~lstmem_peft.MemoryCache` file (``lstmem_memory_in``); the memory
-vLLM leaves after answering is not needed (the stored memory gets the answer through the library,
-as with ``update_during_generation`` in process).
+memory reaches vLLM as a session (``lstmem_session_in``): a :class:`~lstmem_peft.MemoryCache` file
+with a random name in the session directory, removed after the answer. The session directory is
+``LSTMEM_SESSION_DIR`` when the operator set it, else a temporary folder, which :class:`VLLMAnswers`
+sets as ``LSTMEM_SESSION_DIR`` of this process (so of the vLLM processes it starts). The memory vLLM
+leaves after answering is not needed (the stored memory gets the answer through the library, as
+with ``update_during_generation`` in process).
 
 Differences from the default engine: sampled answers come from vLLM's random streams (a seed
 fixes them, but not to the library's tokens; greedy answers are the same); streamed tokens arrive
@@ -17,10 +20,11 @@ committed for them either way).
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 
 from ..extras import missing_extra
-from . import MEMORY_IN, engine_args
+from . import SESSION_DIR_ENV, SESSION_IN, engine_args, session_file
 
 
 def require_vllm() -> None:
@@ -40,14 +44,22 @@ class VLLMAnswers:
         dtype: the engine's dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
         options: more keyword arguments of ``vllm.LLM`` (``max_model_len``, on CPU
             ``kv_cache_memory_bytes``, ...).
+
+    Attributes:
+        session_dir: the session directory the rows' memories are written to (``LSTMEM_SESSION_DIR``;
+            a temporary folder, set as that variable, when it was unset).
     """
 
     def __init__(self, model: str, adapter: str, dtype: str = "auto", **options) -> None:
         require_vllm()
         from vllm import LLM
 
+        self._folder = None
+        if not os.environ.get(SESSION_DIR_ENV):
+            self._folder = tempfile.TemporaryDirectory(prefix="lstmem-vllm-")
+            os.environ[SESSION_DIR_ENV] = self._folder.name  # read by the vLLM processes started below
+        self.session_dir = os.environ[SESSION_DIR_ENV]
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))
-        self._folder = tempfile.TemporaryDirectory(prefix="lstmem-vllm-")
 
     def generate(self, rows, prompts, sampling, eos_ids: set[int], on_token=None) -> list[list[int]]:
         """Generated token ids of every expanded row (``n`` choices per row, row-major).
@@ -61,10 +73,12 @@ class VLLMAnswers:
         """
         from vllm import SamplingParams
 
-        paths = []
+        paths, names = [], []
+        batch = secrets.token_hex(8)
         try:
             for i, memory in enumerate(rows):
-                paths.append(os.path.join(self._folder.name, f"row-{i}.safetensors"))
+                names.append(f"lstmem-serve-{batch}-{i}")
+                paths.append(session_file(self.session_dir, names[-1]))
                 memory.save(paths[-1])
             params = [
                 SamplingParams(
@@ -75,9 +89,9 @@ class VLLMAnswers:
                     seed=sampling.seed,
                     stop_token_ids=sorted(eos_ids),
                     detokenize=False,
-                    extra_args={MEMORY_IN: path},
+                    extra_args={SESSION_IN: name},
                 )
-                for path in paths
+                for name in names
             ]
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         finally:
