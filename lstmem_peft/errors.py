@@ -60,6 +60,26 @@ def looks_local(source: str, bare_names: bool = True) -> bool:
     )
 
 
+def read_json_object(path: str, expected: str, fix: str) -> dict:
+    """The JSON object in the file ``path``, or a :class:`DataFormatError` naming the file, ``expected``
+    and ``fix`` (not JSON, not UTF-8, or JSON of another shape; a missing file: :class:`MissingDataError`)."""
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise MissingDataError(path, expected, "no such file", fix)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataFormatError(
+            path, expected, f"not JSON ({getattr(err, 'msg', type(err).__name__)})", fix
+        ) from None
+    if not isinstance(value, dict):
+        raise DataFormatError(path, expected, f"the file holds {describe(value)}", fix)
+    return value
+
+
 def describe(value: Any, limit: int = 6) -> str:
     """A short phrase naming what a JSON value is: ``an object with keys ['a', 'b']``, ``a number (1)``."""
     if isinstance(value, dict):

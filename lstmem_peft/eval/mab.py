@@ -30,7 +30,6 @@ protocols").
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections import Counter
@@ -38,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DataFormatError, MissingDataError, describe, looks_local
+from ..errors import DataFormatError, MissingDataError, describe, looks_local, read_json_object
 from . import scorers
 from .protocol import Benchmark, DataSpec, History, Question, hub_folder, question_weighted, read_rows
 
@@ -506,15 +505,8 @@ class MemoryAgentBench(Benchmark):
             path = self._entity_path()
             expected = f"the snapshot's {ENTITY_FILE}: an object mapping entity URIs to ids"
             fix = f"Pass the {ENTITY_FILE} of the ai-hyz/MemoryAgentBench snapshot with --entity-map"
-            if not os.path.isfile(path):
-                raise MissingDataError(path, expected, "no such file", fix)
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    table = json.load(fh)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                got = f"not JSON ({getattr(err, 'msg', err.__class__.__name__)})"
-                raise DataFormatError(path, expected, got, fix) from None
-            if not isinstance(table, dict) or not table:
+            table = read_json_object(path, expected, fix)
+            if not table:
                 raise DataFormatError(path, expected, f"the file holds {describe(table)}", fix)
             self._titles = redial_catalogue(table)
         return self._titles

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from .. import constants as K
 from ..cache import MemoryCache
-from ..errors import DataFormatError, MissingDataError, describe
+from ..errors import DataFormatError, MissingDataError, describe, read_json_object
 from ..history import find_memory, write_history
 from .protocol import Benchmark, History, Question
 from .scorers import PROTOCOLS
@@ -714,14 +714,7 @@ def rescore(
     if os.path.isfile(origin):
         expected = "the summary.json lstmem eval wrote beside the predictions (a JSON object)"
         fix = "Restore it, or re-score a copy of predictions.jsonl in a folder of its own"
-        try:
-            with open(origin, encoding="utf-8") as fh:
-                generated = json.load(fh)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            got = f"not JSON ({getattr(err, 'msg', type(err).__name__)})"
-            raise DataFormatError(origin, expected, got, fix) from None
-        if not isinstance(generated, dict):
-            raise DataFormatError(origin, expected, f"the file holds {describe(generated)}", fix)
+        generated = read_json_object(origin, expected, fix)
         if generated.get("benchmark") not in (None, benchmark.name):
             got = f"a {generated['benchmark']} run (its summary.json says so)"
             fix = f"Run lstmem eval {generated['benchmark']} --rescore ..., or pass a {benchmark.name} run"

@@ -20,17 +20,22 @@ once:
    (``write_history``: blocks + feedback) first: memory is the only place the answer can read them;
 3. the answer is generated with memory read-only (``generate(memory_cache=..., memory_write=False)``):
    the prompt in context, memory as it was before this turn's in-context messages;
-4. the new messages that are in the prompt, then the answer message, are written after answering,
-   in conversation order, in one ``write_history`` call (with ``n > 1`` the answer is not written: the
-   client's chosen choice is written when it is sent back as a message of a later turn); the new
-   memory and record are committed to disk (:meth:`~lstmem_peft.serve.store.SessionStore.commit`)
-   before the response (or the stream's last event) is sent.
+4. the new messages that are in the prompt are written after answering, in conversation order, in
+   one ``write_history`` call; the new memory and record are committed to disk
+   (:meth:`~lstmem_peft.serve.store.SessionStore.commit`) before the response (or the stream's last
+   event) is sent.
+
+The answer is not written by its own turn: memory holds the conversation as the client keeps it. A
+client that sends the whole conversation back (the usual chat client) has the answer written, as a
+new message, by its next turn; with ``n > 1`` that is the choice it kept. A client that sends only its
+latest message keeps the answers out of memory. So an answer the model made up is never stored unless
+the client keeps it.
 
 A completion is the same turn on text (:func:`plan_completion`): of the prompt's tokens the session
-has not written, those before the context window are written before answering, the rest and then the
-completion after it. So a question sent as a turn is answered from memory as the in-process
-"write the history, then read the question" (``lstmem_peft.demo.evaluate``) does, and memory holds
-each message once, in order.
+has not written, those before the context window are written before answering, the rest after it;
+a completion is written when a later prompt carries it. So a question sent as a turn is answered
+from memory as the in-process "write the history, then read the question"
+(``lstmem_peft.demo.evaluate``) does, and memory holds each message once, in order.
 
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
 went away before the commit (the job is marked cancelled, decoding of its rows stops early and
@@ -93,22 +98,19 @@ class Plan:
         after: token ids written after answering, ahead of the answer: the new messages (or text)
             that are in the prompt.
         new_messages: record entries of the messages written now (chat), in order.
-        commit_role: the role of the answer message that is committed after the turn (chat), or
-            ``None`` (completions commit the answer as text).
-        text_chain: completions only: the text chain the record covers after the turn, minus the
-            answer (prompt text).
+        text_chain: completions only: the text chain the record covers after the turn (the prompt's
+            text; the completion joins it when a later prompt carries it).
     """
 
     before: list[int]
     prompt: list[int]
     after: list[int] = field(default_factory=list)
     new_messages: list[dict] = field(default_factory=list)
-    commit_role: str | None = "assistant"
     text_chain: str | None = None
 
     @property
     def new_tokens(self) -> list[int]:
-        """Every token of the request that this turn writes, in order (the answer aside)."""
+        """Every token of the request that this turn writes, in order."""
         return self.before + self.after
 
 
@@ -216,7 +218,7 @@ def plan_completion(
         new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
         new_ids = tokens if new_ids is None else new_ids
     split = len(new_ids) - min(len(new_ids), len(context))
-    return Plan(new_ids[:split], context, new_ids[split:], commit_role=None, text_chain=prompt)
+    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt)
 
 
 # ---------------------------------------------------------------------- jobs
@@ -487,18 +489,9 @@ class Scheduler:
             on_token=on_token if any(s is not None for s in streams) else None,
             cancelled=lambda row: jobs[row // n].cancelled.is_set(),
         )
-        # then the new messages that were in the prompt (read, not yet written) and the answer, once
-        commit_tokens = []
-        for plan, choices in zip(plans, answers, strict=True):
-            if n > 1:
-                commit_tokens.append([])  # the client picks a choice; it is written when sent back
-            elif plan.commit_role is not None:
-                commit_tokens.append(self.fmt.message(plan.commit_role, choices[0].text))
-            else:
-                commit_tokens.append(self.fmt.encode_text(choices[0].text))
-        finals, gates_out = write_rows(
-            self.loaded, memories, [p.after + c for p, c in zip(plans, commit_tokens, strict=True)]
-        )
+        # then the new messages that were in the prompt (read, not yet written), once; the answer is
+        # written when the client sends it back as part of its conversation (or prompt)
+        finals, gates_out = write_rows(self.loaded, memories, [p.after for p in plans])
         elapsed = time.perf_counter() - start
         for i, job in enumerate(jobs):
             if job.cancelled.is_set():
@@ -512,24 +505,14 @@ class Scheduler:
             plan, session, choices = plans[i], sessions[i], answers[i]
             changes = {}
             if job.payload["mode"] == "chat":
-                answer_entries = []
-                if n == 1:
-                    text = choices[0].text
-                    answer_entries = [
-                        {
-                            "hash": message_hash("assistant", text),
-                            "role": "assistant",
-                            "tokens": len(commit_tokens[i]),
-                        }
-                    ]
-                changes["messages"] = session.messages + plan.new_messages + answer_entries
+                changes["messages"] = session.messages + plan.new_messages
             else:
-                chain = plan.text_chain + (choices[0].text if n == 1 else "")
+                chain = plan.text_chain
                 changes["completion_text"] = {
                     "length": len(chain),
                     "sha256": hashlib.sha256(chain.encode()).hexdigest(),
                 }
-            later = len(plan.after) + len(commit_tokens[i])
+            later = len(plan.after)
             turn = {
                 "kind": job.payload["mode"],
                 "input": job.payload.get("display", ""),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -33,23 +32,11 @@ from pathlib import Path
 
 from ..cache import MemoryCache, MemoryLayout
 
-#: Session ids: letters, digits, ``.``, ``_``, ``-``; 1 to 128 characters; not starting with ``.``.
-SESSION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+# session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session directory)
+from ..vllm_plugin import SESSION_ID, SessionIdError, check_session_id  # noqa: F401 (re-exported)
+
 RECORD = "record.json"
 RECORD_VERSION = 1
-
-
-class SessionIdError(ValueError):
-    """A session id that is not a plain name (it could reach outside the store)."""
-
-
-def check_session_id(session: str) -> str:
-    """Return ``session`` if it is a valid id, else raise :class:`SessionIdError`."""
-    if not isinstance(session, str) or not SESSION_ID.match(session):
-        raise SessionIdError(
-            f"invalid session id {session!r}: use 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
-        )
-    return session
 
 
 def namespace_for(api_key: str | None) -> str:
