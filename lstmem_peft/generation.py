@@ -229,7 +229,6 @@ class GenerateSession:
         if self.beams:
             ids = prompt_ids(kwargs)
             self.prompt = (ids, prompt_mask(hooks.model, ids, kwargs.get("attention_mask")))
-        self.weights: list | None = None  # the memory layers' LayerWeights, derived once per call
         self.stack = stack_config(hooks.model)
         self.num_layers = self.stack.num_hidden_layers  # early exit lowers it while it drafts
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id

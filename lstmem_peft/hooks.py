@@ -385,7 +385,6 @@ class MemoryHooks:
             depth_coupling=config.depth_coupling,
             feedback_positions=config.feedback_positions,
             backend=config.scan_backend,
-            weights=self._layer_weights(layers, session),
             every_layer=not draft,  # a draft runs only the layers below its exit
         )
         model_pass = ModelPass(
@@ -399,18 +398,6 @@ class MemoryHooks:
         model_pass.length = length
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
         return args, kwargs
-
-    @staticmethod
-    def _layer_weights(layers: list, session: GenerateSession | None) -> list | None:
-        """The memory layers' :class:`~lstmem_peft.memory.LayerWeights` for a forward of a
-        ``generate`` call, derived on its first forward (the parameters cannot change within a
-        call); ``None`` elsewhere (each layer derives its own, differentiably)."""
-        if session is None:
-            return None
-        if session.weights is None:
-            with torch.no_grad():
-                session.weights = [layer.weights() for layer in layers]
-        return session.weights
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):
         """Forward hook (also called when the forward raised): commit the pass, or drop it."""

@@ -320,6 +320,38 @@ class LSTMemLayer(nn.Module):
         )
 
     # ------------------------------------------------------------------ forward
+    def train(self, mode: bool = True) -> LSTMemLayer:
+        self._derived = None  # a mode switch is a natural point to forget derived weights
+        return super().train(mode)
+
+    def derived_weights(self) -> LayerWeights:
+        """:meth:`weights` for a forward that passes none: derived again only when a parameter
+        changed, while no gradient can reach the parameters (decoding, evaluation, memory writes
+        without training). With gradients, or inside a ``torch.compile`` trace, they are derived
+        differentiably in every forward.
+
+        A parameter changes (and the cache is dropped) when its version counter moves (an optimizer
+        step, ``load_state_dict``, any in-place write), when its storage moves (``.to()``, ``.data =
+        ...``), or when it is replaced or removed (``set_depth_input``); ``train()``/``eval()`` also
+        drop the cache.
+        """
+        params = self._parameters
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None)
+        ):
+            return self.weights()
+        key = (torch.is_inference_mode_enabled(),) + tuple(  # inference tensors stay in inference mode
+            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+            for p in params.values()
+        )
+        cached = self.__dict__.get("_derived")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        with torch.no_grad():
+            weights = self.weights()
+        self.__dict__["_derived"] = (key, weights)
+        return weights
+
     def weights(self) -> LayerWeights:
         """The :class:`LayerWeights` of the current parameters (differentiable)."""
         H, R, ds = self.num_heads, self.head_dim, self.state_size
@@ -380,7 +412,7 @@ class LSTMemLayer(nn.Module):
         Returns:
             :class:`LayerOutput`; corrections in ``x.dtype``, states in the dtype of ``cell``.
         """
-        w = self.weights() if weights is None else weights
+        w = self.derived_weights() if weights is None else weights
         B, T, _ = x.shape
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         dtype = w.w_in.dtype

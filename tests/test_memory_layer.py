@@ -403,3 +403,67 @@ def test_the_triton_backend_matches_the_reference(path):
             out = layer(x, c, h, depth=depth, valid=valid, backend="triton")
         assert torch.equal(c, c0) and torch.equal(h, h0)
         assert_close_to_reference(out, reference(layer, x, depth, c, h, valid), atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------- derived weights, cached
+def _block(layer, x, states, **kw):
+    with torch.no_grad():
+        return layer(x, *states, **kw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["optimizer step", "load_state_dict", "to float64", "data replaced", "depth input removed", "train()"],
+)
+def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_next_forward(
+    change, monkeypatch
+):
+    """Without gradients a layer derives its :class:`LayerWeights` once and reuses them; any change of a
+    parameter (in place, by loading, by moving, by replacing it) is seen by the next forward, which
+    then equals a forward over freshly derived weights."""
+    layer = make_layer(seed=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, D_MODEL, generator=g)
+    states = (torch.randn(2, 4, 8, 8, generator=g) * 0.1, torch.randn(2, 4, 8, 8, generator=g) * 0.1)
+    calls = []
+    derive = LSTMemLayer.weights
+    monkeypatch.setattr(LSTMemLayer, "weights", lambda self: calls.append(1) or derive(self))
+    first = _block(layer, x, states)
+    again = _block(layer, x, states)
+    assert len(calls) == 1 and torch.equal(first.delta_q, again.delta_q)  # derived once, reused
+
+    if change == "optimizer step":
+        opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+        with torch.enable_grad():
+            layer(x, *states).delta_q.square().sum().backward()  # with gradients: derived in the forward
+        opt.step()
+    elif change == "load_state_dict":
+        layer.load_state_dict(make_layer(seed=9).state_dict())
+    elif change == "to float64":
+        layer.double()
+        x, states = x.double(), tuple(s.double() for s in states)
+    elif change == "data replaced":
+        layer.w_gate.data = layer.w_gate.data + 0.5
+    elif change == "depth input removed":
+        layer.set_depth_input(False)
+    else:
+        layer.train()
+        layer.eval()
+    calls.clear()
+    changed = _block(layer, x, states)
+    assert len(calls) == 1  # derived again: the cache saw the change
+    fresh = _block(layer, x, states, weights=derive(layer))
+    assert torch.equal(changed.delta_q, fresh.delta_q) and torch.equal(changed.cell, fresh.cell)
+    if change not in ("train()", "depth input removed"):  # (without a depth input W~_pred never acts)
+        assert not torch.equal(changed.delta_q.to(first.delta_q.dtype), first.delta_q)
+
+
+def test_with_gradients_the_weights_are_derived_in_the_forward_and_carry_the_gradient():
+    layer = make_layer(seed=5)
+    layer.set_depth_input(False)  # no depth input is passed below
+    x = torch.randn(1, 2, D_MODEL)
+    states = (torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 8, 8))
+    _block(layer, x, states)  # fills the cache
+    out = layer(x, *states)
+    (out.delta_q.sum() + out.delta_o.sum()).backward()
+    assert all(p.grad is not None for p in layer.parameters())

@@ -26,7 +26,14 @@ from tiny_models import randomize_memory  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
-from lstmem_peft.vllm_plugin import SESSION_DIR_ENV, SESSION_IN, SESSION_OUT, engine_args, session_file  # noqa: E402
+from lstmem_peft.vllm_plugin import (  # noqa: E402
+    MEMORY_WRITE,
+    SESSION_DIR_ENV,
+    SESSION_IN,
+    SESSION_OUT,
+    engine_args,
+    session_file,
+)
 
 VOCAB = 256
 NEW_TOKENS = 8
@@ -159,12 +166,17 @@ def history_memory(model, seed: int, length: int) -> MemoryCache:
     return cache
 
 
-def library_answer(model, memory: MemoryCache | None, prompt: list[int], new_tokens: int = NEW_TOKENS):
+def library_answer(
+    model, memory: MemoryCache | None, prompt: list[int], new_tokens: int = NEW_TOKENS, write: bool = True
+):
+    """The library's greedy tokens from ``memory`` and the memory it leaves (``write=False``: read-only,
+    the memory is left as it was)."""
     cache = memory.clone() if memory is not None else MemoryCache()
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor([prompt]),
             memory_cache=cache,
+            memory_write=write,
             max_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
@@ -172,17 +184,25 @@ def library_answer(model, memory: MemoryCache | None, prompt: list[int], new_tok
     return out[0, len(prompt) :].tolist(), cache
 
 
-def greedy(new_tokens: int = NEW_TOKENS, session_in: str | None = None, session_out: str | None = None):
+def greedy(
+    new_tokens: int = NEW_TOKENS,
+    session_in: str | None = None,
+    session_out: str | None = None,
+    write: bool = True,
+):
     extra = {k: v for k, v in ((SESSION_IN, session_in), (SESSION_OUT, session_out)) if v is not None}
+    if not write:
+        extra[MEMORY_WRITE] = False
     return vllm.SamplingParams(
         max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra
     )
 
 
 def vllm_answers(llm, requests, new_tokens: int = NEW_TOKENS):
-    """``requests``: (prompt, in-session name or None, out-session name or None) -> generated token ids."""
-    params = [greedy(new_tokens, s_in, s_out) for _, s_in, s_out in requests]
-    outputs = llm.generate([{"prompt_token_ids": p} for p, _, _ in requests], params, use_tqdm=False)
+    """``requests``: (prompt, in-session name or None, out-session name or None[, write]) -> generated
+    token ids (``write`` False: a read-only request)."""
+    params = [greedy(new_tokens, *request[1:]) for request in requests]
+    outputs = llm.generate([{"prompt_token_ids": r[0]} for r in requests], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -218,10 +238,52 @@ def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_requ
             assert plain[i] != tokens[i], f"request {i}: its memory did not change the answer"
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_read_only_requests_equal_the_library_with_memory_write_false(engines, arch, monkeypatch):
+    """``lstmem_memory_write: false``: a request reads its starting memory and writes nothing, as
+    ``generate(memory_cache=..., memory_write=False)``: in a batch of read-only requests (prompt
+    lengths 5, 1, 11 and 37: a one-token prompt, and a prefill split into chunks that continue from
+    the slot), and in a batch that interleaves each read-only request with a writing one from the
+    same session (the decode steps run both kinds together), whose writing requests still equal the
+    library and save their out-sessions. Read-only and writing answers differ, the in-sessions stay
+    as they were, and a read-only request needs no session directory."""
+    model, llm, root = engines(arch)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPTS]
+    memories = [history_memory(model, 80 + i, 20 + 13 * i) for i in range(3)] + [None]  # the last: fresh
+    names = [
+        None if memory is None else save_session(memory, f"read-in-{i}") for i, memory in enumerate(memories)
+    ]
+    files = {name: session_path(name).read_bytes() for name in names if name is not None}
+    reading = [library_answer(model, m, p, write=False)[0] for m, p in zip(memories, prompts, strict=True)]
+    writing = [library_answer(model, m, p) for m, p in zip(memories, prompts, strict=True)]
+    assert [r != w for r, (w, _) in zip(reading, writing, strict=True)].count(True) >= 2  # the mode matters
+    before = llm.collective_rpc("lstmem_counts")[0]
+
+    assert vllm_answers(llm, [(p, n, None, False) for p, n in zip(prompts, names, strict=True)]) == reading
+    mixed = []
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        mixed += [(prompt, name, None, False), (prompt, name, f"read-out-{i}", True)]
+    tokens = vllm_answers(llm, mixed)
+    assert tokens[0::2] == reading
+    assert tokens[1::2] == [w for w, _ in writing]
+    layout = memory_layout(model)
+    for i, (_, final) in enumerate(writing):
+        assert_same_memory(MemoryCache.load(session_path(f"read-out-{i}"), layout), final)
+    assert {name: session_path(name).read_bytes() for name in files} == files
+    counts = llm.collective_rpc("lstmem_counts")[0]
+    assert counts["saved"] - before["saved"] == 4 and counts["failed"] == before["failed"], counts
+    with monkeypatch.context() as env:  # sessions off: a read-only request from a fresh memory is admitted
+        env.delenv(SESSION_DIR_ENV)
+        assert vllm_answers(llm, [(prompts[3], None, None, False)]) == [reading[3]]
+
+
 def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup, tmp_path):
     """A KV pool too small for the batch: vLLM preempts requests and recomputes them from scratch
     (their state slot handed out again); each restarted request starts again from the memory its
-    session held when it first started (read once), and its tokens and final memory are the library's."""
+    session held when it first started (read once), and its tokens and final memory are the library's.
+    Every other request is read-only (``lstmem_memory_write`` false): its tokens are the library's
+    with ``memory_write=False`` (its slot holds its starting memory at every step)."""
     model, _, root = setup
     llm = vllm.LLM(
         **engine_args(
@@ -235,12 +297,19 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
             **{**ENGINE, "max_model_len": 160},
         )
     )
+    count = 8
+    writes = [i % 2 == 0 for i in range(count)]
     try:
         g = torch.Generator().manual_seed(5)
-        prompts = [torch.randint(3, VOCAB, (12 + 3 * i,), generator=g).tolist() for i in range(6)]
-        memories = [history_memory(model, 40 + i, 24) for i in range(6)]
+        prompts = [torch.randint(3, VOCAB, (12 + 3 * i,), generator=g).tolist() for i in range(count)]
+        memories = [history_memory(model, 40 + i, 24) for i in range(count)]
         requests = [
-            (prompts[i], save_session(memory, f"preempt-in-{i}"), f"preempt-out-{i}")
+            (
+                prompts[i],
+                save_session(memory, f"preempt-in-{i}"),
+                f"preempt-out-{i}" if writes[i] else None,
+                writes[i],
+            )
             for i, memory in enumerate(memories)
         ]
         tokens = vllm_answers(llm, requests, new_tokens=100)
@@ -248,12 +317,15 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert counts["restarted"] > 0, counts  # the pool really was too small
-    assert counts["loaded"] == 6 and counts["saved"] == 6 and counts["failed"] == 0
+    assert counts["loaded"] == count and counts["saved"] == count // 2 and counts["failed"] == 0, counts
     layout = memory_layout(model)
     for i, memory in enumerate(memories):
-        expected, cache = library_answer(model, memory, prompts[i], new_tokens=100)
+        expected, cache = library_answer(model, memory, prompts[i], new_tokens=100, write=writes[i])
         assert tokens[i] == expected, f"request {i}"
-        assert_same_memory(MemoryCache.load(session_path(f"preempt-out-{i}"), layout), cache)
+        if writes[i]:
+            assert_same_memory(MemoryCache.load(session_path(f"preempt-out-{i}"), layout), cache)
+        else:
+            assert not session_path(f"preempt-out-{i}").exists()
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):
@@ -302,7 +374,8 @@ def test_the_session_file_is_complete_when_generate_returns(setup):
 def test_bad_sessions_are_refused_at_admission_and_the_engine_goes_on(setup, tmp_path, monkeypatch):
     """Names that are paths, the keys of earlier versions (paths), in-sessions that are missing,
     damaged, of two rows or of another adapter (one error text for all), an out-session whose name
-    is taken by a folder, ``n`` > 1 with an out-session, and requests while sessions are off: each
+    is taken by a folder, a ``lstmem_memory_write`` that is not a bool or is false with an
+    out-session, ``n`` > 1 with an out-session, and requests while sessions are off: each
     refused when vLLM admits it (``VLLMValidationError``), nothing written, and the engine goes on."""
     from vllm.exceptions import VLLMValidationError
 
@@ -335,6 +408,9 @@ def test_bad_sessions_are_refused_at_admission_and_the_engine_goes_on(setup, tmp
         ({"lstmem_memory_in": relative}, "lstmem_memory_in took a file path"),
         ({"lstmem_sesion_in": "alice"}, "unknown key 'lstmem_sesion_in'"),
         ({SESSION_OUT: "folder"}, "session 'folder' cannot be written"),
+        ({MEMORY_WRITE: "false"}, "lstmem_memory_write must be true or false, not 'false'"),
+        ({MEMORY_WRITE: 2}, "lstmem_memory_write must be true or false, not 2"),
+        ({SESSION_OUT: "x", MEMORY_WRITE: False}, "lstmem_memory_write=false only reads its memory"),
     ]
     for extra, message in cases:
         params = vllm.SamplingParams(max_tokens=2, detokenize=False, extra_args=extra)
@@ -408,12 +484,6 @@ def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
         load_session(str(path), memory_layout(model))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the default engine answers with memory read-only (the turn rule of lstmem_peft.serve.scheduler); "
-    "the vLLM plugin has no read-only decoding yet, so vLLM's answers read memory its prompt wrote and "
-    "greedy answers can differ (README, Serve on vLLM)",
-)
 def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
     """``lstmem serve --engine vllm``: the same API and session store; two greedy chat turns of one
     session give the same answers as the default engine, and the same stored memory (written by the
@@ -542,9 +612,12 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
     * a completion from a saved session answers as the library does from that memory;
     * a session continued in place by three completions: the file read as soon as each response
       arrives holds that completion's final memory (the library's);
+    * a read-only completion (``"lstmem_memory_write": false``) answers as the library with
+      ``memory_write=False``;
     * paths (absolute, relative with ``..``, the keys of earlier versions) naming an existing text
-      file, a missing or damaged in-session (one error text), an out-session whose name is a folder
-      and stop strings with an out-session get HTTP 400; the text file is untouched, nothing is
+      file, a missing or damaged in-session (one error text), an out-session whose name is a folder,
+      stop strings or ``lstmem_memory_write`` false with an out-session, and a
+      ``lstmem_memory_write`` that is not a boolean get HTTP 400; the text file is untouched, nothing is
       written, and the server still answers."""
     import json
     import socket
@@ -618,6 +691,11 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
         r = complete(prompt, lstmem_session_in="alice")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == library_answer(model, memory, prompt)[0]
+        # read-only (the server passes the JSON false of vllm_xargs on as 0)
+        r = complete(prompt, lstmem_session_in="alice", lstmem_memory_write=False)
+        assert r.status_code == 200, r.text
+        read_only = library_answer(model, memory, prompt, write=False)[0]
+        assert r.json()["choices"][0]["token_ids"] == read_only != library_answer(model, memory, prompt)[0]
 
         memory = None
         for k, max_tokens in enumerate((4, 7, 11)):
@@ -650,6 +728,12 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
             ("damaged", {"lstmem_session_in": "damaged"}, no_session("damaged")),
             ("folder", {"lstmem_session_out": "folder"}, "session 'folder' cannot be written"),
             ("stop", {"lstmem_session_out": "bob", "stop": ["w010"]}, "stop strings end a request"),
+            (
+                "read-only with out",
+                {"lstmem_session_out": "bob", "lstmem_memory_write": False},
+                "lstmem_memory_write=false only reads its memory",
+            ),
+            ("not a bool", {"lstmem_memory_write": "no"}, "lstmem_memory_write must be true or false"),
         ):
             r = complete([5, 6, 7], **xargs)
             assert r.status_code == 400, (label, r.status_code, r.text)

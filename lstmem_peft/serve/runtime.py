@@ -491,7 +491,7 @@ def generate_rows(
     Memory is only read: ``model.generate(memory_cache=..., memory_write=False)``, so every prompt
     and answer token reads the memory as it was, and ``rows`` are not modified. What a turn writes,
     and when, is the scheduler's (:mod:`lstmem_peft.serve.scheduler`). (With ``--engine vllm`` the
-    answer comes from vLLM, whose engine state takes in the prompt while answering.)
+    answer comes from vLLM, reading the row's memory the same way: ``lstmem_memory_write: false``.)
 
     Greedy decoding with ``n > 1`` decodes each prompt once and returns that answer ``n`` times (the
     choices are equal, as OpenAI's are); sampling decodes ``n`` sequences per prompt.

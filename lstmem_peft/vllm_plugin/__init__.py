@@ -35,6 +35,12 @@ directory, which the operator sets with the environment variable ``LSTMEM_SESSIO
 processes that run vLLM (without it, requests that name sessions are refused). A history is written
 by the library (:func:`lstmem_peft.write_history`, with block-end feedback) and answered here.
 
+Read-only requests: ``extra_args["lstmem_memory_write"] = False`` answers from the starting memory
+without writing into it, as ``generate(memory_cache=..., memory_write=False)`` does in the library
+(every prompt and generated token reads the memory as it was); the request's state slot keeps its
+starting memory throughout. It may name an in-session, not an out-session (its memory never
+changes, so there would be nothing to save); it needs no session directory.
+
 This module does not import vLLM: :func:`check_session_id` (the session-id rule ``lstmem serve``
 shares) and :func:`session_file` work without it.
 """
@@ -50,6 +56,9 @@ SESSION_FILE_CHECK = "lstmem_peft.vllm_plugin.sessions:SessionFileCheck"
 # SamplingParams.extra_args keys of a request's sessions (lstmem_peft/vllm_plugin/sessions.py): names
 SESSION_IN = "lstmem_session_in"
 SESSION_OUT = "lstmem_session_out"
+# SamplingParams.extra_args key of a request's memory mode: ``False`` reads its starting memory only
+# (the prompt and the generated tokens are not written into it); ``True`` (the default) writes them
+MEMORY_WRITE = "lstmem_memory_write"
 # the keys of earlier versions, whose values were file paths; refused at admission with a pointer to
 # the keys above
 LEGACY_PATH_KEYS = {"lstmem_memory_in": SESSION_IN, "lstmem_memory_out": SESSION_OUT}
@@ -172,6 +181,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
 
 __all__ = [
     "ARCHITECTURES",
+    "MEMORY_WRITE",
     "SESSION_DIR_ENV",
     "SESSION_IN",
     "SESSION_OUT",

@@ -12,6 +12,13 @@ layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
         D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq)
     q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo
 
+A read-only request (``lstmem_memory_write`` false) runs the same layer with ``write=False``, as the
+library's read-only pass (:class:`lstmem_peft.engine.MemoryPass` with ``write=False``) runs it: every
+token reads the fixed states of its slot, which hold the request's starting memory from its first
+chunk on and are never written, and its depth input is the fixed ``D`` of memory layer ``m - 1``
+(that layer hands it up in place of ``D_t`` at each of the request's tokens). In a decode batch that
+mixes read-only and writing requests, each group runs as one batch.
+
 The memory math is :class:`lstmem_peft.memory.LSTMemLayer`, the same module the PEFT adapter runs,
 with the weights of the adapter's ``adapter_model.safetensors``; this module only routes tokens and
 state slots. The per-request work runs inside one opaque custom op per layer
@@ -92,14 +99,18 @@ class EngineMemory:
             forward by the first memory layer (all memory layers share one state group, so one
             metadata object).
         starts: state slot -> one ``(C, D)`` pair ``(n_h, r, r)`` per memory layer (depth order): a
-            session's memory, staged by :class:`~lstmem_peft.vllm_plugin.sessions.LSTMemSessions` for
+            session's memory, staged by :class:`~lstmem_peft.vllm_plugin.sessions.Sessions` for
             the request that owns the slot and taken by each layer at the request's first chunk.
+        read_only: the state slots of read-only requests, kept by
+            :class:`~lstmem_peft.vllm_plugin.sessions.Sessions` (set or cleared whenever a request
+            starts in a slot).
     """
 
     def __init__(self) -> None:
         self.depth_seq: torch.Tensor | None = None
         self.batch: _Batch | None = None
         self.starts: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        self.read_only: set[int] = set()
 
     def take_start(self, slot: int, depth: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         states = self.starts.get(slot)
@@ -112,9 +123,11 @@ class EngineMemory:
 
 
 class _Batch:
-    """The requests of one forward, on the host: token ranges, sequence lengths, state slots."""
+    """The requests of one forward, on the host: token ranges, sequence lengths, state slots, which
+    requests only read their memory, and the decodes split into writing and read-only groups
+    (``(read_only, rows)``, ``rows`` a slice when the group is every decode, else an index tensor)."""
 
-    def __init__(self, metadata) -> None:
+    def __init__(self, metadata, read_only_slots: set[int]) -> None:
         self.decodes, self.prefills = metadata.num_decodes, metadata.num_prefills
         self.requests = self.decodes + self.prefills
         self.tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
@@ -122,6 +135,15 @@ class _Batch:
         self.seq_lens = metadata.seq_lens[: self.requests].tolist()
         self.slots = metadata.state_indices_tensor[: self.requests].long()
         self.slot_list = self.slots.tolist()
+        self.read_only = [slot in read_only_slots for slot in self.slot_list]
+        flags = self.read_only[: self.decodes]
+        self.decode_groups: list[tuple[bool, slice | torch.Tensor]] = []
+        if self.decodes and all(f == flags[0] for f in flags):
+            self.decode_groups.append((flags[0], slice(0, self.decodes)))
+        elif self.decodes:
+            for mode in (False, True):
+                rows = [i for i, f in enumerate(flags) if f == mode]
+                self.decode_groups.append((mode, torch.tensor(rows, device=self.slots.device)))
 
 
 class LSTMemState(nn.Module, MambaBase):
@@ -155,7 +177,6 @@ class LSTMemState(nn.Module, MambaBase):
         self.backend = config.scan_backend
         self.state_dtype = STATE_DTYPES[config.state_dtype]
         self.shared: EngineMemory | None = None  # set by the model
-        self._step_weights = None
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate layer name {prefix}")
@@ -200,7 +221,7 @@ class LSTMemState(nn.Module, MambaBase):
             shared.depth_seq = shared.batch = None
             return
         if self.depth == 0:  # the first memory layer of the forward reads the requests for all
-            shared.batch = _Batch(metadata)
+            shared.batch = _Batch(metadata, shared.read_only)
         batch = shared.batch
         cells, hiddens = self.kv_cache
         decodes, requests, tokens = batch.decodes, batch.requests, batch.tokens
@@ -208,53 +229,83 @@ class LSTMemState(nn.Module, MambaBase):
         depth_seq = shared.depth_seq if self.memory.depth_input else None
         x = x[:tokens]
         H, R = self.memory.num_heads, self.memory.head_dim
+        # D_t of every token for the next memory layer; a read-only request's rows hold its fixed D
         out_seq = torch.empty(tokens, H, R, R, dtype=torch.float32, device=x.device)
         if decodes:
-            cell, hidden = cells[slots[:decodes]], hiddens[slots[:decodes]]
             for i in range(decodes):
                 if seq_lens[i] == 1:  # a one-token prompt: the request's first chunk
-                    cell[i], hidden[i] = self._start(slot_list[i], cell[i])
-            if self._step_weights is None:
-                with torch.no_grad():
-                    self._step_weights = self.memory.weights()
-            out = self.memory(
-                x[:decodes, None],
-                cell,
-                hidden,
-                None if depth_seq is None else depth_seq[:decodes, None],
-                None,
-                True,
-                self.backend,
-                self._step_weights,
-                False,  # no feedback samples: vLLM runs no feedback
-            )
-            cells[slots[:decodes]] = out.cell
-            hiddens[slots[:decodes]] = out.hidden
-            delta_q[:decodes] = out.correction(0)[:, 0]
-            delta_o[:decodes] = out.correction(1)[:, 0]
-            out_seq[:decodes] = out.hidden_seq[:, 0]
+                    slot = slot_list[i]
+                    cells[slot], hiddens[slot] = self._start(slot, cells[slot])
+            for read_only, rows in batch.decode_groups:
+                group = slots[rows]
+                cell, hidden = cells[group], hiddens[group]
+                depth = None if depth_seq is None else depth_seq[rows]
+                if read_only:  # the fixed states; the lower layer's fixed D as depth input
+                    out = self.memory(
+                        x[rows].unsqueeze(1),
+                        cell,
+                        hidden,
+                        depth,
+                        None,
+                        False,
+                        self.backend,
+                        None,  # the layer's cached derived weights (LSTMemLayer.derived_weights)
+                    )
+                    out_seq[rows] = hidden.to(out_seq.dtype)
+                else:
+                    out = self.memory(
+                        x[rows].unsqueeze(1),
+                        cell,
+                        hidden,
+                        None if depth is None else depth.unsqueeze(1),
+                        None,
+                        True,
+                        self.backend,
+                        None,  # the layer's cached derived weights (LSTMemLayer.derived_weights)
+                        False,  # no feedback samples: vLLM runs no feedback
+                    )
+                    cells[group] = out.cell
+                    hiddens[group] = out.hidden
+                    out_seq[rows] = out.hidden_seq[:, 0]
+                delta_q[rows] = out.correction(0)[:, 0]
+                delta_o[rows] = out.correction(1)[:, 0]
         for i in range(decodes, requests):
             a, b = starts[i], starts[i + 1]
             slot = slot_list[i]
-            if seq_lens[i] == b - a:  # the request's first chunk
+            first = seq_lens[i] == b - a  # the request's first chunk
+            if first:
                 cell, hidden = self._start(slot, cells[slot])
             else:
                 cell, hidden = cells[slot], hiddens[slot]
-            out = self.memory(
-                x[None, a:b],
-                cell[None],
-                hidden[None],
-                None if depth_seq is None else depth_seq[None, a:b],
-                None,
-                True,
-                self.backend,
-                None,
-                False,
-            )
-            cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
+            if batch.read_only[i]:
+                if first:  # the slot holds the starting memory for every later chunk and step
+                    cells[slot], hiddens[slot] = cell, hidden
+                out = self.memory(
+                    x[None, a:b],
+                    cell[None],
+                    hidden[None],
+                    None if depth_seq is None else depth_seq[None, a],
+                    None,
+                    False,
+                    self.backend,
+                )
+                out_seq[a:b] = hidden.to(out_seq.dtype)
+            else:
+                out = self.memory(
+                    x[None, a:b],
+                    cell[None],
+                    hidden[None],
+                    None if depth_seq is None else depth_seq[None, a:b],
+                    None,
+                    True,
+                    self.backend,
+                    None,
+                    False,
+                )
+                cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
+                out_seq[a:b] = out.hidden_seq[0]
             delta_q[a:b] = out.correction(0)[0]  # a one-token chunk keeps its corrections factored
             delta_o[a:b] = out.correction(1)[0]
-            out_seq[a:b] = out.hidden_seq[0]
         delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
         delta_o[tokens:] = 0
         shared.depth_seq = out_seq

@@ -2,19 +2,19 @@
 
 The server (:mod:`lstmem_peft.serve`) keeps its API, session store and turn rules; only step 2 of a
 turn, answering from the session's memory, runs on vLLM. Memory is still written by the library
-model loaded beside it (the request's new messages and the answer, in history blocks with feedback,
-as the paper writes histories; vLLM does not write histories with feedback). Each answered row's
-memory reaches vLLM as a session (``lstmem_session_in``): a :class:`~lstmem_peft.MemoryCache` file
-with a random name in the session directory, removed after the answer. The session directory is
-``LSTMEM_SESSION_DIR`` when the operator set it, else a temporary folder, which :class:`VLLMAnswers`
-sets as ``LSTMEM_SESSION_DIR`` of this process (so of the vLLM processes it starts). The memory vLLM
-leaves after answering is not needed (the stored memory gets the answer through the library, as
-with ``update_during_generation`` in process).
+model loaded beside it (in history blocks with feedback, as the paper writes histories; vLLM does
+not write histories with feedback). Each answered row's memory reaches vLLM as a session
+(``lstmem_session_in``): a :class:`~lstmem_peft.MemoryCache` file with a random name in the session
+directory, removed after the answer. The session directory is ``LSTMEM_SESSION_DIR`` when the
+operator set it, else a temporary folder, which :class:`VLLMAnswers` sets as ``LSTMEM_SESSION_DIR``
+of this process (so of the vLLM processes it starts). Every row is a read-only request
+(``lstmem_memory_write`` false): its prompt and answer read the memory as it was and write nothing,
+as the default engine's ``generate(memory_cache=..., memory_write=False)``, so greedy answers are the
+default engine's.
 
 Differences from the default engine: sampled answers come from vLLM's random streams (a seed
-fixes them, but not to the library's tokens; greedy answers are the same); streamed tokens arrive
-when the batch's generation ends; a cancelled stream's rows are decoded to the end (nothing is
-committed for them either way).
+fixes them, but not to the library's tokens); streamed tokens arrive when the batch's generation
+ends; a cancelled stream's rows are decoded to the end (nothing is committed for them either way).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import secrets
 import tempfile
 
 from ..extras import missing_extra
-from . import SESSION_DIR_ENV, SESSION_IN, engine_args, session_file
+from . import MEMORY_WRITE, SESSION_DIR_ENV, SESSION_IN, engine_args, session_file
 
 
 def require_vllm() -> None:
@@ -62,7 +62,8 @@ class VLLMAnswers:
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))
 
     def generate(self, rows, prompts, sampling, eos_ids: set[int], on_token=None) -> list[list[int]]:
-        """Generated token ids of every expanded row (``n`` choices per row, row-major).
+        """Generated token ids of every expanded row (``n`` choices per row, row-major), each from
+        its row's memory read-only.
 
         Args:
             rows: one-row :class:`~lstmem_peft.MemoryCache` per prompt (not modified).
@@ -89,7 +90,7 @@ class VLLMAnswers:
                     seed=sampling.seed,
                     stop_token_ids=sorted(eos_ids),
                     detokenize=False,
-                    extra_args={SESSION_IN: name},
+                    extra_args={SESSION_IN: name, MEMORY_WRITE: False},
                 )
                 for name in names
             ]

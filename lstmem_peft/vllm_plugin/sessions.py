@@ -22,6 +22,10 @@ request's own error, HTTP 400 on vLLM's server, and the engine goes on):
 
 * the keys and names are checked; the session directory must be set and hold the layout record
   (and be writable, for an out-session);
+* ``lstmem_memory_write`` must be a bool (or ``0`` / ``1``: vLLM's OpenAI server reads the JSON
+  booleans of ``vllm_xargs`` as integers); ``False`` (read-only: the request reads its starting
+  memory, as ``generate(memory_cache=..., memory_write=False)``, and writes nothing) is refused with
+  an out-session, which would only copy the in-session; it needs no session directory;
 * ``lstmem_session_in`` must be a readable one-row memory of the served layout with finite states;
   a missing, unreadable, damaged or foreign file gets one and the same error text, so that a
   client cannot learn which files exist (the cause goes to the server's log);
@@ -32,7 +36,8 @@ request's own error, HTTP 400 on vLLM's server, and the engine goes on):
 In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.vllm_plugin.worker.LSTMemWorker`):
 
 * before each step, every request that starts (new, or resumed from scratch after a preemption)
-  and names an in-session has that memory staged for its state slot (read once per request; a
+  marks its state slot read-only or writing for the memory layers (``EngineMemory.read_only``), and
+  if it names an in-session has that memory staged for its state slot (read once per request; a
   restarted request starts again from the memory it first read); each memory layer takes its
   ``(C, D)`` when it runs the request's first chunk (else the request starts from zeros);
 * after each step, before its outputs go back to the scheduler, every request that sampled its
@@ -65,6 +70,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 from ..cache import MemoryCache, MemoryLayout
 from . import (
     LEGACY_PATH_KEYS,
+    MEMORY_WRITE,
     SESSION_DIR_ENV,
     SESSION_FILE_CHECK,
     SESSION_IN,
@@ -106,8 +112,14 @@ def request_sessions(extra_args) -> tuple[str | None, str | None]:
                 f"{key} took a file path, which the LSTMem vLLM plugin no longer accepts: name a session with "
                 f"{LEGACY_PATH_KEYS[key]} instead (a file of the server's session directory, LSTMEM_SESSION_DIR)"
             )
-        if isinstance(key, str) and key.startswith("lstmem_") and key not in (SESSION_IN, SESSION_OUT):
-            raise ValueError(f"unknown key {key!r}: the LSTMem keys are {SESSION_IN} and {SESSION_OUT}")
+        if (
+            isinstance(key, str)
+            and key.startswith("lstmem_")
+            and key not in (SESSION_IN, SESSION_OUT, MEMORY_WRITE)
+        ):
+            raise ValueError(
+                f"unknown key {key!r}: the LSTMem keys are {SESSION_IN}, {SESSION_OUT} and {MEMORY_WRITE}"
+            )
     names = []
     for key in (SESSION_IN, SESSION_OUT):
         value = extra.get(key)
@@ -115,6 +127,35 @@ def request_sessions(extra_args) -> tuple[str | None, str | None]:
             raise ValueError(f"{key}: a session name is a string, not {type(value).__name__}")
         names.append(value)
     return names[0], names[1]
+
+
+def request_memory_write(extra_args) -> bool:
+    """Whether a request writes its prompt and generated tokens into its memory (``extra_args``
+    key ``lstmem_memory_write``; default ``True``). ``False``: read-only, as
+    ``generate(memory_cache=..., memory_write=False)``. The integers ``1`` and ``0`` stand for
+    ``True`` and ``False``: vLLM's OpenAI server reads the JSON booleans of ``vllm_xargs`` as integers.
+
+    Raises:
+        ValueError: the value is not a bool, ``0`` or ``1``.
+    """
+    extra = extra_args or {}
+    if not isinstance(extra, dict):
+        return True
+    value = extra.get(MEMORY_WRITE, True)
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{MEMORY_WRITE} must be true or false, not {value!r}")
+
+
+def is_read_only(extra_args) -> bool:
+    """Whether a request reads its memory only (the worker's rule: a value that
+    :func:`request_memory_write` refuses was refused at admission, and writes here)."""
+    try:
+        return not request_memory_write(extra_args)
+    except ValueError:
+        return False
 
 
 def _layout_record(layout: MemoryLayout) -> dict:
@@ -334,15 +375,31 @@ class Sessions:
 
     def start(self, request_id: str, params, block_ids) -> None:
         slot = int(block_ids[self.group][0])
+        extra = getattr(params, "extra_args", None)
         # the slot is this request's now: a memory staged there for a request that was preempted or
-        # aborted before its first chunk ran is stale
+        # aborted before its first chunk ran is stale, and so is the mode of the slot's last request
         self.shared.starts.pop(slot, None)
+        read_only = is_read_only(extra)
+        if read_only:
+            self.shared.read_only.add(slot)
+        else:
+            self.shared.read_only.discard(slot)
         self.start_tokens[request_id] = 0
         self.ran[request_id] = 0
         if self.directory is None or request_id in self.failed:
             return
         try:
-            name_in, name_out = request_sessions(getattr(params, "extra_args", None))
+            name_in, name_out = request_sessions(extra)
+            if name_out is not None and read_only:  # refused at admission; a read-only request writes nothing
+                logger.error(
+                    "LSTMem request %s: %s=false with %s %r; the session is not written",
+                    request_id,
+                    MEMORY_WRITE,
+                    SESSION_OUT,
+                    name_out,
+                )
+                self.counts["failed"] += 1
+                name_out = None
             if name_out is not None:
                 self.outputs[request_id] = (name_out, session_file(self.directory, name_out))
             if name_in is None:
@@ -411,7 +468,14 @@ class SessionFileCheck(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        name_in, name_out = request_sessions(getattr(sampling_params, "extra_args", None))
+        extra = getattr(sampling_params, "extra_args", None)
+        name_in, name_out = request_sessions(extra)
+        if not request_memory_write(extra) and name_out is not None:
+            raise ValueError(
+                f"{SESSION_OUT}: a request with {MEMORY_WRITE}=false only reads its memory, so it ends with the "
+                f"memory it started from and has nothing to save in session {name_out!r}; leave out "
+                f"{SESSION_OUT}, or {MEMORY_WRITE} to write the prompt and answer into memory"
+            )
         if name_in is None and name_out is None:
             return
         key = SESSION_IN if name_in is not None else SESSION_OUT
