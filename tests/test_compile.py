@@ -6,6 +6,8 @@ In a captured inference graph each wrapper calls one opaque operation (``lstmem:
 variable that carries the pass is read only by the backbone's hooks, once per forward.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -96,3 +98,80 @@ def test_inductor_compiled_decoding_matches_eager_within_float32_rounding():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
         torch.testing.assert_close(ours.cell, theirs.cell, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- host synchronisation
+class _HostSyncs:
+    """Counts the operator that reads a tensor value on the host (``aten._local_scalar_dense``:
+    ``.item()``, ``bool(t)``, ``int(t)``, ``.tolist()``); on a GPU each one stalls the stream and
+    breaks a CUDA graph."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_memory_adds_no_host_synchronisation_to_a_decode_step(padded):
+    """One decode step (``model(...)`` with a KV cache, and a step of ``generate``), padded rows
+    included: the memory reads no tensor value on the host; the step synchronises exactly as often
+    as the plain backbone's (transformers' own mask and stopping checks)."""
+    model = make("qwen3", **CONFIG)
+    prompt, steps = inputs()
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :3] = 0
+
+    def forward_step(memory: bool) -> int:
+        kv, cache = DynamicCache(), MemoryCache()
+        kw = dict(memory_cache=cache) if memory else {}
+        with torch.no_grad(), contextlib.nullcontext() if memory else model.disable_adapter():
+            model(input_ids=prompt, attention_mask=mask, past_key_values=kv, use_cache=True, **kw)
+            full = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            with _HostSyncs() as syncs:
+                model(input_ids=steps[:, :1], attention_mask=full, past_key_values=kv, use_cache=True, **kw)
+        return syncs.count
+
+    def generate_steps(memory: bool, n: int) -> int:
+        kw = dict(memory_cache=MemoryCache()) if memory else {}
+        gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        with torch.no_grad(), contextlib.nullcontext() if memory else model.disable_adapter():
+            with _HostSyncs() as syncs:
+                model.generate(input_ids=prompt, attention_mask=mask, **gen, **kw)
+        return syncs.count
+
+    assert forward_step(True) == forward_step(False)
+    per_step = {m: generate_steps(m, 5) - generate_steps(m, 1) for m in (True, False)}
+    assert per_step[True] == per_step[False], per_step
+
+
+def test_a_decode_step_derives_no_weights_once_they_are_cached(monkeypatch):
+    """Plain ``model(...)`` decoding and ``generate`` reuse each layer's derived weights: after the
+    first forward no step derives them again (they would cost as many operators as the step)."""
+    from lstmem_peft import LSTMemLayer
+
+    model = make("qwen3", **CONFIG)
+    prompt, steps = inputs()
+    calls = []
+    derive = LSTMemLayer.weights
+    monkeypatch.setattr(LSTMemLayer, "weights", lambda self: calls.append(self) or derive(self))
+    decode(model, prompt, steps[:, :1])  # the first forward derives them
+    first = len(calls)
+    decode(model, prompt, steps)
+    with torch.no_grad():
+        model.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
+    assert first == 3 and len(calls) == first  # one per memory layer, then none
