@@ -98,8 +98,10 @@ def lstmem_step(
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     backend: Backend = "auto",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One decode step of the recurrence, updating ``cell`` and ``hidden`` **in place** (every backend).
+    """One decode step of the recurrence, updating ``cell`` and ``hidden`` **in place**, or writing the
+    new states into ``out`` (every backend).
 
     Args:
         q, k, w, f, o: ``(B, H, R)`` read query, write key, gated residual ``i*e``, forget and
@@ -109,6 +111,10 @@ def lstmem_step(
         depth: ``(B, H, R, R)`` depth term ``g * D^{(l-1)}_t``, or ``None`` for zeros.
         valid: ``(B,)`` bool, or ``None``.
         backend: see the module docstring (``"auto"``: Triton for CUDA tensors, else PyTorch).
+        out: ``(cell_out, hidden_out)``, ``(B, H, R, R)`` float32 (float64 with float64 inputs):
+            where ``C_t`` and ``D_t`` go, leaving ``cell`` and ``hidden`` as they are (padded rows
+            get the old states); ``None``: in place. The PyTorch member writes them directly; the
+            others copy the states there first and step in place.
 
     Returns:
         ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, from the state before the update.
@@ -125,8 +131,12 @@ def lstmem_step(
         )
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
+    if backend == "torch":
+        return step_torch(q, k, w, f, o, cell, hidden, depth, valid, out=out)
+    if out is not None:  # these members step in place: on copies of the states
+        out[0].copy_(cell)
+        out[1].copy_(hidden)
+        cell, hidden = out
     if backend == "triton":
         return _triton().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
-    if backend == "naive":
-        return step_naive(q, k, w, f, o, cell, hidden, depth, valid)
-    return step_torch(q, k, w, f, o, cell, hidden, depth, valid)
+    return step_naive(q, k, w, f, o, cell, hidden, depth, valid)

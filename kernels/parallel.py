@@ -123,32 +123,50 @@ def step_torch(
     hidden: torch.Tensor,
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One decode step in PyTorch, updating ``cell`` and ``hidden`` **in place** (the contract of
-    :func:`lstmem_kernels.naive.step_naive` and of the Triton step; not differentiable).
+    """One decode step in PyTorch, writing ``C_t``, ``D_t`` into ``out`` (default: ``cell`` and
+    ``hidden`` themselves, **in place**); the contract of :func:`lstmem_kernels.naive.step_naive`
+    and of the Triton step; not differentiable.
 
     Args: ``q, k, w, f, o`` ``(B, H, R)``; ``cell, hidden`` ``(B, H, R, R)`` (any float dtype; the
     math runs in float32, or float64 for float64 inputs); ``depth`` ``(B, H, R, R)`` or ``None``;
-    ``valid`` ``(B,)`` or ``None``. Returns ``read`` ``(B, H, R)`` (``D_{t-1} q_t``) in ``q.dtype``.
+    ``valid`` ``(B,)`` or ``None``; ``out``: ``(B, H, R, R)`` tensors for the new states (rows where
+    ``valid`` is ``False`` get the old ones), or ``None``. Returns ``read`` ``(B, H, R)``
+    (``D_{t-1} q_t``) in ``q.dtype``.
     """
     cd = _compute_dtype(q.dtype if q.dtype == torch.float64 else cell.dtype)
+    cell_out, hidden_out = (cell, hidden) if out is None else out
     w_col, f_col, o_col = (_cast(t, cd)[..., None] for t in (w, f, o))
     q_row, k_row = (_cast(t, cd)[..., None, :] for t in (q, k))
     C, D = _cast(cell, cd), _cast(hidden, cd)
     depth = None if depth is None else _cast(depth, cd)
     read = (D * q_row).sum(-1)  # D_{t-1} q_t, before D changes (R is small: no batched product)
-    # in the states' own dtype and without padding the new states are written where they are;
-    # otherwise they are computed aside and copied in
-    in_place = valid is None and C is cell and D is hidden
-    C_new = cell.mul_(f_col).addcmul_(w_col, k_row) if in_place else torch.addcmul(f_col * C, w_col, k_row)
-    tanh_c = torch.tanh(C_new)
-    out = hidden if in_place else None
-    if depth is None:
-        D_new = torch.mul(o_col, tanh_c, out=out)
-    else:
-        D_new = torch.addcmul(depth, o_col, tanh_c, out=out)
-    if in_place:
+    if valid is None and cell_out.dtype == cd and hidden_out.dtype == cd:
+        # the new states go straight where they belong: in place, or into the caller's outputs
+        C_new = C.mul_(f_col) if cell_out is C else torch.mul(C, f_col, out=cell_out)
+        C_new.addcmul_(w_col, k_row)
+        tanh_c = torch.tanh(C_new)
+        if depth is None:
+            torch.mul(o_col, tanh_c, out=hidden_out)
+        else:
+            torch.addcmul(depth, o_col, tanh_c, out=hidden_out)
         return _cast(read, q.dtype)
+    # padding, or states of another dtype: computed aside, then written (padded rows keep theirs)
+    C_new = torch.addcmul(f_col * C, w_col, k_row)
+    tanh_c = torch.tanh(C_new)
+    D_new = o_col * tanh_c if depth is None else torch.addcmul(depth, o_col, tanh_c)
+    if valid is None:
+        cell_out.copy_(C_new)
+        hidden_out.copy_(D_new)
+    else:  # padded rows keep their states; one selection per state, written where it belongs
+        keep = valid.view(-1, 1, 1, 1)
+        for new, old, target in ((C_new, C, cell_out), (D_new, D, hidden_out)):
+            if target.dtype == cd:
+                torch.where(keep, new, old, out=target)
+            else:
+                target.copy_(torch.where(keep, new, old))
+    return _cast(read, q.dtype)
     if valid is not None:
         keep = valid.view(-1, 1, 1, 1)
         C_new, D_new = torch.where(keep, C_new, C), torch.where(keep, D_new, D)

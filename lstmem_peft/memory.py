@@ -68,9 +68,9 @@ class LayerOutput(NamedTuple):
             depth input), or ``None`` when the layer only read.
         key, value: ``(B, T, n_h, r)`` memory keys ``k_t`` and values ``v_t`` (feedback samples).
         out_gate, depth_gate: ``(B, T, n_h, r)`` gates ``o_t`` and ``g_t``.
-        read: ``(B, d_s)`` the scaled read ``(alpha / r) u`` of a one-token decode step, whose
-            corrections stay factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (``corr``:
-            ``(W_dq^T, W_do^T)``, views of the parameters); the model's projections accumulate them
+        read: ``(B, d_s)`` the read ``u`` of a one-token decode step, whose corrections stay
+            factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (``corr``: ``((alpha / r) W_dq^T,
+            (alpha / r) W_do^T)`` of :class:`LayerWeights`); the model's projections accumulate them
             into their own output (``delta_q``/``delta_o`` are then ``None``; :meth:`correction`
             forms them).
     """
@@ -121,8 +121,8 @@ class LayerWeights(NamedTuple):
         eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
         read: ``(2 d_s, d_s)`` ``W_read^T`` (its first ``d_s`` rows: ``W_read^time^T``).
-        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``W_dq^T``, ``W_do^T`` (views; eq:injection
-            scales ``u`` by ``alpha / r`` first).
+        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``(alpha / r) W_dq^T``, ``(alpha / r) W_do^T``
+            (eq:injection, with its scale folded into the maps: ``Δq = u corr_q``).
     """
 
     w_in: torch.Tensor
@@ -375,8 +375,8 @@ class LSTMemLayer(nn.Module):
             eau_first=eau_first,
             b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
             read=self.w_read.t().contiguous(),
-            corr_q=self.w_dq.t(),
-            corr_o=self.w_do.t(),
+            corr_q=(self.scale * self.w_dq).t(),
+            corr_o=(self.scale * self.w_do).t(),
         )
 
     def forward(
@@ -453,7 +453,7 @@ class LSTMemLayer(nn.Module):
         q, k = qk.view(*lead, H, 2, R).unbind(-2)
         depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
-        if step:  # the in-place decode step, on copies: the caller's states change only at commit
+        if step:  # the decode step writes new states: the caller's change only at commit
             new_cell, new_hidden = _step_states(cell, hidden)
             r_time = lstmem_step(
                 q,
@@ -461,11 +461,12 @@ class LSTMemLayer(nn.Module):
                 i_e,
                 f,
                 o,
-                new_cell,
-                new_hidden,
+                cell,
+                hidden,
                 depth_term,
                 None if valid is None else valid.view(B),
                 backend=backend,
+                out=(new_cell, new_hidden),
             )
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
         else:  # a block, or one token under autograd: the (autograd-native) scan
@@ -476,7 +477,7 @@ class LSTMemLayer(nn.Module):
         u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read[:ds])
         if step:  # corrections stay factored: the projections accumulate u corr into their outputs
             delta_q = delta_o = None
-            read, corr = self.scale * u, (w.corr_q, w.corr_o)
+            read, corr = u, (w.corr_q, w.corr_o)
         else:
             delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
             read = corr = None
@@ -501,7 +502,6 @@ class LSTMemLayer(nn.Module):
     def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
         """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u``; ``u`` ``(B T, d_s)`` ->
         ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
-        u = self.scale * u
         delta_q, delta_o = (torch.mm(u, c).view(B, T, -1) for c in (w.corr_q, w.corr_o))
         return _cast(delta_q, dtype), _cast(delta_o, dtype)
 
@@ -556,12 +556,10 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def _step_states(cell: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the states for the in-place decode step, float32 (or float64): the caller's states
-    (a cache's, a checkpoint's) are never written."""
-    return tuple(  # type: ignore[return-value]
-        state.clone() if state.dtype in (torch.float32, torch.float64) else state.float()
-        for state in (cell, hidden)
-    )
+    """Uninitialised float32 (or float64) tensors the decode step writes the new states into: the
+    caller's states (a cache's, a checkpoint's) are never written."""
+    dtype = cell.dtype if cell.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.empty_like(cell, dtype=dtype), torch.empty_like(hidden, dtype=dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

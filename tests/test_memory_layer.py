@@ -373,7 +373,10 @@ def test_weights_arrange_the_paper_maps():
     u0 = P["bread"].expand(5, ds)
     torch.testing.assert_close(torch.cat([v, z], 1) @ w.eau_first + w.b_eau, torch.cat([e0, a0, u0], 1))
     torch.testing.assert_close(w.read, P["Wread"].t(), rtol=0, atol=0)
-    assert torch.equal(w.corr_q, P["Wdq"].t()) and torch.equal(w.corr_o, P["Wdo"].t())
+    # eq:injection's scale alpha / r is folded into the correction maps
+    assert torch.equal(w.corr_q, (layer.scale * P["Wdq"]).t()) and torch.equal(
+        w.corr_o, (layer.scale * P["Wdo"]).t()
+    )
     for j in range(layer.num_heads):  # W_q and W_k head by head
         torch.testing.assert_close(
             w.w_in[:, 2 * j * R : (2 * j + 1) * R], P["Wq"][j * R : (j + 1) * R].t(), rtol=0, atol=0

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from lstmem_kernels import lstmem_scan, lstmem_step, scan_naive, scan_parallel, step_naive, step_torch
+from lstmem_kernels import (
+    lstmem_scan,
+    lstmem_step,
+    scan_naive,
+    scan_parallel,
+    step_naive,
+    step_torch,
+    triton_available,
+)
 
 
 def make_inputs(B, T, H=4, R=8, dtype=torch.float32, depth=True, padding=None, initial=True, seed=0):
@@ -140,6 +148,37 @@ def test_step_matches_naive_in_place(state_dtype, with_valid, with_depth):
     torch.testing.assert_close(h.float(), ref_h, **tol)
     if with_valid:
         assert torch.equal(c[1], cell[1]) and torch.equal(h[1], hidden[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_valid", [False, True])
+@pytest.mark.parametrize("with_depth", [False, True])
+def test_step_into_out_leaves_the_states_and_equals_the_in_place_step(
+    backend, state_dtype, with_valid, with_depth
+):
+    """``lstmem_step(..., out=(cell_out, hidden_out))``: the new states land in ``out`` (float32), the
+    input states are untouched, padded rows get the old states, and the read and states equal the
+    naive in-place step's (the Triton member under ``TRITON_INTERPRET=1`` on a CPU)."""
+    if backend == "triton" and not triton_available():
+        pytest.skip("Triton is not installed")
+    args = make_inputs(3, 1)
+    x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
+    cell = args["initial_cell"].to(state_dtype)
+    hidden = args["initial_hidden"].to(state_dtype)
+    depth = args["depth"][:, 0] if with_depth else None
+    valid = torch.tensor([True, False, True]) if with_valid else None
+    ref_c, ref_h = (t.to(torch.float32, copy=True) for t in (cell, hidden))
+    ref_read = step_naive(**x, cell=ref_c, hidden=ref_h, depth=depth, valid=valid)
+    before = (cell.clone(), hidden.clone())
+    out = (torch.full_like(ref_c, float("nan")), torch.full_like(ref_h, float("nan")))
+    read = lstmem_step(**x, cell=cell, hidden=hidden, depth=depth, valid=valid, backend=backend, out=out)
+    assert torch.equal(cell, before[0]) and torch.equal(hidden, before[1])
+    torch.testing.assert_close(read, ref_read, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], ref_c, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], ref_h, atol=1e-5, rtol=1e-5)
+    if with_valid:
+        assert torch.equal(out[0][1], cell[1].float()) and torch.equal(out[1][1], hidden[1].float())
 
 
 def test_scan_of_one_token_equals_step():
