@@ -13,6 +13,7 @@ plots. Weights are random: timing needs a model's dimensions, not its training.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -305,7 +306,9 @@ def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, wa
 def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
     """Operator calls per decode step of ``generate``, with memory and plain, and per memory layer.
 
-    Counts every aten operator the dispatcher runs (views included), between a call of
+    Also counts one plain ``model(...)`` decode step with a KV cache (``forward_*``: what a caller
+    that decodes by hand, or a serving loop, pays). Counts every aten operator the dispatcher runs
+    (views included), between a call of
     ``new_tokens + 1`` and one of ``1`` generated token, so that prefill and set-up cancel. On a GPU
     each operator other than views, aliases and allocations (``extra_non_view_per_layer``) is at
     least one kernel launch, which bounds decode speed at LSTMem's state sizes; the count is
@@ -340,6 +343,20 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
                     model.generate(input_ids=prompt, **gen)
         return counter.calls
 
+    def count_forward(with_memory: bool) -> Counter:
+        """One plain ``model(...)`` decode step after the prompt, with a KV cache (and a memory)."""
+        from transformers import DynamicCache
+
+        kv, cache = DynamicCache(), MemoryCache()
+        kw = {"memory_cache": cache} if with_memory else {}
+        with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
+            model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
+            with Count() as counter:
+                model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw)
+        return counter.calls
+
+    count_forward(True)  # warm-up (derives and caches the layers' weights)
+    forward_extra = count_forward(True) - count_forward(False)
     per_step = {}
     for name, memory in (("lstmem", True), ("plain", False)):
         count(memory, 1)  # warm-up
@@ -379,7 +396,13 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
         extra_per_layer=sum(extra.values()) / new_tokens / layers,
         extra_non_view_per_layer=sum(v for k, v in extra.items() if k not in views) / new_tokens / layers,
         extra_by_op={k: v / new_tokens / layers for k, v in sorted(extra.items(), key=lambda kv: -kv[1])},
+        forward_extra_non_view_per_layer=sum(v for k, v in forward_extra.items() if k not in views) / layers,
     )
+
+
+def _num(value) -> str:
+    """A table cell: one decimal, or a dash for a figure an older record does not have."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def bench_scan(
@@ -548,14 +571,15 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
         elif r["benchmark"] == "ops":
             lines += [
                 "| aten operators per decode step: LSTMem | plain | extra per memory layer | of which launch kernels |"
-                " top extra operators per layer |",
-                "| --- | --- | --- | --- | --- |",
+                " same, one `model(...)` step | top extra operators per layer |",
+                "| --- | --- | --- | --- | --- | --- |",
             ]
             for row in r["rows"]:
                 top = ", ".join(f"{k} {v:.1f}" for k, v in list(row["extra_by_op"].items())[:6])
                 lines.append(
                     f"| {row['lstmem_per_step']:.1f} | {row['plain_per_step']:.1f} | {row['extra_per_layer']:.1f} | "
-                    f"{row['extra_non_view_per_layer']:.1f} | {top} |"
+                    f"{row['extra_non_view_per_layer']:.1f} | {_num(row.get('forward_extra_non_view_per_layer'))} | "
+                    f"{top} |"
                 )
         elif r["benchmark"] in ("e2e", "write", "generate"):
             key = {"e2e": "history_tokens", "write": "tokens", "generate": "prompt_tokens"}[r["benchmark"]]

@@ -52,6 +52,7 @@ def test_records_carry_device_versions_date_and_every_figure(records):
         <= ops["extra_per_layer"]
         == pytest.approx(sum(ops["extra_by_op"].values()))
     )
+    assert 0 < ops["forward_extra_non_view_per_layer"] < ops["extra_per_layer"]  # a model() step, counted too
 
 
 def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_path):
