@@ -42,8 +42,6 @@ class MemoryPass:
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
         backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
-        weights: optional per-layer :class:`~lstmem_peft.memory.LayerWeights` (depth order) the
-            caller derived already (once per ``generate`` call); ``None``: each layer derives its own.
         every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
             stack (an early-exit draft).
     """
@@ -58,7 +56,6 @@ class MemoryPass:
         depth_coupling: bool = True,
         feedback_positions: int = K.FEEDBACK_POSITIONS,
         backend: str = "auto",
-        weights: list | None = None,
         every_layer: bool = True,
     ) -> None:
         if feedback and not write:
@@ -72,7 +69,6 @@ class MemoryPass:
         self.depth_coupling = depth_coupling
         self.backend = backend
         self.feedback_positions = feedback_positions
-        self.weights = weights
         self.every_layer = every_layer
         self.feedback_result: FeedbackResult | None = None
         self._next = 0
@@ -128,16 +124,15 @@ class MemoryPass:
         depth, valid = self._depth, self._valid_on(device)
         if depth is not None and depth.device != device:
             depth = depth.to(device)
-        out = layer(  # positional: this runs once per memory layer and token while decoding
+        out = layer(
             x,
             state.cell,
             state.hidden,
-            depth,
-            valid,
-            self.write,
-            self.backend,
-            None if self.weights is None else self.weights[index],
-            self.feedback,
+            depth=depth,
+            valid=valid,
+            write=self.write,
+            backend=self.backend,
+            aux=self.feedback,  # the feedback samples, only where block feedback reads them
         )
         if self.write:
             self._staged.append((out.cell, out.hidden))

@@ -96,8 +96,8 @@ class LayerOutput(NamedTuple):
 
 class LayerWeights(NamedTuple):
     """The parameters arranged as the forward multiplies by them (``(in, out)``, contiguous: the
-    fastest layout for a few rows). Derive once per forward (:meth:`LSTMemLayer.weights`), or once
-    per ``generate`` call, where the parameters cannot change.
+    fastest layout for a few rows). Derived by :meth:`LSTMemLayer.weights` (differentiably, in every
+    forward that trains) and kept by :meth:`LSTMemLayer.derived_weights` until a parameter changes.
 
     With ``W~_gate = [G_z | G_dep | G_e]``, ``W~_pred = P_dep`` (App. C.2) and
     ``W_read = [W_read^time | W_read^dep]``, the residual, the gate pre-activations and the depth
@@ -384,6 +384,7 @@ class LSTMemLayer(nn.Module):
         x: torch.Tensor,
         cell: torch.Tensor,
         hidden: torch.Tensor,
+        *,
         depth: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         write: bool = True,

@@ -242,14 +242,7 @@ class LSTMemState(nn.Module, MambaBase):
                 depth = None if depth_seq is None else depth_seq[rows]
                 if read_only:  # the fixed states; the lower layer's fixed D as depth input
                     out = self.memory(
-                        x[rows].unsqueeze(1),
-                        cell,
-                        hidden,
-                        depth,
-                        None,
-                        False,
-                        self.backend,
-                        None,  # the layer's cached derived weights (LSTMemLayer.derived_weights)
+                        x[rows].unsqueeze(1), cell, hidden, depth=depth, write=False, backend=self.backend
                     )
                     out_seq[rows] = hidden.to(out_seq.dtype)
                 else:
@@ -257,12 +250,9 @@ class LSTMemState(nn.Module, MambaBase):
                         x[rows].unsqueeze(1),
                         cell,
                         hidden,
-                        None if depth is None else depth.unsqueeze(1),
-                        None,
-                        True,
-                        self.backend,
-                        None,  # the layer's cached derived weights (LSTMemLayer.derived_weights)
-                        False,  # no feedback samples: vLLM runs no feedback
+                        depth=None if depth is None else depth.unsqueeze(1),
+                        backend=self.backend,
+                        aux=False,  # no feedback samples: vLLM runs no feedback
                     )
                     cells[group] = out.cell
                     hiddens[group] = out.hidden
@@ -284,10 +274,9 @@ class LSTMemState(nn.Module, MambaBase):
                     x[None, a:b],
                     cell[None],
                     hidden[None],
-                    None if depth_seq is None else depth_seq[None, a],
-                    None,
-                    False,
-                    self.backend,
+                    depth=None if depth_seq is None else depth_seq[None, a],
+                    write=False,
+                    backend=self.backend,
                 )
                 out_seq[a:b] = hidden.to(out_seq.dtype)
             else:
@@ -295,12 +284,9 @@ class LSTMemState(nn.Module, MambaBase):
                     x[None, a:b],
                     cell[None],
                     hidden[None],
-                    None if depth_seq is None else depth_seq[None, a:b],
-                    None,
-                    True,
-                    self.backend,
-                    None,
-                    False,
+                    depth=None if depth_seq is None else depth_seq[None, a:b],
+                    backend=self.backend,
+                    aux=False,
                 )
                 cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
                 out_seq[a:b] = out.hidden_seq[0]
