@@ -175,3 +175,29 @@ def test_a_decode_step_derives_no_weights_once_they_are_cached(monkeypatch):
     with torch.no_grad():
         model.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=4, do_sample=False)
     assert first == 3 and len(calls) == first  # one per memory layer, then none
+
+
+def test_compiled_static_cache_generate_gives_the_eager_tokens_and_memory():
+    """``generate(cache_implementation="static", compile_config=...)`` with a ``memory_cache``:
+    transformers compiles the decoding forward (counted), and the tokens and memory are the eager
+    call's (memory within float32 rounding: the graph adds the one-token correction, eager
+    accumulates it into the projection's output)."""
+    from transformers import CompileConfig
+
+    model = make("qwen3", **CONFIG)
+    prompt, _ = inputs()
+    kw = dict(input_ids=prompt, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    eager_cache, compiled_cache = MemoryCache(), MemoryCache()
+    config = CompileConfig(fullgraph=False, backend="eager")
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    with torch.no_grad():
+        eager = model.generate(memory_cache=eager_cache, **kw)
+        compiled = model.generate(memory_cache=compiled_cache, compile_config=config, **kw)
+    assert dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the forward really was compiled
+    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled_cache.tokens_written, eager_cache.tokens_written)
+    for a, b in zip(compiled_cache.layers, eager_cache.layers, strict=True):
+        torch.testing.assert_close(a.cell, b.cell, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, atol=1e-6, rtol=1e-5)
