@@ -8,6 +8,7 @@ plots. Weights are random: timing needs a model's dimensions, not its training.
 
     lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
     lstmem bench generate | ops | e2e | write | scan ...
+    lstmem bench gpu [--dry-run]                        # the GPU suite (bench_gpu.py): every step, one command
     lstmem bench report benchmarks/results              # RESULTS.md + plots from the JSON records
 """
 
@@ -445,6 +446,39 @@ def bench_scan(
     return rows
 
 
+@torch.no_grad()
+def bench_step(batches: list[int], device: torch.device, calls: int = 1000, reps: int = 5) -> list[dict]:
+    """One token's in-place decode step (``lstmem_step``, n_h 4, r 8) of the naive, PyTorch and (CUDA)
+    Triton members: ``calls`` back-to-back calls per timed repetition, after one warm-up repetition;
+    ``median`` etc. are seconds per call."""
+    from lstmem_kernels import lstmem_step, triton_available
+
+    backends = ["naive", "torch"] + (["triton"] if device.type == "cuda" and triton_available() else [])
+    rows = []
+    for B in batches:
+        g = torch.Generator().manual_seed(0)
+        x = {n: torch.randn(B, 4, 8, generator=g) for n in ("q", "k", "w")}
+        x.update({n: torch.rand(B, 4, 8, generator=g) for n in ("f", "o")})
+        x["depth"] = torch.randn(B, 4, 8, 8, generator=g)
+        x = {n: t.to(device) for n, t in x.items()}
+        for backend in backends:
+            cell, hidden = torch.zeros(B, 4, 8, 8, device=device), torch.zeros(B, 4, 8, 8, device=device)
+            times = []
+            for i in range(reps + 1):
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    lstmem_step(**x, cell=cell, hidden=hidden, backend=backend)
+                _sync(device)
+                if i:
+                    times.append((time.perf_counter() - start) / calls)
+            rows.append(dict(batch=B, backend=backend, calls=calls, **_stats(times)))
+    for r in rows:
+        naive = next(x for x in rows if (x["batch"], x["backend"]) == (r["batch"], "naive"))
+        r["speedup_vs_naive"] = naive["median"] / r["median"]
+    return rows
+
+
 # ---------------------------------------------------------------------- records, report and plots
 def save_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:
     out = Path(out_dir)
@@ -486,7 +520,7 @@ def read_records(out_dir: str | os.PathLike) -> list[dict]:
 
     folder = Path(out_dir)
     expected = "a folder of the JSON records lstmem bench KIND --out FOLDER wrote"
-    fix = "Run lstmem bench decode|generate|ops|e2e|write|scan --out FOLDER first, then report FOLDER"
+    fix = "Run lstmem bench decode|generate|ops|e2e|write|scan|gpu --out FOLDER first, then report FOLDER"
     if not folder.exists():
         raise MissingDataError(folder, expected, "no such folder", fix)
     if not folder.is_dir():
@@ -520,6 +554,9 @@ def read_records(out_dir: str | os.PathLike) -> list[dict]:
 def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
     """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
     records = read_records(out_dir)
+    # records of ``lstmem bench gpu --dry-run``: a test of the suite at tiny sizes on CPU, never figures
+    dry_runs = [r for r in records if r.get("dry_run")]
+    records = [r for r in records if not r.get("dry_run")]
     md = Path(results_md)
     lines = [
         "# Benchmark results",
@@ -534,6 +571,7 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
             "**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:",
             "",
             "```bash",
+            "lstmem bench gpu --out benchmarks/results   # the paper's decode sweep (HF, vLLM) and the kernels",
             "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
             "lstmem bench generate --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
             "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
@@ -547,7 +585,9 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
         model = f" — {r['preset']}" if r.get("preset") else ""
         head = f"## {r['benchmark']} — {r['device']}{model} ({r['date']}, torch {r['torch']})"
         lines += [head, ""]
-        if r["benchmark"] == "decode":
+        if r["benchmark"].startswith("gpu-"):
+            lines += _gpu_suite_lines(r, md.parent)
+        elif r["benchmark"] == "decode":
             lines += [
                 "| KV length | LSTMem ms (min-max) | plain ms (min-max) | LSTMem tok/s | plain tok/s | ratio |",
                 "| --- | --- | --- | --- | --- | --- |",
@@ -626,8 +666,105 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
                     f"{row['speedup_vs_naive']:.1f} |"
                 )
         lines.append("")
+    if dry_runs:
+        lines += [
+            "## Dry runs of `lstmem bench gpu` (not measurements)",
+            "",
+            "Records of `lstmem bench gpu --dry-run`: every step of the GPU suite at tiny sizes on CPU, a "
+            "test of the suite itself. Their timings are not figures and are not shown.",
+            "",
+        ]
+        for r in dry_runs:
+            lines.append(f"- {r['benchmark']}, {r['date']}, {r['device']}: dry run, {len(r['rows'])} rows")
+        lines.append("")
     md.write_text("\n".join(lines))
     return md
+
+
+def _ms(stats: dict, per: int = 1) -> str:
+    """``median (min-max)`` in milliseconds, per ``per`` tokens."""
+    return (
+        f"{1e3 * stats['median'] / per:.2f} ({1e3 * stats['min'] / per:.2f}-{1e3 * stats['max'] / per:.2f})"
+    )
+
+
+def _gpu_suite_lines(r: dict, folder: Path) -> list[str]:
+    """The tables of one ``lstmem bench gpu`` record (gpu-hf-decode, gpu-vllm-decode, gpu-kernels)."""
+    git = r.get("git") or {}
+    commit = (git.get("commit") or "unknown")[:12] + (" (with local changes)" if git.get("dirty") else "")
+    lines = [
+        f"CUDA {r.get('cuda')}, driver {r.get('driver')}, transformers {r.get('transformers')}, "
+        f"triton {r.get('triton')}, vllm {r.get('vllm')}, {r.get('dtype')}, commit {commit}.",
+        "",
+    ]
+    if r.get("error"):
+        return lines + [f"Failed: {r['error']}"]
+    if r.get("skipped") and isinstance(r["skipped"], str):
+        return lines + [f"Skipped: {r['skipped']}"]
+    if r.get("failed"):
+        return lines + [f"Failed: {r['failed']}"]
+    if r["benchmark"] == "gpu-hf-decode":
+        lines += [
+            "| KV length | variant | cache | compiled | LSTMem tok/s | plain tok/s | LSTMem / plain speed "
+            "| LSTMem ms/token (min-max) | plain ms/token (min-max) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in r["rows"]:
+            n = row["tokens_per_call"]
+            lines.append(
+                f"| {row['kv_length']} | {row['variant']} | {row['cache']} | {'yes' if row['compiled'] else 'no'} | "
+                f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['speed_retained']:.3f} | "
+                f"{_ms(row['lstmem'], n)} | {_ms(row['plain'], n)} |"
+            )
+        for skip in r.get("skipped_runs") or []:
+            lines += ["", f"Skipped: KV {skip['kv_length']}, {skip['variant']}: {skip['reason']}"]
+        if r["rows"]:
+
+            def draw(ax, rows=r["rows"]):
+                for variant in dict.fromkeys(row["variant"] for row in rows):
+                    mine = [row for row in rows if row["variant"] == variant]
+                    ks = [row["kv_length"] for row in mine]
+                    ax.plot(ks, [row["lstmem_tok_s"] for row in mine], "o-", label=f"LSTMem, {variant}")
+                    ax.plot(ks, [row["plain_tok_s"] for row in mine], "s--", label=f"plain, {variant}")
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("KV cache length (tokens)")
+                ax.set_ylabel("decode speed (tok/s)")
+
+            lines += ["", _plot(folder, r, "gpu-hf-decode", "HF decode sweep", draw)]
+    elif r["benchmark"] == "gpu-vllm-decode":
+        speeds = r["bench_vllm"]["decode_tokens_per_s"]
+        lines += [
+            f"vLLM, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}, {r.get('checkpoint')}.",
+            "",
+            "| KV length | LSTMem tok/s | plain tok/s | LSTMem / plain speed |",
+            "| --- | --- | --- | --- |",
+        ]
+        for length in r["bench_vllm"]["settings"]["kv"]:
+            lm, pl = speeds["lstmem"][str(length)], speeds["plain"][str(length)]
+            lines.append(f"| {length} | {lm:.2f} | {pl:.2f} | {lm / pl:.3f} |")
+    elif r["benchmark"] == "gpu-kernels":
+        lines += [
+            "| batch | T | backend | mode | median ms (min-max) | x naive |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in (row for row in r["rows"] if row.get("kind") == "scan"):
+            lines.append(
+                f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | {_ms(row)} | "
+                f"{row['speedup_vs_naive']:.1f} |"
+            )
+        lines += [
+            "",
+            "| decode step: batch | backend | median us per call (min-max) | x naive |",
+            "| --- | --- | --- | --- |",
+        ]
+        for row in (row for row in r["rows"] if row.get("kind") == "step"):
+            lines.append(
+                f"| {row['batch']} | {row['backend']} | {1e6 * row['median']:.1f} "
+                f"({1e6 * row['min']:.1f}-{1e6 * row['max']:.1f}) | {row['speedup_vs_naive']:.1f} |"
+            )
+        for backend, reason in (r.get("skipped_backends") or {}).items():
+            lines += ["", f"Skipped: {backend}: {reason}"]
+    return lines
 
 
 def run(

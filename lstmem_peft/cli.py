@@ -3,7 +3,10 @@
 lstmem demo                 # offline recall demo on the embedded backbone and adapters
 lstmem demo --train         # retrain the adapters from scratch first (reports the time)
 lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
+lstmem demo --show 3        # first print 3 episodes: history, question, gold, the answers
+lstmem demo --sweep         # recall against history length (8 to 256 facts): table, JSON record, plot
 lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
+lstmem bench gpu [--dry-run]      # on a GPU: the paper's decode sweep (HF, vLLM) and the kernels' speed
 lstmem bench report benchmarks/results                                   # RESULTS.md + plots
 lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
 lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
@@ -20,6 +23,17 @@ from .errors import DataFormatError, MissingDataError, UsageError, looks_local
 
 # Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
 BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -141,33 +155,82 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
     )
+    demo.add_argument(
+        "--show",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="first print N episodes: history (abridged), question, gold, the answers from memory and without",
+    )
+    demo.add_argument("--facts", type=positive_int, default=8, help="facts per history of --show (default 8)")
+    demo.add_argument(
+        "--sweep",
+        nargs="*",
+        type=positive_int,
+        default=None,
+        metavar="FACTS",
+        help="instead of the table: recall against history length (default 8 16 32 64 128 256 facts, "
+        "--episodes each), the window marked; writes a JSON record and a plot to --out",
+    )
+    demo.add_argument(
+        "--window",
+        type=positive_int,
+        default=64,
+        help="the backbone's context window in tokens (default 64, the embedded backbone's)",
+    )
+    demo.add_argument("--out", default=".", help="where --sweep writes its record and plot (default: here)")
     bench = sub.add_parser(
         "bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)"
     )
     bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "report"])
+    bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "gpu", "report"])
     bench.add_argument(
         "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
     )
-    bench.add_argument("--preset", default="cpu-small", help="model dimensions: cpu-small or qwen3-4b")
+    bench.add_argument(
+        "--preset", default=None, help="model dimensions: cpu-small (default) or qwen3-4b (gpu: qwen3-4b)"
+    )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    bench.add_argument("--out", default="benchmarks/results", help="where JSON records go")
+    bench.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default float32 (gpu: bfloat16)",
+    )
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="where JSON records go (default benchmarks/results; gpu --dry-run: a temp folder)",
+    )
+    bench.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="gpu: every step at tiny sizes on CPU, records marked dry_run (a test of the suite, no figures)",
+    )
+    bench.add_argument(
+        "--steps",
+        nargs="+",
+        choices=["hf", "vllm", "kernels"],
+        default=None,
+        help="gpu: the steps to run (default all)",
+    )
     bench.add_argument(
         "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
     )
     bench.add_argument("--reps", type=positive_int, default=None)
     bench.add_argument(
-        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode: KV cache lengths"
+        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode, gpu: KV cache lengths"
     )
     bench.add_argument("--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths")
     bench.add_argument(
-        "--answer-tokens", type=positive_int, default=None, help="e2e, generate: generated tokens"
+        "--answer-tokens", type=positive_int, default=None, help="e2e, generate, gpu: generated tokens"
     )
     bench.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
     bench.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
-    bench.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="scan: block lengths")
-    bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan: batch sizes")
+    bench.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=None, help="scan, gpu: block lengths"
+    )
+    bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan, gpu: batch sizes")
     ev = sub.add_parser(
         "eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone"
     )
@@ -407,7 +470,9 @@ def _dispatch(args) -> int:
 
 def _demo(args) -> int:
     _check_model(args.model)
-    from .demo import run
+    if args.sweep is not None:
+        _check_output_folder("--out", args.out, "the sweep's record and plot")
+    from .demo import SWEEP_FACTS, run
 
     run(
         train=args.train,
@@ -415,6 +480,11 @@ def _demo(args) -> int:
         num_episodes=args.episodes,
         ablations=not args.no_ablations,
         train_steps=args.steps,
+        show=args.show,
+        show_facts=args.facts,
+        sweep_facts=None if args.sweep is None else (tuple(args.sweep) or SWEEP_FACTS),
+        window=args.window,
+        out=args.out,
     )
     return 0
 
@@ -444,11 +514,21 @@ def _bench(args) -> int:
             f"FOLDER {args.folder}: applies to lstmem bench report only; expected no FOLDER with "
             f"{args.kind}. Pass --out {args.folder} to choose where the records go"
         )
-    if args.kind != "scan" and args.preset not in benchmarks.PRESETS:
+    for option, given in (("--dry-run", args.dry_run), ("--steps", args.steps)):
+        if given and args.kind != "gpu":
+            raise UsageError(
+                f"{option} applies to lstmem bench gpu only; expected none with {args.kind}. Drop it"
+            )
+    if args.kind != "scan" and args.preset is not None and args.preset not in benchmarks.PRESETS:
         raise UsageError(
             f"--preset {args.preset}: unknown; expected one of {', '.join(sorted(benchmarks.PRESETS))}. "
             "Pass one of those"
         )
+    if args.kind == "gpu":
+        return _bench_gpu(args)
+    args.preset = args.preset or "cpu-small"
+    args.dtype = args.dtype or "float32"
+    args.out = args.out or "benchmarks/results"
     _check_device(args.device)
     _check_output_folder("--out", args.out, "the JSON records")
     benchmarks.run(
@@ -467,6 +547,28 @@ def _bench(args) -> int:
         batches=args.batches,
     )
     return 0
+
+
+def _bench_gpu(args) -> int:
+    """``lstmem bench gpu``: refuses (one line, status 2) without a GPU unless ``--dry-run``."""
+    from .bench_gpu import require_gpu, run_suite
+
+    require_gpu(args.device, args.dry_run)  # before anything loads
+    _check_output_folder("--out", args.out, "the JSON records")
+    _, clean = run_suite(
+        out=args.out,
+        dry_run=args.dry_run,
+        device=args.device,
+        steps=args.steps or ("hf", "vllm", "kernels"),
+        preset=args.preset,
+        dtype=args.dtype,
+        kv_lengths=args.kv_lengths,
+        reps=args.reps,
+        new_tokens=args.answer_tokens,
+        scan_lengths=args.lengths,
+        scan_batches=args.batches,
+    )
+    return 0 if clean else 1
 
 
 def _api_keys(path: str) -> list[str]:

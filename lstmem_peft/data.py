@@ -17,7 +17,8 @@ Formats:
   ``qas.question/answers``): the paper is the history, one episode per answered question;
 * long-document QA JSONL (the shape of the paper's Long dataset): ``{"context": str, "qas":
   [{"question": str, "answer": str}, ...]}``, one episode per question;
-* synthetic key-value recall (:func:`synthetic_recall_episodes`) for tests and the demo.
+* synthetic key-value recall (:func:`synthetic_recall_episodes`, and
+  :func:`long_recall_episodes` for histories longer than the key set) for tests and the demo.
 
 Each loader reads a local file (``.json``/``.jsonl``/``.parquet``), a folder of them, or a Hub dataset
 id (downloaded through ``huggingface_hub``, so the Hub cache serves it offline).
@@ -224,6 +225,46 @@ def synthetic_recall_episodes(
         history = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values, strict=True))
         episodes.append(
             {"history": history, "prompt": f"? k{keys[ask]:02d}", "answer": f" v{values[ask]:02d}"}
+        )
+    return episodes
+
+
+def long_recall_episodes(
+    num_episodes: int, num_facts: int, num_keys: int = 32, num_values: int = 32, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Key-value recall over a history of any length: the asked key appears exactly once.
+
+    The other facts cycle through shuffled orders of the remaining ``num_keys - 1`` keys (a key
+    comes back every ``num_keys - 1`` facts or so, each time with a fresh value), so a history may
+    hold more facts than there are keys and the question stays unambiguous; with ``num_facts <=
+    num_keys`` the keys are distinct, as in :func:`synthetic_recall_episodes`. The asked fact's
+    position is uniform over the history; each episode also records ``facts_after``, how many facts
+    were written after the asked one (its age).
+    """
+    if num_facts < 1 or num_keys < 2:
+        raise ValueError(f"need num_facts >= 1 and num_keys >= 2, got {num_facts} and {num_keys}")
+    rng = random.Random(seed)
+    episodes = []
+    for _ in range(num_episodes):
+        ask = rng.randrange(num_keys)
+        others = [k for k in range(num_keys) if k != ask]
+        keys: list[int] = []
+        while len(keys) < num_facts - 1:
+            order = others[:]
+            rng.shuffle(order)
+            keys += order
+        keys = keys[: num_facts - 1]
+        where = rng.randrange(num_facts)
+        keys.insert(where, ask)
+        values = [rng.randrange(num_values) for _ in keys]
+        history = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values, strict=True))
+        episodes.append(
+            {
+                "history": history,
+                "prompt": f"? k{ask:02d}",
+                "answer": f" v{values[where]:02d}",
+                "facts_after": num_facts - 1 - where,
+            }
         )
     return episodes
 

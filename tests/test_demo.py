@@ -1,6 +1,7 @@
 """`lstmem demo` on the shipped backbone and adapters, and a scaled-down training run."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,17 +10,22 @@ import pytest
 from lstmem_peft import demo
 
 
-@pytest.mark.slow
-def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "PATH": __import__("os").environ["PATH"]}
-    result = subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli", "demo", "--episodes", "256"],
-        cwd=tmp_path,
+def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
+    """``lstmem demo ARGS`` in a child process, offline (bounded: 10 minutes)."""
+    env = {"HF_HUB_OFFLINE": "1", "PATH": os.environ["PATH"]}
+    return subprocess.run(
+        [sys.executable, "-m", "lstmem_peft.cli", "demo", *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
+
+
+@pytest.mark.slow
+def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
+    result = run_demo(tmp_path, "--episodes", "256")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("recall_memory", "recall_no_history", "recall_in_context", "chance", "num_pairs"):
@@ -80,3 +86,186 @@ def test_demo_runs_on_a_model_given_by_path(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["trained"] and summary["num_episodes"] == 16 and "train_full_s" in summary
+
+
+# ---------------------------------------------------------------------- issue 26: past the window, episodes
+@pytest.fixture(scope="module")
+def shipped():
+    from peft import PeftModel
+
+    return {
+        name: PeftModel.from_pretrained(demo.load_backbone(), demo.ASSETS / f"adapter_{name}").eval()
+        for name in ("full", "no_feedback")
+    }
+
+
+@pytest.mark.parametrize("facts", [1, 8, 32, 100])
+def test_long_histories_ask_a_key_that_appears_once(facts):
+    from lstmem_peft.data import long_recall_episodes
+
+    for e in long_recall_episodes(20, facts, seed=facts):
+        pairs = [f.split() for f in e["history"].split(";") if f.strip()]
+        keys = [k for k, _ in pairs]
+        asked = e["prompt"].split()[1]
+        assert len(pairs) == facts and keys.count(asked) == 1
+        where = keys.index(asked)
+        assert e["facts_after"] == facts - 1 - where and " " + pairs[where][1] == e["answer"]
+        if facts <= demo.NUM_KEYS:
+            assert len(set(keys)) == facts
+
+
+def test_the_window_keeps_the_question_and_the_latest_history():
+    tok = demo.demo_tokenizer()
+    history = [tok.bos_token_id] + list(range(5, 65)) * 2  # 121 tokens
+    read = [tok.bos_token_id, 4, 7, 40]  # "<s> ? k02 v03"
+    row = demo.window_row(tok, history, read, 1, window=16)
+    assert len(row) == 16 + 1 and row[0] == tok.bos_token_id
+    assert row[-3:] == read[1:] and row[1:-3] == history[-13:]
+    assert demo.window_row(tok, history[:5], read, 1, window=16) == history[:5] + read[1:]
+    assert demo.window_row(tok, history[:12], read, 1, window=16) == history[:12] + read[1:]
+
+
+def test_a_scaled_down_sweep_marks_the_window_and_plots(shipped, tmp_path):
+    record = demo.sweep(shipped, facts=(8, 32), num_episodes=24)
+    short, long = record["rows"]
+    assert record["window_tokens"] == demo.WINDOW and record["window_facts"] == 20
+    assert short["fits_window"] and not long["fits_window"]
+    assert (short["blocks"], long["blocks"]) == (1, 2) and long["history_tokens"] == 97
+    assert set(short["recall"]) == {
+        "memory/full",
+        "memory/no_feedback",
+        "memory+window",
+        "window",
+        "in_context",
+        "no_history",
+    }
+    assert all(0 <= v <= 1 for row in record["rows"] for v in row["recall"].values())
+    # the shipped adapter recalls one block of 8 facts from memory; without history it guesses
+    assert short["recall"]["memory/full"] > short["recall"]["no_history"] + 0.4
+    assert short["recall"]["window"] == short["recall"]["in_context"]  # 8 facts fit in the window
+    assert sum(b["episodes"] for b in long["by_age"]) == 24
+    assert record["adapters"]["full"]["cell_numbers_total"] == 2 * 4 * 8 * 8
+    assert "window: 64 tokens" in demo.format_sweep(record)
+    png = demo.plot_sweep({**record, "device": "CPU", "date": "2026-11-25"}, tmp_path / "sweep.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_episodes_show_history_question_gold_and_both_answers(shipped):
+    shown = demo.show_episodes(shipped["full"], num=3)
+    assert len(shown) == 3
+    for e in shown:
+        assert e["gold"].startswith("v") and e["question"].startswith("? k") and e["fits_window"]
+        assert e["history"].count("[") == 1 and e["facts"] == 8 and e["blocks"] == 1
+        assert e["memory"].startswith("v") and 0 < e["memory_p"] <= 1
+    text = demo.format_episodes(shown)
+    for word in ("episode 3", "history", "question", "gold", "memory", "no history"):
+        assert word in text
+    long = demo.show_episodes(shipped["full"], num=1, num_facts=64)[0]
+    assert not long["fits_window"] and "... (" in long["history"] and long["blocks"] == 4
+    assert "history cut to its 64-token window" in demo.format_episodes([long])
+
+
+@pytest.mark.slow
+def test_lstmem_demo_show_and_sweep_from_the_command_line(tmp_path):
+    args = ["--show", "2", "--sweep", "8", "64", "--episodes", "32", "--no-ablations"]
+    result = run_demo(tmp_path, *args, "--out", str(tmp_path / "sweep"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "episode 2:" in result.stdout and "gold" in result.stdout
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    record = json.loads(open(summary["sweep"]["record"]).read())
+    assert [r["facts"] for r in record["rows"]] == [8, 64] and record["torch"] and record["date"]
+    assert summary["sweep"]["plot"].endswith(".png")
+
+
+def _benchmark(name: str):
+    """A script of benchmarks/ as a module (they are not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ablation_benchmark_scores_an_adapter_and_summarizes_runs(shipped, tmp_path):
+    ablation = _benchmark("demo_ablation")
+    keys = {
+        "one_block_8",
+        "facts_16",
+        "facts_32",
+        "turns_4x2",
+        "update_newest",
+        "update_oldest",
+        "update_kept",
+    }
+    on = ablation.score(shipped["full"], demo.demo_tokenizer(), num=16)
+    off = ablation.score_without_feedback(shipped["full"], num=16)
+    assert set(on) == set(off) == keys and all(0 <= v <= 1 for v in on.values())
+    assert ablation.score_without_feedback(shipped["no_feedback"], num=16) is None
+    assert next(iter(shipped["full"].peft_config.values())).block_feedback  # switched back on
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "variant": "full",
+                    "seed": s,
+                    "final_loss": 0.2,
+                    "recall": on,
+                    "recall_feedback_off_at_eval": off,
+                }
+            )
+            + "\n"
+            for s in (0, 1)
+        )
+    )
+    summary = ablation.summarize(runs)["variants"]["full"]
+    assert summary["seeds"] == [0, 1] and summary["update_newest"]["sd"] == 0.0
+    assert summary["update_newest/feedback_gain_at_eval"]["n"] == 2
+
+
+def test_the_capacity_benchmark_scores_memory_recall_by_history_length(shipped):
+    assert demo.adapter_config(r=16).r == 16 and demo.adapter_config().r == 8
+    capacity = _benchmark("demo_capacity")
+    recall = capacity.memory_recall(shipped["full"], demo.demo_tokenizer(), facts=(8, 24), num=16)
+    assert set(recall) == {"8", "24"} and all(0 <= v <= 1 for v in recall.values())
+
+
+def test_update_episodes_supersede_some_keys_and_keep_others():
+    for e in demo.update_episodes(30, seed=3):
+        first = dict(f.split() for f in e["turns"][0].split(" ;") if f.strip())
+        later = dict(f.split() for f in e["turns"][1].split(" ;") if f.strip())
+        asked, kept = e["prompt"].split()[1], e["kept_prompt"].split()[1]
+        assert len(first) == demo.NUM_PAIRS and len(later) == 4 and set(later) <= set(first)
+        assert later[asked] == e["newest"].strip() != e["oldest"].strip() == first[asked]
+        assert kept not in later and first[kept] == e["kept"].strip()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["demo", "--show", "-1"], ["expected a whole number >= 0, got -1"]),
+        (["demo", "--facts", "0"], ["expected a positive integer, got 0"]),
+        (["demo", "--sweep", "8", "x"], ["expected a positive integer, got 'x'"]),
+        (["demo", "--sweep", "--out", "{file}"], ["an existing file", "a folder"]),
+    ],
+)
+def test_the_demo_refuses_bad_show_and_sweep_options_in_one_line(argv, words, tmp_path, capsys, monkeypatch):
+    from lstmem_peft import cli
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the demo ran before its options were checked")
+
+    monkeypatch.setattr(demo, "run", loaded)
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("lstmem demo"), err
+    for word in words:
+        assert word in err[0], (word, err)

@@ -3,9 +3,17 @@
 One self-contained HTML document (no external scripts: the server may run offline). It reads
 ``/v1/sessions`` and ``/v1/memory/{session}`` and draws SVG line charts of each memory layer's
 state norms (``||C||``, ``||D||``) and gate means (output gate ``o``, depth gate ``g``) per turn.
+
+It also runs ``lstmem demo`` interactively ("Try the recall demo", open by default on the
+embedded demo model): write a history of facts ``kNN vNN ;`` into a session
+(``POST /v1/memory/{session}/write``), ask ``? kNN`` with the session (``POST
+/v1/chat/completions`` with ``X-Session-Id``: the answer from memory, greedy, one token) and
+without one (no history), see gold (the newest value written for that key) beside both answers,
+and watch the session's charts gain a point per write and question. ``/?demo=N&ask=M`` does it
+unattended: a random history of ``N`` facts, then ``M`` questions about it.
 """
 
-PAGE = """<!doctype html>
+PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>lstmem serve</title>
 <style>
 body{font:14px system-ui,sans-serif;margin:0;display:flex;height:100vh;color:#222}
@@ -16,12 +24,31 @@ h1{font-size:16px;margin:0 0 8px} h2{font-size:15px;margin:16px 0 6px}
 .turn{border-left:3px solid #bcd;padding:4px 8px;margin:6px 0;white-space:pre-wrap}
 .turn .who{color:#667;font-size:12px} .ans{border-color:#7b5}
 #charts{display:flex;flex-wrap:wrap;gap:12px} .chart{border:1px solid #ddd;padding:6px}
-.muted{color:#888} input{width:100%;box-sizing:border-box;margin-bottom:8px}
+.muted{color:#888} #side input{width:100%;box-sizing:border-box;margin-bottom:8px}
+#demo{border:1px solid #ddd;padding:8px 12px;margin-bottom:12px;background:#fcfcf7}
+#demo textarea{width:100%;box-sizing:border-box;font:13px monospace}
+#demo input{margin:0 8px 6px 4px} #demo table{border-collapse:collapse;margin-top:6px}
+#demo td,#demo th{border-bottom:1px solid #eee;padding:2px 10px;text-align:left;font-family:monospace}
+.right{color:#27632a} .wrong{color:#b42318}
 </style></head><body>
 <div id="side"><h1>lstmem serve</h1>
 <input id="key" placeholder="API key (if the server needs one)">
 <div id="sessions" class="muted">loading sessions...</div></div>
-<div id="main"><div id="title" class="muted">Pick a session on the left.</div>
+<div id="main">
+<details id="demo"><summary><b>Try the recall demo</b> <span class="muted">(the embedded demo model:
+facts <code>kNN vNN ;</code>, questions <code>? kNN</code>)</span></summary>
+<p class="muted">Write a history into a session's memory, then ask about it: the question is sent alone
+(the history is not in the context), once with the session (the answer comes from memory) and once
+without (no history). Each write and question is a point on the session's charts below.</p>
+<div>session <input id="dsid" value="demo" size="12"> facts <input id="dn" type="number" value="8" min="1"
+max="512" style="width:5em"><button id="dgen">New random history</button></div>
+<textarea id="dhist" rows="3"></textarea>
+<div><button id="dwrite">Write into memory</button> <span id="dstatus" class="muted"></span></div>
+<div style="margin-top:6px">question <input id="dq" value="? k07" size="10"><button id="dask">Ask</button>
+<button id="dask3">Ask 3 written keys</button></div>
+<table id="dtable"><thead><tr><th>question</th><th>gold (newest written)</th><th>from memory</th>
+<th>without history</th></tr></thead><tbody></tbody></table></details>
+<div id="title" class="muted">Pick a session on the left.</div>
 <div id="summary"></div><h2>Memory across turns</h2><div id="charts"></div>
 <h2>Conversation</h2><div id="conv"></div></div>
 <script>
@@ -55,7 +82,7 @@ function chart(title, series) {
   });
   return `<div class="chart">${svg}</svg></div>`;
 }
-async function load() {
+async function load(prefer) {
   const r = await fetch('/v1/sessions', {headers: hdr()});
   const box = document.getElementById('sessions');
   if (!r.ok) { box.textContent = 'cannot list sessions: ' + r.status; return; }
@@ -66,8 +93,8 @@ async function load() {
     d.innerHTML = `<b>${esc(s.id)}</b><br><span class="muted">${s.turns} turns, ${s.tokens_written} tokens</span>`;
     d.onclick = () => show(s.id); box.appendChild(d);
   });
-  const want = new URLSearchParams(location.search).get('session') || (data[0] && data[0].id);
-  if (want) show(want);
+  const want = prefer || new URLSearchParams(location.search).get('session') || (data[0] && data[0].id);
+  if (want) await show(want);
 }
 async function show(id) {
   document.querySelectorAll('.s').forEach(e => e.classList.toggle('on', e.dataset.id === id));
@@ -91,6 +118,80 @@ async function show(id) {
     `${esc(t.input)}</div>` +
     (t.answer ? `<div class="turn ans"><div class="who">answer</div>${esc(t.answer)}</div>` : '')).join('');
 }
-load();
+// ---------------------------------------------------------------- the recall demo
+const $ = id => document.getElementById(id);
+const two = i => String(i).padStart(2, '0');
+const written = {};  // session -> {key: newest value written from this page}
+let modelId = null;
+async function model() {
+  if (modelId) return modelId;
+  const r = await fetch('/v1/models', {headers: hdr()});
+  modelId = r.ok ? (await r.json()).data[0].id : 'default';
+  return modelId;
+}
+function randomHistory(n) {  // keys distinct up to 32 facts, then each comes back with a new value
+  const facts = []; let pool = [];
+  for (let i = 0; i < n; i++) {
+    if (!pool.length) { pool = [...Array(32).keys()].sort(() => Math.random() - 0.5); }
+    facts.push(`k${two(pool.pop())} v${two(Math.floor(Math.random() * 32))} ;`);
+  }
+  return facts.join(' ');
+}
+async function demoWrite() {
+  const sid = $('dsid').value.trim(), text = $('dhist').value.trim();
+  if (!sid || !text) { $('dstatus').textContent = 'a session and a history, please'; return false; }
+  $('dstatus').textContent = 'writing...';
+  const r = await fetch('/v1/memory/' + encodeURIComponent(sid) + '/write', {method: 'POST',
+    headers: {...hdr(), 'Content-Type': 'application/json'},
+    body: JSON.stringify({messages: [{role: 'user', content: text}]})});
+  const j = await r.json();
+  if (!r.ok) { $('dstatus').textContent = 'write failed: ' + (j.error ? j.error.message : r.status); return false; }
+  const mine = written[sid] = written[sid] || {};
+  for (const m of text.matchAll(/\b(k\d\d)\s+(v\d\d)\b/g)) mine[m[1]] = m[2];
+  $('dstatus').textContent = `${j.tokens_written} tokens written; the session holds ${j.session_tokens_written}`;
+  const keys = Object.keys(mine);
+  if (keys.length) $('dq').value = '? ' + keys[Math.floor(Math.random() * keys.length)];
+  await load(sid);
+  return true;
+}
+async function answer(q, sid) {
+  const headers = {...hdr(), 'Content-Type': 'application/json'};
+  if (sid) headers['X-Session-Id'] = sid;
+  const r = await fetch('/v1/chat/completions', {method: 'POST', headers, body: JSON.stringify({
+    model: await model(), messages: [{role: 'user', content: q}], max_tokens: 1, temperature: 0})});
+  const j = await r.json();
+  return r.ok ? j.choices[0].message.content.trim() : 'error ' + r.status;
+}
+async function demoAsk(q) {
+  const sid = $('dsid').value.trim();
+  const key = (q.match(/k\d\d/) || [])[0], gold = (written[sid] || {})[key] || '(not written here)';
+  const mem = await answer(q, sid), none = await answer(q, null);
+  const mark = a => a === gold ? 'right">' + esc(a) + ' &#10003;' : 'wrong">' + esc(a) + ' &#10007;';
+  const cell = a => `<td class="${mark(a)}</td>`;
+  $('dtable').tBodies[0].insertAdjacentHTML('beforeend',
+    `<tr class="demo-row"><td>${esc(q)}</td><td>${esc(gold)}</td>${cell(mem)}${cell(none)}</tr>`);
+  await load(sid);
+}
+async function demoAskWritten(n) {
+  const keys = Object.keys(written[$('dsid').value.trim()] || {}).sort(() => Math.random() - 0.5);
+  for (const k of keys.slice(0, n)) await demoAsk('? ' + k);
+}
+$('dgen').onclick = () => { $('dhist').value = randomHistory(Math.max(1, +$('dn').value || 8)); };
+$('dwrite').onclick = demoWrite;
+$('dask').onclick = () => demoAsk($('dq').value.trim());
+$('dask3').onclick = () => demoAskWritten(3);
+$('dhist').value = randomHistory(8);
+(async () => {
+  const params = new URLSearchParams(location.search);
+  if ((await model()) === 'lstmem-demo' || params.get('demo')) $('demo').open = true;
+  if (params.get('demo')) {  // /?demo=N&ask=M: write N random facts, ask M of them
+    $('dn').value = +params.get('demo') || 8;
+    if (params.get('session')) $('dsid').value = params.get('session');
+    $('dhist').value = randomHistory(+$('dn').value);
+    if (await demoWrite()) await demoAskWritten(+params.get('ask') || 3);
+  } else {
+    load();
+  }
+})();
 </script></body></html>
 """
