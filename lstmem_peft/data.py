@@ -291,8 +291,9 @@ def tokenize_episode(
     }
 
 
-def left_pad(rows: list[list[int]], value: int):
-    """Left-pad token lists into ``(ids, mask)``, both ``(len(rows), longest)`` long tensors."""
+def left_pad(rows: list[list[int]], value: int, device=None):
+    """Left-pad token lists into ``(ids, mask)``, both ``(len(rows), longest)`` long tensors (rows
+    right-aligned; empty rows all padding), on ``device`` (default: the CPU)."""
     import torch
 
     width = max(len(r) for r in rows)
@@ -300,6 +301,6 @@ def left_pad(rows: list[list[int]], value: int):
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
-            ids[i, width - len(r) :] = torch.tensor(r)
+            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r) :] = 1
-    return ids, mask
+    return (ids, mask) if device is None else (ids.to(device), mask.to(device))

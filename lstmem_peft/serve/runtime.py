@@ -19,6 +19,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from ..cache import MemoryCache, MemoryLayout
+from ..data import left_pad
 from ..history import memory_layers, memory_layout, write_history
 
 DEMO_MODEL_NAME = "lstmem-demo"
@@ -219,18 +220,6 @@ def scatter(batch: MemoryCache, index: int) -> MemoryCache:
     row = batch.clone()
     row.batch_select_indices(torch.tensor([index]))
     return row
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, mask)``, both ``(len(rows), longest)`` long, rows right-aligned."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 # ---------------------------------------------------------------------- gate statistics
