@@ -396,22 +396,12 @@ def _versions() -> dict[str, str]:
 
 # ---------------------------------------------------------------------- loading
 def load_model(model_id: str, adapter: str | None = None, dtype: str = "auto", device: str | None = None):
-    """A causal LM (Hub id or local folder), its tokenizer, and optionally an LSTMem adapter on it.
+    """A causal LM (Hub id or local folder), its tokenizer, and optionally an LSTMem adapter on it
+    (:func:`lstmem_peft.loading.load_model_and_adapter`). Returns ``(model, tokenizer)``; with
+    ``adapter`` the model is the ``PeftModel``."""
+    from ..loading import load_model_and_adapter
 
-    Returns ``(model, tokenizer)``; with ``adapter`` the model is the ``PeftModel``.
-    """
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import lstmem_peft  # noqa: F401  (registers the LSTMEM method with PEFT)
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype).to(device).eval()
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    return model, tokenizer
+    return load_model_and_adapter(model_id, adapter, dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------------- entry point

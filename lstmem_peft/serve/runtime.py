@@ -118,16 +118,12 @@ def load_model(
             "pass both --model and --adapter (a backbone and the LSTMem adapter trained on it), or neither "
             "for the embedded demo"
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..loading import load_model_and_adapter
 
     check_saved_memory_id(adapter)
-    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    backbone = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
-    peft_model = PeftModel.from_pretrained(backbone, adapter)
-    source = adapter if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else model
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    peft_model, tokenizer = load_model_and_adapter(model, adapter, dtype=dtype, device=device)
     served = name or os.path.basename(os.path.normpath(adapter))
-    return LoadedModel(peft_model.to(device).eval(), tokenizer, served)
+    return LoadedModel(peft_model, tokenizer, served)
 
 
 def check_saved_memory_id(adapter: str) -> None:
