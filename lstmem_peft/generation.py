@@ -253,7 +253,7 @@ class GenerateSession:
     def memory_for(self, layout: MemoryLayout, kwargs: dict, batch: int, length: int, device) -> MemoryCache:
         """The working memory for a forward of ``length`` tokens starting at the KV cache's position."""
         kv = kwargs.get("past_key_values")
-        position = 0 if kv is None else int(kv.get_seq_length())
+        position = self._kv_position(kv)
         if self.work is None:
             self._begin(layout, kv, position, batch, device, kwargs)
         elif kv is not self.kv:
@@ -266,6 +266,18 @@ class GenerateSession:
         self._forward_start = position
         self._forward_before = _States(self.work)
         return self.work
+
+    def _kv_position(self, kv) -> int:
+        """How many tokens the KV cache holds. A static cache keeps that count on its device, where
+        reading it would synchronise every decoding step (and break a CUDA graph); transformers never
+        crops one, so after the call's first forward its count is the position memory tracked
+        (checked once, at the end of the call)."""
+        if kv is None:
+            return 0
+        length = kv.get_seq_length()
+        if isinstance(length, torch.Tensor) and self.work is not None and kv is self.kv:
+            return self.position
+        return int(length)
 
     def drafting(self) -> bool:
         """Whether the forward about to run is an early-exit draft (its stack is cut)."""
@@ -433,8 +445,15 @@ class GenerateSession:
         if self.work is None:  # no forward ran
             return
         if self.kv is not None:
-            final = int(self.kv.get_seq_length())
+            length = self.kv.get_seq_length()
+            final = int(length)
             if final != self.position:
+                if isinstance(length, torch.Tensor):
+                    raise RuntimeError(
+                        f"the static KV cache holds {final} tokens but LSTMem memory followed it to {self.position}: "
+                        "it changed length in a way memory could not see (a crop?); the MemoryCache was not "
+                        "written. Generate with the default (dynamic) cache for modes that crop the KV cache"
+                    )
                 self.rollback(final)  # the deferred stop check cropped one step
         if self.beams:
             self._recompute_hypotheses(output)
