@@ -9,6 +9,9 @@ A forward, drawn::
           (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
       o_proj wrapper of decoder layer l:  adds Δo
       (memory_only=True: the topmost memory layer raises MemoryWritten; the rest of the backbone is skipped)
+      (gradient checkpointing, non-reentrant: a checkpointed decoder layer runs its memory once, its
+          saved tensors kept outside the checkpoint; when backward recomputes the layer, ACTIVE holds a
+          CheckpointReplay that hands the wrappers the corrections of that forward: see MemoryCheckpoint)
       post-hook (same module, also on error): commit the pass (feedback at block ends) or drop it,
           reset ACTIVE (a KeyboardInterrupt skips the post-hook: write_history drops the uncommitted
           pass as the interrupt passes through it; after a bare forward, the module's next forward
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -135,10 +139,19 @@ class ModelPass:
         self.length = 0  # tokens of the forward (set by the opener)
         self.token: contextvars.Token | None = None  # restores ACTIVE when the pass closes
         self._outputs: dict[int, LayerOutput] = {}
+        self._replay: CheckpointReplay | None = None  # the checkpointed decoder layer running now
 
     def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
         """Run the memory of decoder layer ``wrapper.layer_idx``; keeps its output for ``Δo``."""
-        out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
+        replay = self._replay
+        if replay is None:
+            out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
+        else:
+            # inside a checkpointed decoder layer: the memory's saved tensors stay in its graph (the
+            # recompute does not run memory again), and the replay keeps the output for the recompute
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
+            replay.outputs[wrapper.layer_idx] = _replayed(out)
         if self.inputs is not None:
             self.inputs.append(x.detach())
         self._outputs[wrapper.layer_idx] = out
@@ -156,3 +169,131 @@ class ModelPass:
         self._outputs.clear()
         if completed:
             self.memory_pass.finish()
+
+
+# ---------------------------------------------------------------------- gradient checkpointing
+REENTRANT_REFUSED = (
+    "LSTMem does not support gradient checkpointing with use_reentrant=True (torch's choice when use_reentrant "
+    "is not given, as with PEFT's prepare_model_for_kbit_training defaults): the recomputed layers would run "
+    "memory a second time and memory gradients would be wrong. Use non-reentrant checkpointing, which is exact: "
+    'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}) (transformers\' '
+    'default), prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False}), '
+    'with TRL gradient_checkpointing_kwargs={"use_reentrant": False}; or disable it '
+    "(model.gradient_checkpointing_disable())"
+)
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor hooks that keep a tensor in the graph (over the checkpoint's own hooks). Detached:
+    a tensor saved by its own node would otherwise hold that node, a cycle through autograd that
+    the garbage collector cannot see (the graph would outlive a forward that never runs backward)."""
+    return tensor.detach()
+
+
+class CheckpointReplay:
+    """The memory of one checkpointed decoder layer as its wrappers see it while backward recomputes
+    that layer: the corrections its memory produced in the forward, detached (nothing runs or is
+    written again, and the recomputed activations are those of the forward)."""
+
+    draft = False
+
+    def __init__(self, adapter_name: str) -> None:
+        self.adapter_name = adapter_name
+        self.outputs: dict[int, LayerOutput] = {}
+
+    def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
+        out = self.outputs.get(wrapper.layer_idx)
+        if out is None:
+            raise RuntimeError(
+                f"gradient checkpointing recomputed decoder layer {wrapper.layer_idx}, whose memory did not run "
+                "in that layer's forward"
+            )
+        return out
+
+    def pop_output(self, layer_idx: int) -> LayerOutput | None:
+        return self.outputs.get(layer_idx)
+
+
+def checkpoint_kwargs(func) -> dict | None:
+    """The keyword arguments a decoder layer's ``_gradient_checkpointing_func`` passes to
+    ``torch.utils.checkpoint.checkpoint`` (transformers sets a ``functools.partial``), or ``None``
+    when they cannot be read."""
+    if isinstance(func, MemoryCheckpoint):
+        func = func.func
+    if isinstance(func, functools.partial):
+        return dict(func.keywords)
+    return None
+
+
+class MemoryCheckpoint:
+    """A decoder layer's ``_gradient_checkpointing_func`` (non-reentrant), made exact for LSTMem memory.
+
+    Set by :class:`~lstmem_peft.hooks.MemoryHooks` over the function transformers set. Outside a memory
+    pass it is that function. Inside one it adds a ``context_fn`` (composed with the user's): while the
+    layer runs forward, its memory's saved tensors are kept (not dropped for the recompute) and its
+    corrections are recorded; while backward recomputes the layer, :data:`ACTIVE` holds a
+    :class:`CheckpointReplay` that hands the wrappers those outputs. The recomputed graph then sees the
+    forward's corrections, and the memory (run once, written once) gets its gradients through the
+    forward's graph.
+    """
+
+    def __init__(self, func) -> None:
+        self.func = func
+
+    def __call__(self, function, *args, **kwargs):
+        active = ACTIVE.get()
+        model_pass = None if active is None else active.model_pass
+        if not isinstance(model_pass, ModelPass) or not torch.is_grad_enabled():
+            return self.func(function, *args, **kwargs)
+        options = {**(checkpoint_kwargs(self.func) or {}), **kwargs}
+        if options.get("use_reentrant") is not False:
+            raise RuntimeError(REENTRANT_REFUSED)
+        user_context = kwargs.pop("context_fn", None) or options.get("context_fn")
+        # the checkpoint keeps the recompute context in the layer's graph: nothing it holds may reach
+        # the graph or the pass (a cycle through autograd's nodes, which the garbage collector cannot
+        # see, would keep the graph alive whenever no backward runs). The replay holds detached values.
+        replay = CheckpointReplay(model_pass.adapter_name)
+        owner = active.owner
+
+        @contextlib.contextmanager
+        def forward():
+            model_pass._replay = replay
+            try:
+                yield
+            finally:
+                model_pass._replay = None
+
+        @contextlib.contextmanager
+        def recompute():
+            token = ACTIVE.set(Active(owner, None, replay, None))
+            try:
+                yield
+            finally:
+                ACTIVE.reset(token)
+
+        def context_fn():
+            if user_context is None:
+                return forward(), recompute()
+            outer_forward, outer_recompute = user_context()
+            return _both(outer_forward, forward()), _both(outer_recompute, recompute())
+
+        return self.func(function, *args, context_fn=context_fn, **kwargs)
+
+
+def _replayed(out: LayerOutput) -> LayerOutput:
+    """What a recomputed layer's wrappers need of ``out``: its corrections (or their factors), detached
+    from the memory's graph (the recompute only refills the layer's saved activations; gradients flow
+    through the forward's graph) and requiring gradients as they did, so that the recompute saves
+    exactly what the forward saved."""
+
+    def value(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().requires_grad_(t.requires_grad)
+
+    corr = None if out.corr is None else tuple(value(t) for t in out.corr)
+    return LayerOutput(value(out.delta_q), value(out.delta_o), None, None, read=value(out.read), corr=corr)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield

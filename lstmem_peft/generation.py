@@ -267,6 +267,11 @@ class GenerateSession:
         self._forward_before = _States(self.work)
         return self.work
 
+    @property
+    def forward_position(self) -> int:
+        """The KV position the running forward starts at (set by :meth:`memory_for`)."""
+        return self._forward_start
+
     def _kv_position(self, kv) -> int:
         """How many tokens the KV cache holds. A static cache keeps that count on its device, where
         reading it would synchronise every decoding step (and break a CUDA graph); transformers never

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from .cache import MemoryCache, MemoryLayout
-from .context import ACTIVE, Active, ModelPass
+from .context import ACTIVE, REENTRANT_REFUSED, Active, MemoryCheckpoint, ModelPass, checkpoint_kwargs
 from .engine import MemoryPass
 from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, resolve_generation_config
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 
 
-def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> torch.Tensor | None:
+def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Tensor | None:
     """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
 
     Args:
@@ -35,7 +35,8 @@ def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> t
             current tokens); 4-D ``(B, 1, T, S)`` boolean (``True`` = attend) or float (0 = attend),
             where a token is valid when it may attend to itself; or a dict of such masks (``None``
             values: no padding).
-        past: tokens already in the KV cache. In a 4-D mask token ``t``'s own column is ``past + t``
+        past: tokens already in the KV cache, or a function that returns it (called only for a 4-D
+            mask, the one kind that needs it). In a 4-D mask token ``t``'s own column is ``past + t``
             (static caches have ``S`` = their capacity), or ``S - length + t`` when the mask is
             narrower than that (sliding windows keep only the last columns).
     Returns:
@@ -56,6 +57,7 @@ def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> t
         if valid.dtype != torch.bool:
             valid = valid != 0
     elif mask.dim() == 4:
+        past = past() if callable(past) else past
         S = mask.shape[-1]
         t = torch.arange(length, device=mask.device)
         own = past + t if S >= past + length else S - length + t
@@ -71,7 +73,7 @@ def valid_from_attention_mask(mask, batch: int, length: int, past: int = 0) -> t
         )
     if valid.device.type != "cpu":
         return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
-    return None if bool(valid.all()) else valid
+    return None if valid.numpy().all() else valid  # read on the host, as above: no tensor op
 
 
 ADAPTER_NAMES_REFUSED = (
@@ -298,6 +300,28 @@ class MemoryHooks:
                 return bool(getattr(self.model, name))
         return False
 
+    def _prepare_checkpointing(self) -> None:
+        """Gradient checkpointing is on and this forward trains: make every checkpointed decoder
+        layer's checkpoint function exact for memory (:class:`~lstmem_peft.context.MemoryCheckpoint`,
+        set once over the function transformers set), or refuse the modes that cannot be."""
+        for module in self.model.modules():
+            if not getattr(module, "gradient_checkpointing", False):
+                continue
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if func is None or isinstance(func, MemoryCheckpoint):
+                continue
+            options = checkpoint_kwargs(func)
+            if options is None:
+                raise RuntimeError(
+                    f"{type(module).__name__}._gradient_checkpointing_func is {func!r}, not the functools.partial "
+                    "of torch.utils.checkpoint that transformers sets: LSTMem cannot make it exact for memory. "
+                    "Enable checkpointing with model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                    '{"use_reentrant": False}), or disable it (model.gradient_checkpointing_disable())'
+                )
+            if options.get("use_reentrant") is not False:
+                raise RuntimeError(REENTRANT_REFUSED)
+            module._gradient_checkpointing_func = MemoryCheckpoint(func)
+
     def _open_pass(self, module: nn.Module, args, kwargs):
         """Forward pre-hook: pop ``memory_cache`` / ``memory_write`` / ``memory_feedback`` /
         ``memory_only`` and open the pass."""
@@ -324,11 +348,7 @@ class MemoryHooks:
         adapter = self.active_adapter()
         config = self.config(adapter)
         if self.model.training and torch.is_grad_enabled() and self._checkpointing():
-            raise RuntimeError(
-                "LSTMem does not support gradient checkpointing: the recomputed layers would run outside the "
-                "memory pass and memory gradients would be wrong. Call model.gradient_checkpointing_disable() "
-                "(with TRL: gradient_checkpointing=False in the trainer config)"
-            )
+            self._prepare_checkpointing()
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         ref = ids if ids is not None else embeds
@@ -337,7 +357,10 @@ class MemoryHooks:
         batch, length = ref.shape[0], ref.shape[1]
         _refuse_packed(kwargs, length)
         kv = kwargs.get("past_key_values")
-        past = 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
+
+        def past() -> int:  # read only where needed: a static cache keeps its length on the device
+            return 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
+
         layout, depth_index, layers, _ = self._plan(adapter)
         session = active.session if active is not None and active.owner is self and cache is None else None
         draft = session is not None and session.drafting()
@@ -348,9 +371,9 @@ class MemoryHooks:
             write = session.write if write is None else write
         else:
             if cache is None:
-                if past:
+                if past():
                     raise ValueError(
-                        f"past_key_values holds {past} tokens but no memory_cache was passed: LSTMem memory would "
+                        f"past_key_values holds {past()} tokens but no memory_cache was passed: LSTMem memory would "
                         "start empty while attention sees that context. Pass the MemoryCache that was written "
                         "with those tokens (memory_cache=...), or no past_key_values"
                     )
@@ -374,6 +397,9 @@ class MemoryHooks:
                 "past_key_values (the layers it skips would leave the KV cache incomplete), no generate() and no "
                 "torch.compile; write histories with lstmem_peft.write_history"
             )
+        if session is not None and not draft:
+            position = session.forward_position  # tracked by the session: no read of the cache
+            past = lambda: position  # noqa: E731
         valid = valid_from_attention_mask(kwargs.get("attention_mask"), batch, length, past)
         if session is not None and not draft:
             valid = _and(valid, session.extra_valid(length, ref.device))

@@ -102,9 +102,11 @@ class LSTMemTrainingConfig(SFTConfig):
         context_dropout (`float`, *optional*, defaults to `0.2`):
             Probability of dropping the answer pass's prompt (all but its last token).
 
-    Defaults that differ from ``SFTConfig``: no activation/gradient checkpointing (the tuner refuses
-    it), ``remove_unused_columns=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}``
-    (episode columns are kept and not re-tokenized), ``bf16`` on when a CUDA device supports it.
+    Defaults that differ from ``SFTConfig``: gradient checkpointing off (``gradient_checkpointing=True``
+    turns it on, exact in transformers' non-reentrant mode; it saves activation memory on long
+    histories at about 1.3x the step time), ``remove_unused_columns=False`` and
+    ``dataset_kwargs={"skip_prepare_dataset": True}`` (episode columns are kept and not re-tokenized),
+    ``bf16`` on when a CUDA device supports it.
     """
 
     history_mode: str = field(
@@ -118,7 +120,13 @@ class LSTMemTrainingConfig(SFTConfig):
     context_dropout: float = field(
         default=K.CONTEXT_DROPOUT, metadata={"help": "Prompt dropout probability."}
     )
-    gradient_checkpointing: bool | None = field(default=None, metadata={"help": "Not supported by LSTMem."})
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute decoder layers in backward to save activation memory on long histories: exact "
+            "with LSTMem in non-reentrant mode (transformers' default); reentrant mode is refused."
+        },
+    )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Episode columns must reach the collator."}
     )
@@ -139,12 +147,6 @@ class LSTMemTrainingConfig(SFTConfig):
         if self.history_max_tokens is None:
             self.history_max_tokens = (
                 K.STAGE1_HISTORY_CAP if self.history_mode == "stage1" else K.STAGE2_HISTORY_CAP
-            )
-        if self.gradient_checkpointing or getattr(self, "activation_checkpointing", None):
-            raise ValueError(
-                "activation (gradient) checkpointing is not supported by LSTMem: recomputed layers run outside the "
-                "memory pass, so memory gradients would be wrong; leave activation_checkpointing and "
-                "gradient_checkpointing unset or False"
             )
         if not 0.0 <= self.context_dropout < 1.0:
             raise ValueError(f"context_dropout must be in [0, 1), got {self.context_dropout}")

@@ -125,11 +125,13 @@ class _HostSyncs:
         self.mode.__exit__(*exc)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_memory_adds_no_host_synchronisation_to_a_decode_step(padded):
-    """One decode step (``model(...)`` with a KV cache, and a step of ``generate``), padded rows
-    included: the memory reads no tensor value on the host; the step synchronises exactly as often
-    as the plain backbone's (transformers' own mask and stopping checks)."""
+def test_memory_adds_no_host_synchronisation_to_a_decode_step(padded, cache):
+    """One decode step (``model(...)`` with a KV cache, and a step of ``generate``, on a dynamic or a
+    static cache), padded rows included: the memory reads no tensor value on the host; the step
+    synchronises exactly as often as the plain backbone's (transformers' own mask and stopping
+    checks). A static cache keeps its length on the device: memory follows its own count."""
     model = make("qwen3", **CONFIG)
     prompt, steps = inputs()
     mask = torch.ones_like(prompt)
@@ -149,6 +151,8 @@ def test_memory_adds_no_host_synchronisation_to_a_decode_step(padded):
     def generate_steps(memory: bool, n: int) -> int:
         kw = dict(memory_cache=MemoryCache()) if memory else {}
         gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if cache == "static":
+            gen["cache_implementation"] = "static"
         with torch.no_grad(), contextlib.nullcontext() if memory else model.disable_adapter():
             with _HostSyncs() as syncs:
                 model.generate(input_ids=prompt, attention_mask=mask, **gen, **kw)

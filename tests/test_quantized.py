@@ -314,8 +314,8 @@ def test_gradient_checkpointing_on_a_quantised_backbone_is_refused_when_training
     base = prepare_model_for_kbit_training(load_quantized(checkpoint[0], backend))  # PEFT's default recipe
     if (
         not base.is_gradient_checkpointing
-    ):  # prepare_model_for_kbit_training turns it on for bnb and torchao only
-        base.gradient_checkpointing_enable()
+    ):  # prepare_model_for_kbit_training turns it on for bnb and torchao only (reentrant: torch's default)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})
     model = get_peft_model(base, LSTMemConfig(**CONFIG))
     model.train()
     ids = torch.randint(3, VOCAB, (1, 6))

@@ -135,8 +135,6 @@ def test_collator_pads_limits_and_drops_context():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(gradient_checkpointing=True), "checkpointing"),
-        (dict(activation_checkpointing=True), "checkpointing"),
         (dict(history_mode="stage3"), "history_mode"),
         (dict(context_dropout=1.0), "context_dropout"),
     ],

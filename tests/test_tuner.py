@@ -404,12 +404,17 @@ def test_write_history_validates_inputs():
         write_history(tiny_model(), ids(1, 8), MemoryCache())
 
 
-def test_gradient_checkpointing_is_refused_with_a_clear_error():
+def test_reentrant_gradient_checkpointing_is_refused_with_a_clear_error():
+    """transformers' default (non-reentrant) checkpointing is exact (tests/test_checkpointing.py)."""
     model = make()
     model.train()
-    model.get_base_model().gradient_checkpointing_enable()
-    with pytest.raises(RuntimeError, match="gradient checkpointing"):
+    model.get_base_model().gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    with pytest.raises(RuntimeError, match='gradient checkpointing.*"use_reentrant": False'):
         model(input_ids=ids(1, 4), memory_cache=MemoryCache())
+    model.get_base_model().gradient_checkpointing_enable()
+    model(input_ids=ids(1, 4), memory_cache=MemoryCache()).logits.sum().backward()
 
 
 # ---------------------------------------------------------------------- adapters, merge, unload
