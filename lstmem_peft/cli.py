@@ -25,26 +25,26 @@ from .errors import DataFormatError, MissingDataError, UsageError, looks_local
 BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
+def _integer(text: str, minimum: int, what: str, bound: str) -> int:
+    """``text`` as an integer of at least ``minimum``, or argparse's usage error: ``expected {what}``
+    when it is not an integer, ``expected {bound}`` when it is below the minimum."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {bound}, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "a whole number", "a whole number >= 0")
 
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _integer(text, 1, "a positive integer", "a positive integer")
 
 
 def port_number(text: str) -> int:

@@ -117,6 +117,7 @@ class MemoryHooks:
         self.model = model
         self._plans: dict[str, tuple] = {}
         self._wrappers: list[nn.Module] | None = None
+        self._checkpointable: list[nn.Module] | None = None
         self._handles: list = []
 
     # ------------------------------------------------------------------ finding and attaching
@@ -164,6 +165,7 @@ class MemoryHooks:
         """Forget the layer lists (an adapter was added, deleted or unloaded)."""
         self._plans = {}
         self._wrappers = None
+        self._checkpointable = None
 
     # ------------------------------------------------------------------ what the layers say
     def wrappers(self) -> list[nn.Module]:
@@ -304,8 +306,10 @@ class MemoryHooks:
         """Gradient checkpointing is on and this forward trains: make every checkpointed decoder
         layer's checkpoint function exact for memory (:class:`~lstmem_peft.context.MemoryCheckpoint`,
         set once over the function transformers set), or refuse the modes that cannot be."""
-        for module in self.model.modules():
-            if not getattr(module, "gradient_checkpointing", False):
+        if self._checkpointable is None:  # the layers transformers can checkpoint, found once
+            self._checkpointable = [m for m in self.model.modules() if hasattr(m, "gradient_checkpointing")]
+        for module in self._checkpointable:
+            if not module.gradient_checkpointing:
                 continue
             func = getattr(module, "_gradient_checkpointing_func", None)
             if func is None or isinstance(func, MemoryCheckpoint):

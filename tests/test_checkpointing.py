@@ -36,6 +36,15 @@ def _data(seed=0):
     return history, question, target
 
 
+def _assert_same_loss_and_gradients(plain, other, data):
+    """One step of each model on ``data``: equal loss (float64, to rounding) and equal gradients."""
+    loss_a, grads_a, _ = _step(plain, *data)
+    loss_b, grads_b, _ = _step(other, *data)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=0)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}])
 def test_checkpointed_step_equals_the_plain_step_in_loss_gradients_and_memory(kwargs):
     plain = _model()
@@ -66,12 +75,7 @@ def test_checkpointing_only_some_layers_is_exact_too():
     plain = _model()
     checkpointed = copy.deepcopy(plain)
     checkpointed.base_model.model.activation_checkpointing_enable(every_n_layers=2)
-    data = _data(1)
-    loss_a, grads_a, _ = _step(plain, *data)
-    loss_b, grads_b, _ = _step(checkpointed, *data)
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=0)
-    for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=1e-10, atol=1e-13, msg=name)
+    _assert_same_loss_and_gradients(plain, checkpointed, _data(1))
 
 
 @pytest.mark.parametrize("kwargs", [{"use_reentrant": True}, {}])
@@ -117,11 +121,7 @@ def test_peft_kbit_preparation_defaults_are_refused_and_its_non_reentrant_form_i
     plain_params = dict(plain.named_parameters())
     for name, p in prepared.named_parameters():  # the preparation casts norms to float32: same values
         assert torch.equal(p, plain_params[name])
-    loss_a, grads_a, _ = _step(plain, *_data())
-    loss_b, grads_b, _ = _step(prepared, *_data())
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=0)
-    for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=1e-10, atol=1e-13, msg=name)
+    _assert_same_loss_and_gradients(plain, prepared, _data())
 
 
 def test_trl_selective_activation_checkpointing_is_exact():
@@ -135,12 +135,7 @@ def test_trl_selective_activation_checkpointing_is_exact():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"selective": True})
-    data = _data(2)
-    loss_a, grads_a, _ = _step(plain, *data)
-    loss_b, grads_b, _ = _step(selective, *data)
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=0)
-    for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=1e-10, atol=1e-13, msg=name)
+    _assert_same_loss_and_gradients(plain, selective, _data(2))
 
 
 def _trainer_losses(tmp_path, checkpointing, steps=3):

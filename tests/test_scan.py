@@ -125,19 +125,26 @@ def test_extreme_gates_stay_finite():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_valid", [False, True])
-@pytest.mark.parametrize("with_depth", [False, True])
-def test_step_matches_naive_in_place(state_dtype, with_valid, with_depth):
-    """Every decode-step member updates the states in place and returns the read."""
+def _step_case(state_dtype, with_valid, with_depth):
+    """One decode step's inputs (3 rows, the second padded when ``with_valid``), states in
+    ``state_dtype``, and the naive step's ``(read, cell, hidden)`` computed in float32 on copies."""
     args = make_inputs(3, 1)
     x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
     cell = args["initial_cell"].to(state_dtype)
     hidden = args["initial_hidden"].to(state_dtype)
     depth = args["depth"][:, 0] if with_depth else None
     valid = torch.tensor([True, False, True]) if with_valid else None
-    ref_c, ref_h = (t.to(torch.float32, copy=True) for t in (cell, hidden))  # the reference, in float32
+    ref_c, ref_h = (t.to(torch.float32, copy=True) for t in (cell, hidden))
     ref_read = step_naive(**x, cell=ref_c, hidden=ref_h, depth=depth, valid=valid)
+    return x, cell, hidden, depth, valid, (ref_read, ref_c, ref_h)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_valid", [False, True])
+@pytest.mark.parametrize("with_depth", [False, True])
+def test_step_matches_naive_in_place(state_dtype, with_valid, with_depth):
+    """Every decode-step member updates the states in place and returns the read."""
+    x, cell, hidden, depth, valid, (ref_read, ref_c, ref_h) = _step_case(state_dtype, with_valid, with_depth)
     c, h = cell.clone(), hidden.clone()
     read = step_torch(**x, cell=c, hidden=h, depth=depth, valid=valid)
     assert c.dtype == state_dtype and h.dtype == state_dtype
@@ -162,14 +169,7 @@ def test_step_into_out_leaves_the_states_and_equals_the_in_place_step(
     naive in-place step's (the Triton member under ``TRITON_INTERPRET=1`` on a CPU)."""
     if backend == "triton" and not triton_available():
         pytest.skip("Triton is not installed")
-    args = make_inputs(3, 1)
-    x = {k: args[k][:, 0] for k in ("q", "k", "w", "f", "o")}
-    cell = args["initial_cell"].to(state_dtype)
-    hidden = args["initial_hidden"].to(state_dtype)
-    depth = args["depth"][:, 0] if with_depth else None
-    valid = torch.tensor([True, False, True]) if with_valid else None
-    ref_c, ref_h = (t.to(torch.float32, copy=True) for t in (cell, hidden))
-    ref_read = step_naive(**x, cell=ref_c, hidden=ref_h, depth=depth, valid=valid)
+    x, cell, hidden, depth, valid, (ref_read, ref_c, ref_h) = _step_case(state_dtype, with_valid, with_depth)
     before = (cell.clone(), hidden.clone())
     out = (torch.full_like(ref_c, float("nan")), torch.full_like(ref_h, float("nan")))
     read = lstmem_step(**x, cell=cell, hidden=hidden, depth=depth, valid=valid, backend=backend, out=out)
