@@ -50,7 +50,7 @@ def start_server(store: str, batching: bool, log) -> tuple[subprocess.Popen, str
     cmd = [
         sys.executable,
         "-m",
-        "lstmem_peft.cli",
+        "lstmem_peft.cli.commands",
         "serve",
         "--store",
         store,

@@ -83,7 +83,7 @@ def random_checkpoint(folder: Path, hidden: int, layers: int) -> tuple[str, str]
 def make_llm(model: str, adapter: str | None, args):
     from vllm import LLM
 
-    from lstmem_peft.vllm_plugin import engine_args
+    from lstmem_peft.integrations.vllm import engine_args
 
     kwargs = dict(
         dtype=args.dtype,

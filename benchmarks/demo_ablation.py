@@ -1,7 +1,7 @@
 """Do depth coupling and block-end feedback change recall on the demo backbone? (issue 26, item 2)
 
 Trains fresh adapters on the shipped demo backbone with the shipped recipe
-(:func:`lstmem_peft.demo.train_adapter`: LSTMemTrainer, histories of 1 to 8 facts, batch 64,
+(:func:`lstmem_peft.cli.demo.train_adapter`: LSTMemTrainer, histories of 1 to 8 facts, batch 64,
 lr 3e-3 cosine), one per (variant, seed), and scores each on the same held-out episodes:
 
 * ``one_block_8``: 8 facts in one block (the shipped demo's task);
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft import demo
-from lstmem_peft.bench import environment
-from lstmem_peft.cache import MemoryCache
-from lstmem_peft.data import long_recall_episodes
-from lstmem_peft.history import write_history
+from lstmem_peft.cli import demo
+from lstmem_peft.cli.bench import environment
+from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.training.data import long_recall_episodes
+from lstmem_peft.tuner.history import write_history
 
 OUT = Path(__file__).parent / "demo" / "ablation-runs.jsonl"
 EVAL_SEED = 4242
@@ -72,7 +72,7 @@ def score(model, tok, num: int = 512) -> dict:
         write_history(model, turn_ids(tok, texts, first=t == 0), cache, progress=False)
     histories, reads, n_ans = demo._rows(tok, episodes)
     out["turns_4x2"] = demo._correct(model, tok, reads, n_ans, cache).float().mean().item()
-    # updates: the newest value wins (lstmem_peft.demo.evaluate_updates)
+    # updates: the newest value wins (lstmem_peft.cli.demo.evaluate_updates)
     updates = demo.evaluate_updates(model, tok, num_episodes=num, seed=EVAL_SEED)
     out.update({k: v for k, v in updates.items() if k.startswith("update_")})
     return {k: round(v, 4) for k, v in out.items()}
@@ -123,7 +123,9 @@ def score_shipped(out: Path) -> list[dict]:
 
     records = []
     for variant in demo.ADAPTERS:
-        model = PeftModel.from_pretrained(demo.load_backbone(), demo.ASSETS / f"adapter_{variant}").eval()
+        model = PeftModel.from_pretrained(
+            demo.load_backbone(), demo.DEMO_ASSETS / f"adapter_{variant}"
+        ).eval()
         record = {
             "variant": variant,
             "seed": 42,

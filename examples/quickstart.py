@@ -24,7 +24,7 @@ QUESTIONS = ["What is Maya's locker code?", "Where did Leo park the van?"]
 
 def load(model_id: str | None):
     if model_id is None:
-        from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+        from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
         tokenizer = char_tokenizer()
         return tiny_qwen3(vocab_size=len(tokenizer)), tokenizer

@@ -26,15 +26,15 @@ from datasets import Dataset
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
-from lstmem_peft import constants as K
-from lstmem_peft.card import push_to_hub, record_training, write_model_card
-from lstmem_peft.data import load_episodes, tokenize_episode
-from lstmem_peft.trainer import LSTMemTrainer, LSTMemTrainingConfig
+from lstmem_peft.memory import constants as K
+from lstmem_peft.training.card import push_to_hub, record_training, write_model_card
+from lstmem_peft.training.data import load_episodes, tokenize_episode
+from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
 
 
 def load_model(args):
     if args.tiny:
-        from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+        from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
         tok = char_tokenizer()
         return tiny_qwen3(len(tok)), tok

@@ -6,18 +6,16 @@ Importing the package registers the ``LSTMEM`` method with PEFT, so ``get_peft_m
 
 from peft import mapping as _peft_mapping
 
-from .cache import LayerState, MemoryCache, MemoryLayout
-from .card import push_to_hub, write_model_card
-from .config import LSTMemConfig, LSTMemPeftType
-from .engine import MemoryPass
-from .feedback import block_feedback, feedback_gradients, sample_feedback_positions
-from .history import find_memory, generate, memory_layers, memory_layout, write_history
-from .layer import LSTMemOutputLayer, LSTMemQueryLayer
-from .memory import LSTMemLayer
-from .tuner import LSTMemModel
-
-# The one place the version is written: pyproject.toml reads it (setuptools' dynamic version).
-__version__ = "0.1.0"
+from lstmem_peft.memory.cache import LayerState, MemoryCache, MemoryLayout
+from lstmem_peft.memory.engine import MemoryPass
+from lstmem_peft.memory.feedback import block_feedback, feedback_gradients, sample_feedback_positions
+from lstmem_peft.memory.layer import LSTMemLayer
+from lstmem_peft.training.card import push_to_hub, write_model_card
+from lstmem_peft.tuner.config import LSTMemConfig, LSTMemPeftType
+from lstmem_peft.tuner.history import find_memory, generate, memory_layers, memory_layout, write_history
+from lstmem_peft.tuner.layer import LSTMemOutputLayer, LSTMemQueryLayer
+from lstmem_peft.tuner.model import LSTMemModel
+from lstmem_peft.utils.version import __version__
 
 
 def _register() -> None:
@@ -31,6 +29,7 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "__version__",
     "LSTMemConfig",
     "LSTMemLayer",
     "LSTMemModel",

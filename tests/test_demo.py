@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from lstmem_peft import demo
+from lstmem_peft.cli import demo
 
 
 def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
     """``lstmem demo ARGS`` in a child process, offline (bounded: 10 minutes)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": os.environ["PATH"]}
     return subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli", "demo", *args],
+        [sys.executable, "-m", "lstmem_peft.cli.commands", "demo", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -51,14 +51,14 @@ def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
 
 
 def test_missing_assets_name_the_rebuild_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m lstmem_peft.demo build"):
+    with pytest.raises(FileNotFoundError, match="python -m lstmem_peft.cli.demo build"):
         demo.load_backbone(tmp_path)
 
 
 @pytest.mark.slow
 def test_demo_runs_on_a_model_given_by_path(tmp_path):
     """`--model` takes any causal LM and tokenizer (a Hub id or, here, a local folder)."""
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     tiny_qwen3(len(tok), hidden_size=64).save_pretrained(tmp_path / "model")
@@ -67,7 +67,7 @@ def test_demo_runs_on_a_model_given_by_path(tmp_path):
         [
             sys.executable,
             "-m",
-            "lstmem_peft.cli",
+            "lstmem_peft.cli.commands",
             "demo",
             "--model",
             str(tmp_path / "model"),
@@ -94,14 +94,14 @@ def shipped():
     from peft import PeftModel
 
     return {
-        name: PeftModel.from_pretrained(demo.load_backbone(), demo.ASSETS / f"adapter_{name}").eval()
+        name: PeftModel.from_pretrained(demo.load_backbone(), demo.DEMO_ASSETS / f"adapter_{name}").eval()
         for name in ("full", "no_feedback")
     }
 
 
 @pytest.mark.parametrize("facts", [1, 8, 32, 100])
 def test_long_histories_ask_a_key_that_appears_once(facts):
-    from lstmem_peft.data import long_recall_episodes
+    from lstmem_peft.training.data import long_recall_episodes
 
     for e in long_recall_episodes(20, facts, seed=facts):
         pairs = [f.split() for f in e["history"].split(";") if f.strip()]
@@ -253,7 +253,7 @@ def test_update_episodes_supersede_some_keys_and_keep_others():
     ],
 )
 def test_the_demo_refuses_bad_show_and_sweep_options_in_one_line(argv, words, tmp_path, capsys, monkeypatch):
-    from lstmem_peft import cli
+    from lstmem_peft.cli import commands as cli
 
     def loaded(*args, **kwargs):
         raise AssertionError("the demo ran before its options were checked")

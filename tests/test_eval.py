@@ -13,7 +13,7 @@ import torch
 from eval_fixtures import write_hotpot, write_hotpot_hf_jsonl, write_locomo
 from peft import get_peft_model
 
-import lstmem_peft.engine
+import lstmem_peft.memory.engine
 from lstmem_peft import LSTMemConfig
 from lstmem_peft.eval import (
     Benchmark,
@@ -25,7 +25,7 @@ from lstmem_peft.eval import (
     Question,
     evaluate,
 )
-from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
 TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -228,7 +228,7 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
     model, tok, locomo, monkeypatch
 ):
     calls, feedbacks = [], []
-    real_feedback = lstmem_peft.engine.block_feedback
+    real_feedback = lstmem_peft.memory.engine.block_feedback
 
     def counting_feedback(*args, **kwargs):
         feedbacks.append(1)
@@ -252,7 +252,7 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
         )
         return real_generate(**kwargs)
 
-    monkeypatch.setattr(lstmem_peft.engine, "block_feedback", counting_feedback)
+    monkeypatch.setattr(lstmem_peft.memory.engine, "block_feedback", counting_feedback)
     monkeypatch.setattr(model, "generate", spy)
     block = 64
     history = next(locomo.histories())
@@ -346,7 +346,7 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
         [
             sys.executable,
             "-m",
-            "lstmem_peft.cli",
+            "lstmem_peft.cli.commands",
             "eval",
             "locomo",
             data,
@@ -390,7 +390,7 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
     # the official sentence splitter needs nltk's punkt data, which offline test machines may lack
     monkeypatch.setattr(nltk, "sent_tokenize", lambda text: [s + "." for s in text.split(". ")])
 
-    from lstmem_peft import cli
+    from lstmem_peft.cli import commands as cli
 
     model.get_base_model().save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
@@ -449,7 +449,7 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
 def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_path, monkeypatch, capsys):
     from eval_fixtures import mab_row, write_snapshot
 
-    from lstmem_peft import cli
+    from lstmem_peft.cli import commands as cli
     from lstmem_peft.eval import mab, runner
 
     written = []
@@ -660,7 +660,7 @@ def nothing_loads(monkeypatch):
     bad inputs must be refused before any of it."""
     import types
 
-    from lstmem_peft import bench, demo
+    from lstmem_peft.cli import bench, demo
     from lstmem_peft.eval import runner
 
     def loaded(*args, **kwargs):
@@ -683,7 +683,7 @@ def test_every_subcommand_refuses_a_bad_file_format_or_option_in_one_line(
 ):
     """Exit status 2, and stderr is one line: the subcommand, the file (or option), what was
     expected and the fix; no traceback, and nothing loaded first."""
-    from lstmem_peft import cli
+    from lstmem_peft.cli import commands as cli
 
     files = bad_inputs(tmp_path)
     argv = [a.format(**files) for a in argv]
@@ -710,7 +710,7 @@ def test_every_subcommand_refuses_a_bad_file_format_or_option_in_one_line(
 def test_a_bad_file_is_refused_before_the_model_loads_and_one_line_says_why(tmp_path, capsys, nothing_loads):
     """The issue's report: LoCoMo given a JSON file of another shape said "argument of type 'int' is not
     iterable", and given a file that is not JSON "Expecting value: line 1 column 1 (char 0)"."""
-    from lstmem_peft import cli
+    from lstmem_peft.cli import commands as cli
 
     (tmp_path / "other.json").write_text(json.dumps({"a": 1, "b": 2}))
     (tmp_path / "text.json").write_text("not json at all")
@@ -729,8 +729,8 @@ def test_a_bad_file_is_refused_before_the_model_loads_and_one_line_says_why(tmp_
 
 
 def test_a_bug_keeps_its_traceback_and_debug_shows_every_traceback(tmp_path, monkeypatch, capsys):
-    from lstmem_peft import cli
-    from lstmem_peft.errors import DataFormatError
+    from lstmem_peft.cli import commands as cli
+    from lstmem_peft.utils.errors import DataFormatError
 
     def bug(*args, **kwargs):
         raise TypeError("argument of type 'int' is not iterable")
@@ -823,7 +823,7 @@ def test_benchmarks_load_hub_dataset_ids_through_the_offline_cache(offline_hub, 
 
 
 def test_a_hub_id_missing_from_the_offline_cache_fails_clearly(offline_hub):
-    from lstmem_peft.errors import MissingDataError
+    from lstmem_peft.utils.errors import MissingDataError
 
     with pytest.raises(MissingDataError, match=r"nobody/nothing: not in the Hub cache.*snap-research/locomo"):
         LoCoMo("nobody/nothing")

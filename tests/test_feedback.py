@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lstmem_peft import constants as K
-from lstmem_peft.feedback import (
+from lstmem_peft.memory import constants as K
+from lstmem_peft.memory.feedback import (
     LayerTerminal,
     block_feedback,
     feedback_gradients,

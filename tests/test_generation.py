@@ -1,4 +1,4 @@
-"""The exactness contract of ``generate`` with LSTMem memory, mode by mode (lstmem_peft.generation).
+"""The exactness contract of ``generate`` with LSTMem memory, mode by mode (lstmem_peft.tuner.generation).
 
 (a) each generated token's logits equal the last-position logits of one forward over prompt + tokens
     so far from the starting memory; (b) afterwards each row's memory equals the starting memory fed
@@ -190,7 +190,7 @@ def test_a_row_that_finishes_early_stops_writing(model):
 
 
 def test_stop_strings_end_rows_and_their_memory():
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     base = tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=4).double()
@@ -298,7 +298,7 @@ def test_self_speculative_early_exit_drafts_read_memory_and_only_verified_tokens
 ):
     """Early exit drafts with the model's first layers against the verified memory (read-only, only
     the memory layers below the exit run); the full-stack verifier writes, rolled back with the KV crop."""
-    from lstmem_peft.generation import GenerateSession
+    from lstmem_peft.tuner.generation import GenerateSession
 
     drafts = []
     draft_memory = GenerateSession.draft_memory
@@ -371,7 +371,7 @@ def test_the_deferred_stop_check_writes_no_token_past_the_stop(model, monkeypatc
     events are no-ops: the CPU is synchronous), tokens and memory must be those without the deferral."""
     from transformers.generation import utils as generation_utils
 
-    from lstmem_peft.generation import GenerateSession
+    from lstmem_peft.tuner.generation import GenerateSession
 
     prompt, mask = prompt_batch((6,))
     start = history_cache(model, 1)
@@ -486,7 +486,7 @@ def test_streamer_in_a_thread(model):
 def test_pipeline_text_generation():
     from transformers import pipeline
 
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     model = get_peft_model(tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=4), LSTMemConfig()).eval()
@@ -510,7 +510,7 @@ def test_chat_template_conversations_in_a_padded_batch():
     meet the contract; ``pipeline`` with chat messages answers as ``generate`` on the same ids."""
     from transformers import pipeline
 
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE

@@ -8,7 +8,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from lstmem_peft import LSTMemConfig
-from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -1,5 +1,5 @@
 """The memory layer against the token-by-token transcription of the paper's equations
-(:func:`lstmem_peft.reference.memory_layer_ref`)."""
+(:func:`lstmem_peft.memory.reference.memory_layer_ref`)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lstmem_peft import LSTMemLayer
-from lstmem_peft.reference import memory_layer_ref
+from lstmem_peft.memory.reference import memory_layer_ref
 
 D_MODEL, D_Q = 48, 64
 
@@ -24,7 +24,7 @@ def make_layer(seed=0, randomize=True, **kw):
 
 
 def reference(layer, x, depth, cell, hidden, valid=None):
-    """The library's float64 transcription of the paper (:mod:`lstmem_peft.reference`)."""
+    """The library's float64 transcription of the paper (:mod:`lstmem_peft.memory.reference`)."""
     return memory_layer_ref(
         layer.paper_parameters(), x, cell, hidden, depth, valid, num_heads=layer.num_heads, alpha=layer.alpha
     )

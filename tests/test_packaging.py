@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import lstmem_peft
-from lstmem_peft.extras import EXTRAS
+from lstmem_peft.utils.extras import EXTRAS
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -140,16 +140,16 @@ assert not loaded, f"the core imported optional packages: {loaded}"
 
 # (feature, code that uses it, the extra its error must name)
 NEEDS_AN_EXTRA = [
-    ("trainer", "import lstmem_peft.trainer", "train"),
+    ("trainer", "import lstmem_peft.training.trainer", "train"),
     (
         "demo training",
-        "from lstmem_peft import demo\ndemo.train_adapter(demo.load_backbone(), max_steps=1)",
+        "from lstmem_peft.cli import demo\ndemo.train_adapter(demo.load_backbone(), max_steps=1)",
         "train",
     ),
     ("evaluation", "import lstmem_peft.eval", "eval"),
     ("serving", "import lstmem_peft.serve", "serve"),
-    ("parquet data", "from lstmem_peft.data import read_file\nlist(read_file('x.parquet'))", "eval"),
-    ("benchmark plots", "from lstmem_peft import bench\nbench._plot(None, {}, 'x', 'x', None)", "bench"),
+    ("parquet data", "from lstmem_peft.training.data import read_file\nlist(read_file('x.parquet'))", "eval"),
+    ("benchmark plots", "from lstmem_peft.cli import bench\nbench._plot(None, {}, 'x', 'x', None)", "bench"),
 ]
 
 

@@ -26,7 +26,7 @@ from tiny_models import VOCAB, history_then_question_logits, randomize_memory, t
 
 import lstmem_peft
 from lstmem_peft import LSTMemConfig, MemoryCache, find_memory, memory_layers
-from lstmem_peft.hooks import MemoryHooks
+from lstmem_peft.tuner.hooks import MemoryHooks
 
 ARCHS = ["qwen3", "llama"]
 PROMPT = torch.tensor([[5, 9, 17, 3, 40, 8]])

@@ -28,9 +28,9 @@ from transformers import (
 )
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layers
-from lstmem_peft.layer import LSTMemQueryLayer, _plain_linear
-from lstmem_peft.memory import LSTMemLayer
-from lstmem_peft.quant import (
+from lstmem_peft.memory.layer import LSTMemLayer
+from lstmem_peft.tuner.layer import LSTMemQueryLayer, _plain_linear
+from lstmem_peft.tuner.quant import (
     BNB_CPU_BLOCK_N,
     SUPPORTED_PROJECTIONS,
     bnb_4bit_layout,

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB, make
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history
-from lstmem_peft.context import current_pass
+from lstmem_peft.tuner.context import current_pass
 
 
 def history(rows=2, length=48, seed=0):

@@ -164,8 +164,8 @@ def test_lstmem_eval_with_an_adapter_folder_without_weights_prints_one_line(tmp_
     from eval_fixtures import write_hotpot
 
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.cli import main
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.cli.commands import main
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     tiny_qwen3(len(tok), hidden_size=64).save_pretrained(tmp_path / "base")

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m lstmem_peft.cli serve` in a subprocess, with its log in a file."""
+    """`python -m lstmem_peft.cli.commands serve` in a subprocess, with its log in a file."""
 
     def __init__(self, store: Path, log: Path, *extra: str) -> None:
         self.store, self.log, self.extra = store, log, extra
@@ -57,7 +57,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "lstmem_peft.cli",
+            "lstmem_peft.cli.commands",
             "serve",
             "--store",
             str(self.store),
@@ -754,8 +754,8 @@ def test_a_real_backbone_and_adapter_load_from_local_folders(tmp_path):
     from peft import PeftModel, get_peft_model
 
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
     from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     backbone = tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=2)
@@ -789,7 +789,7 @@ def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_pa
     from peft import get_peft_model
 
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.offline import char_tokenizer, tiny_qwen3
+    from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
     backbone = tiny_qwen3(vocab_size=len(tok), hidden_size=48, seed=2)
@@ -963,8 +963,8 @@ def test_recall_through_the_server_equals_in_process_memory_recall(server, loade
     token). Recall is within 0.05 of in-process memory-only recall (``demo.evaluate``: history
     written, question read) on the same episodes; with no history it is near chance. The first turn's
     answer is not in memory: the client did not send it back."""
-    from lstmem_peft.data import synthetic_recall_episodes
-    from lstmem_peft.demo import evaluate
+    from lstmem_peft.cli.demo import evaluate
+    from lstmem_peft.training.data import synthetic_recall_episodes
 
     num, seed = 50, 4242
     episodes = synthetic_recall_episodes(num, 8, seed=seed)
@@ -1320,7 +1320,7 @@ def test_lm_eval_local_completions_runs_loglikelihood_and_generation_tasks(
     )
     from lm_eval.tasks import TaskManager
 
-    from lstmem_peft.demo import demo_tokenizer
+    from lstmem_peft.cli.demo import demo_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -1419,8 +1419,8 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
 def test_the_store_refuses_session_ids_that_are_not_plain_names(name):
     """One rule for names that become files (the store's and vLLM's session directory): the whole id
     must match, so a trailing newline (which ``$`` would let through) is refused too."""
+    from lstmem_peft.integrations.vllm import check_session_id as vllm_check
     from lstmem_peft.serve.store import SessionIdError, check_session_id
-    from lstmem_peft.vllm_plugin import check_session_id as vllm_check
 
     assert check_session_id is vllm_check
     with pytest.raises(SessionIdError, match="invalid session id"):

@@ -367,7 +367,7 @@ def test_a_history_without_kv_cache_stops_each_block_after_the_topmost_memory_la
 def test_a_failure_while_committing_a_stopped_forward_reaches_the_caller(monkeypatch):
     """torch silences errors raised in a forward hook while another error propagates: a stopped
     forward's commit error (here feedback's) must still reach the caller, with the cache unchanged."""
-    from lstmem_peft import engine
+    from lstmem_peft.memory import engine
 
     model = make()
     cache = MemoryCache()
@@ -469,7 +469,7 @@ def test_write_history_peak_memory_does_not_grow_with_history_length():
 
 # ---------------------------------------------------------------------- fast paths inside the model
 def test_validity_from_masks_needs_no_host_read_off_cpu():
-    from lstmem_peft.hooks import valid_from_attention_mask
+    from lstmem_peft.tuner.hooks import valid_from_attention_mask
 
     ones = torch.ones(2, 6, dtype=torch.long)
     assert valid_from_attention_mask(ones, 2, 3) is None  # CPU, no padding: nothing to mask

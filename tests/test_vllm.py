@@ -26,7 +26,7 @@ from tiny_models import randomize_memory  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
-from lstmem_peft.vllm_plugin import (  # noqa: E402
+from lstmem_peft.integrations.vllm import (  # noqa: E402
     MEMORY_WRITE,
     SESSION_DIR_ENV,
     SESSION_IN,
@@ -472,7 +472,7 @@ def test_a_session_file_that_fails_in_the_worker_fails_its_request_only(setup):
 
 
 def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
-    from lstmem_peft.vllm_plugin.sessions import load_session
+    from lstmem_peft.integrations.vllm.sessions import load_session
 
     model, llm, root = setup
     other = get_peft_model(
@@ -548,7 +548,7 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
 HUB_SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
-from lstmem_peft.vllm_plugin import engine_args
+from lstmem_peft.integrations.vllm import engine_args
 
 if __name__ == "__main__":
     options, prompt, session = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]

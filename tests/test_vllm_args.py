@@ -6,7 +6,7 @@ import os
 import pytest
 from tiny_models import tiny_model
 
-from lstmem_peft.vllm_plugin import (
+from lstmem_peft.integrations.vllm import (
     MEMORY_LAYER_TYPE,
     SESSION_FILE_CHECK,
     WORKER,

@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .. import constants as K
-from ..errors import DataFormatError, describe
+from lstmem_peft.memory import constants as K
+from lstmem_peft.utils.errors import DataFormatError, describe
+
 from . import scorers
 from .protocol import Benchmark, DataSpec, History, Question, read_benchmark
 

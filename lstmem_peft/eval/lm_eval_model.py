@@ -42,10 +42,8 @@ except ModuleNotFoundError as err:
         name=err.name,
     ) from err
 
-import lstmem_peft  # noqa: F401  (registers the LSTMEM method with PEFT)
-
-from ..cache import MemoryCache
-from ..history import write_history
+from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.tuner.history import write_history
 
 
 @register_model("lstmem")

@@ -36,7 +36,7 @@ suffix "Use DATE of CONVERSATION to answer with an approximate date."
 
 Data: the official ``locomo10.json`` (a list of samples with ``conversation`` and ``qa``), or a Hub
 dataset id with the same fields; anything else is refused with a
-:class:`~lstmem_peft.errors.DataFormatError` that names the file and what it holds. Deviations from
+:class:`~lstmem_peft.utils.errors.DataFormatError` that names the file and what it holds. Deviations from
 the released code are listed in the README.
 """
 
@@ -47,7 +47,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import describe
+from lstmem_peft.utils.errors import describe
+
 from . import scorers
 from .protocol import Benchmark, DataSpec, History, Question, question_weighted, read_benchmark
 

@@ -37,7 +37,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DataFormatError, MissingDataError, describe, looks_local, read_json_object
+from lstmem_peft.utils.errors import (
+    DataFormatError,
+    MissingDataError,
+    describe,
+    looks_local,
+    read_json_object,
+)
+
 from . import scorers
 from .protocol import Benchmark, DataSpec, History, Question, hub_folder, question_weighted, read_rows
 
@@ -324,7 +331,7 @@ def _as_list(value: Any) -> list[Any]:
 
 def _check_row(row: Any, path: str, n: int) -> tuple[str, list[str], list[Any], dict[str, Any]]:
     """``(context, questions, answers, metadata)`` of row ``n`` of ``path``; a
-    :class:`~lstmem_peft.errors.DataFormatError` saying what is wrong otherwise."""
+    :class:`~lstmem_peft.utils.errors.DataFormatError` saying what is wrong otherwise."""
 
     def bad(problem: str) -> DataFormatError:
         return DataFormatError(path, DATA.expected, f"row {n}: {problem}", DATA.fix)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DataFormatError, MissingDataError, describe, looks_local
+from lstmem_peft.utils.errors import DataFormatError, MissingDataError, describe, looks_local
 
 
 @dataclass
@@ -136,7 +136,7 @@ def question_weighted(records: list[dict[str, Any]], metrics: tuple[str, ...]) -
 
 
 def require_fields(rows: list[dict[str, Any]], fields: tuple[str, ...], source: str, schema: str) -> None:
-    """Raise a :class:`~lstmem_peft.errors.DataFormatError` (a ValueError) naming the file, row and
+    """Raise a :class:`~lstmem_peft.utils.errors.DataFormatError` (a ValueError) naming the file, row and
     field when a row is not an object or lacks one of ``fields``."""
     for n, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -169,8 +169,8 @@ class DataSpec:
 
 def hub_folder(source: str, spec: DataSpec) -> str:
     """The local snapshot folder of the Hub dataset ``source``; a missing or unreachable one raises
-    :class:`~lstmem_peft.errors.MissingDataError`."""
-    from ..data import hub_dataset_folder
+    :class:`~lstmem_peft.utils.errors.MissingDataError`."""
+    from lstmem_peft.training.data import hub_dataset_folder
 
     try:
         from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
@@ -190,7 +190,7 @@ def hub_folder(source: str, spec: DataSpec) -> str:
 
 def data_paths(source: str, split: str, spec: DataSpec) -> list[str]:
     """The data files ``source`` (a file, a folder, or a Hub dataset id) stands for, for ``split``."""
-    from ..data import data_files
+    from lstmem_peft.training.data import data_files
 
     source = os.path.expanduser(os.fspath(source))
     if os.path.isfile(source):
@@ -213,7 +213,7 @@ def data_paths(source: str, split: str, spec: DataSpec) -> list[str]:
 def read_rows(path: str, spec: DataSpec) -> list[Any]:
     """The records of one data file (``.json``: a list of records, or an object mapping ids to records;
     ``.jsonl``: one record a line; ``.parquet``: one a row). A file that cannot be read so raises
-    :class:`~lstmem_peft.errors.DataFormatError` naming it; the records themselves are not checked."""
+    :class:`~lstmem_peft.utils.errors.DataFormatError` naming it; the records themselves are not checked."""
     lower = path.lower()
     try:
         if lower.endswith(".parquet"):
@@ -262,7 +262,7 @@ def _parquet_rows(path: str, spec: DataSpec) -> list[Any]:
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError as err:
-        from ..extras import missing_extra
+        from lstmem_peft.utils.extras import missing_extra
 
         raise missing_extra(err, "eval", f"Reading {path}") from err
     import pyarrow as pa
@@ -289,7 +289,7 @@ def record_name(row: Any, n: int) -> str:
 
 def check_records(rows: list[Any], path: str, spec: DataSpec) -> None:
     """Every row an object with ``spec.fields`` and no ``spec.check`` problem, or a
-    :class:`~lstmem_peft.errors.DataFormatError` naming the file, the record and what is wrong."""
+    :class:`~lstmem_peft.utils.errors.DataFormatError` naming the file, the record and what is wrong."""
     if not rows:
         raise DataFormatError(path, spec.expected, "it holds no records (an empty list)", spec.fix)
     if not any(isinstance(row, dict) for row in rows):
@@ -308,7 +308,7 @@ def check_records(rows: list[Any], path: str, spec: DataSpec) -> None:
 
 def read_benchmark(source: str, split: str, spec: DataSpec) -> list[dict[str, Any]]:
     """Every record of a benchmark's data (a file, a folder, or a Hub dataset id), checked against
-    ``spec``: what cannot be used raises a :class:`~lstmem_peft.errors.DataFormatError` (a ValueError)
+    ``spec``: what cannot be used raises a :class:`~lstmem_peft.utils.errors.DataFormatError` (a ValueError)
     that names the file, what it holds, what was expected and where the right file comes from."""
     records: list[dict[str, Any]] = []
     for path in data_paths(source, split, spec):

@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .. import constants as K
-from ..cache import MemoryCache
-from ..errors import DataFormatError, MissingDataError, describe, read_json_object
-from ..history import find_memory, write_history
+from lstmem_peft.memory import constants as K
+from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.tuner.history import find_memory, write_history
+from lstmem_peft.utils.errors import DataFormatError, MissingDataError, describe, read_json_object
+
 from .protocol import Benchmark, History, Question
 from .scorers import PROTOCOLS
 
@@ -384,7 +385,7 @@ def _versions() -> dict[str, str]:
     import peft
     import transformers
 
-    from .. import __version__
+    from lstmem_peft.utils.version import __version__
 
     return {
         "lstmem_peft": __version__,
@@ -397,9 +398,9 @@ def _versions() -> dict[str, str]:
 # ---------------------------------------------------------------------- loading
 def load_model(model_id: str, adapter: str | None = None, dtype: str = "auto", device: str | None = None):
     """A causal LM (Hub id or local folder), its tokenizer, and optionally an LSTMem adapter on it
-    (:func:`lstmem_peft.loading.load_model_and_adapter`). Returns ``(model, tokenizer)``; with
+    (:func:`lstmem_peft.tuner.loading.load_model_and_adapter`). Returns ``(model, tokenizer)``; with
     ``adapter`` the model is the ``PeftModel``."""
-    from ..loading import load_model_and_adapter
+    from lstmem_peft.tuner.loading import load_model_and_adapter
 
     return load_model_and_adapter(model_id, adapter, dtype=dtype, device=device)
 
@@ -645,7 +646,7 @@ PREDICTION_FIELDS = ("system", "history", "id", "group", "prediction", "gold")
 
 def read_predictions(path: str) -> list[dict[str, Any]]:
     """The per-question records of an ``lstmem eval`` run's ``predictions.jsonl``; anything else raises a
-    :class:`~lstmem_peft.errors.DataFormatError` naming the file and the line."""
+    :class:`~lstmem_peft.utils.errors.DataFormatError` naming the file and the line."""
     expected = (
         "the predictions.jsonl an lstmem eval run wrote (one JSON object a line with "
         + ", ".join(PREDICTION_FIELDS)

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-from ..extras import missing_extra
+from lstmem_peft.utils.extras import missing_extra
 
 try:
     import regex

@@ -8,7 +8,7 @@ bodies), :mod:`.app` (routes), :mod:`.page` (the page at ``/``).
 
 from __future__ import annotations
 
-from ..extras import missing_extra
+from lstmem_peft.utils.extras import missing_extra
 
 try:
     import fastapi  # noqa: F401

@@ -37,8 +37,9 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
-from ..cache import MemoryCache
+from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.utils.version import __version__
+
 from .page import PAGE
 from .runtime import Answer, LoadedModel, Sampling, TokenLogprobs, state_norms
 from .scheduler import Job, Scheduler, ServeError
@@ -788,7 +789,7 @@ def _valid_session(session: str) -> str:
 
 def _adapter_fingerprint(loaded: LoadedModel) -> str:
     """SHA-256 (16 hex) of the memory layers' parameters: changes whenever the adapter's weights do."""
-    from ..history import memory_layers
+    from lstmem_peft.tuner.history import memory_layers
 
     digest = hashlib.sha256()
     for layer in memory_layers(loaded.model):

@@ -18,9 +18,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ..cache import MemoryCache, MemoryLayout
-from ..data import left_pad
-from ..history import memory_layers, memory_layout, write_history
+from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
+from lstmem_peft.training.data import left_pad
+from lstmem_peft.tuner.history import memory_layers, memory_layout, write_history
+from lstmem_peft.tuner.loading import load_model_and_adapter
+from lstmem_peft.utils.offline import DEMO_ASSETS
 
 DEMO_MODEL_NAME = "lstmem-demo"
 
@@ -31,14 +33,14 @@ class LoadedModel:
     """A model with an active LSTMem adapter, its tokenizer and what the server says about it.
 
     Attributes:
-        model: a PeftModel (or anything :func:`~lstmem_peft.history.find_memory` accepts), eval mode.
+        model: a PeftModel (or anything :func:`~lstmem_peft.tuner.history.find_memory` accepts), eval mode.
         tokenizer: a transformers tokenizer of the backbone.
         name: the model id clients pass as ``model``.
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
         max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
         engine: what generates the answers: ``None``, the model's own ``generate``; or a
-            :class:`lstmem_peft.vllm_plugin.serve.VLLMAnswers` (``lstmem serve --engine vllm``).
+            :class:`lstmem_peft.integrations.vllm.serve.VLLMAnswers` (``lstmem serve --engine vllm``).
             Memory is always written by ``model`` (history blocks with feedback).
     """
 
@@ -96,33 +98,20 @@ def load_model(
                 "--engine vllm needs --model and --adapter (a Qwen3 or Llama backbone and its LSTMem adapter); the "
                 "embedded demo runs with the default engine"
             )
-        from ..vllm_plugin.serve import VLLMAnswers, require_vllm
+        from lstmem_peft.integrations.vllm.serve import VLLMAnswers, require_vllm
 
         require_vllm()  # before the library model loads
         loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
         loaded.engine = VLLMAnswers(model, adapter, dtype=dtype, **(vllm_options or {}))
         return loaded
-    from peft import PeftModel
-
-    import lstmem_peft  # noqa: F401  (registers the LSTMEM method with PEFT)
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if model is None and adapter is None:
-        from ..demo import ASSETS, demo_tokenizer, load_backbone
-
-        check_saved_memory_id(str(ASSETS / "adapter_full"))
-        peft_model = PeftModel.from_pretrained(load_backbone(), ASSETS / "adapter_full")
-        return LoadedModel(peft_model.to(device).eval(), demo_tokenizer(), name or DEMO_MODEL_NAME)
-    if model is None or adapter is None:
+    if (model is None) != (adapter is None):
         raise ValueError(
             "pass both --model and --adapter (a backbone and the LSTMem adapter trained on it), or neither "
             "for the embedded demo"
         )
-    from ..loading import load_model_and_adapter
-
-    check_saved_memory_id(adapter)
+    check_saved_memory_id(str(DEMO_ASSETS / "adapter_full") if adapter is None else adapter)
     peft_model, tokenizer = load_model_and_adapter(model, adapter, dtype=dtype, device=device)
-    served = name or os.path.basename(os.path.normpath(adapter))
+    served = name or (DEMO_MODEL_NAME if adapter is None else os.path.basename(os.path.normpath(adapter)))
     return LoadedModel(peft_model, tokenizer, served)
 
 

@@ -35,7 +35,7 @@ A completion is the same turn on text (:func:`plan_completion`): of the prompt's
 has not written, those before the context window are written before answering, the rest after it;
 a completion is written when a later prompt carries it. So a question sent as a turn is answered
 from memory as the in-process "write the history, then read the question"
-(``lstmem_peft.demo.evaluate``) does, and memory holds each message once, in order.
+(``lstmem_peft.cli.demo.evaluate``) does, and memory holds each message once, in order.
 
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
 went away before the commit (the job is marked cancelled, decoding of its rows stops early and
@@ -52,7 +52,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from ..cache import MemoryCache
+from lstmem_peft.memory.cache import MemoryCache
+
 from .runtime import (
     Answer,
     ChatFormat,

@@ -30,10 +30,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import MemoryCache, MemoryLayout
-
 # session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session directory)
-from ..vllm_plugin import SESSION_ID, SessionIdError, check_session_id  # noqa: F401 (re-exported)
+from lstmem_peft.integrations.vllm import SESSION_ID, SessionIdError, check_session_id  # noqa: F401 (re-exported)
+from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 RECORD = "record.json"
 RECORD_VERSION = 1

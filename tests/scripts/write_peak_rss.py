@@ -7,7 +7,7 @@ import torch
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig, MemoryCache, write_history
-from lstmem_peft.offline import tiny_qwen3
+from lstmem_peft.utils.offline import tiny_qwen3
 
 torch.manual_seed(0)
 model = get_peft_model(tiny_qwen3(64, hidden_size=64), LSTMemConfig(block_size=512)).eval()

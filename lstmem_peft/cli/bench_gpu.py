@@ -1,0 +1,626 @@
+"""The GPU suite: the paper's decode sweep and the kernels' speed, in one command.
+
+    lstmem bench gpu                    # on a CUDA machine: every step, records into benchmarks/results
+    lstmem bench gpu --dry-run          # anywhere: every step at tiny sizes on CPU (records marked dry_run)
+
+Steps, in order, each written as its own JSON record (device, CUDA / driver / torch / transformers /
+triton / vllm versions, date, git commit, settings):
+
+``gpu-hf-decode``
+    Batch 1, Qwen3-4B's dimensions (random weights from the shipped config: nothing is downloaded),
+    KV lengths 8K-128K (``--kv-lengths``), LSTMem against the plain backbone (the adapter disabled),
+    interleaved, after warm-ups, synchronised. Three variants per length, from the same restored
+    KV cache and memory: ``forward`` (one single-token ``model(...)`` step: the paper's equivalent
+    decode speed), ``generate`` (greedy ``generate`` of ``--answer-tokens`` tokens, dynamic cache,
+    eager) and ``generate-static-compile`` (the same from a static cache, whose decode step
+    transformers compiles with ``torch.compile``; the record says whether it did). Lengths whose two
+    KV caches do not fit in the free memory, or that run out of memory, are skipped with the reason.
+``gpu-vllm-decode``
+    ``benchmarks/bench_vllm.py sweep`` (CUDA graphs on: not ``enforce_eager``) at the same KV
+    lengths on a random checkpoint with the same dimensions, plain and LSTMem, in a child process;
+    a record that says why it was skipped when vllm is not importable.
+``gpu-kernels``
+    The block scan (naive / vectorised PyTorch / Triton; forward and forward + backward) at T = 2048
+    and longer, and the single-token decode step of each backend.
+
+Nothing is estimated: a figure in a record was measured by the run that wrote it, on the device it
+names. Without a GPU the command refuses to run unless given ``--dry-run``, which runs every step
+at tiny sizes on CPU (the Triton backends skipped with the reason) to test the suite itself; its
+records carry ``"dry_run": true`` and ``lstmem bench report`` never shows them as figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from lstmem_peft.utils.errors import UsageError
+
+from . import bench
+
+STEPS = ("hf", "vllm", "kernels")
+VARIANTS = ("forward", "generate", "generate-static-compile")
+BASELINE = (
+    "the same model with the adapter disabled (the paper's baseline is delta-Mem, which this package "
+    "does not implement)"
+)
+REPO = Path(__file__).resolve().parents[2]
+VLLM_SCRIPT = REPO / "benchmarks" / "bench_vllm.py"
+
+#: The sizes of a run on a GPU (the paper's appendix: batch 1, BF16, 20 timed repetitions after two
+#: warm-ups per model and length) and of a dry run (seconds on a CPU).
+SETTINGS = {
+    "gpu": dict(
+        preset="qwen3-4b",
+        dtype="bfloat16",
+        kv_lengths=[8192, 16384, 32768, 65536, 131072],
+        reps=20,
+        warmup=2,
+        new_tokens=128,
+        generate_reps=5,
+        generate_warmup=1,
+        compile_warmup=2,  # compilation, then CUDA-graph recording
+        block_size=2048,
+        scan_lengths=[2048, 8192, 32768],
+        scan_batches=[1],
+        scan_reps=5,
+        step_batches=[1],
+        step_calls=1000,
+        step_reps=5,
+        vllm_hidden=None,
+        vllm_layers=None,
+    ),
+    "dry-run": dict(
+        preset="tiny",
+        dtype="float32",
+        kv_lengths=[16, 32],
+        reps=1,
+        warmup=1,
+        new_tokens=3,
+        generate_reps=1,
+        generate_warmup=1,
+        compile_warmup=1,
+        block_size=16,
+        scan_lengths=[8],
+        scan_batches=[1],
+        scan_reps=1,
+        step_batches=[1],
+        step_calls=3,
+        step_reps=1,
+        vllm_hidden=128,
+        vllm_layers=2,
+    ),
+}
+
+
+# ---------------------------------------------------------------------- environment
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run_text(*command: str) -> str | None:
+    """One command's stdout, stripped; ``None`` when it is missing or fails."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``), or ``None``."""
+    text = _run_text("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
+    return text.splitlines()[0].strip() if text else None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def git_state() -> dict:
+    """The commit of the checkout this package runs from, and whether its tracked files differ."""
+    if not (REPO / ".git").exists():
+        return dict(commit=None, dirty=None)
+    commit = _run_text("git", "-C", str(REPO), "rev-parse", "HEAD")
+    status = _run_text("git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no")
+    return dict(commit=commit, dirty=None if commit is None else bool(status))
+
+
+def environment(device: torch.device) -> dict:
+    """``bench.environment`` plus CUDA, driver, GPU memory, vllm, peft, Python and git."""
+    env = bench.environment(device)
+    cuda = device.type == "cuda"
+    env.update(
+        device_kind=device.type,
+        cuda=torch.version.cuda,
+        driver=_driver() if cuda else None,
+        gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        if cuda
+        else None,
+        compute_capability=".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+        vllm=_version("vllm"),
+        peft=_version("peft"),
+        lstmem_peft=_version("lstmem-peft"),
+        python=platform.python_version(),
+        git=git_state(),
+    )
+    return env
+
+
+# ---------------------------------------------------------------------- memory
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**62  # unknown: let the run find out
+
+
+def kv_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one full-attention KV cache of ``tokens`` tokens for a causal LM config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * tokens * size
+
+
+def _fits(config, tokens: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """``None`` when two KV caches of ``tokens`` tokens fit in 90% of the free memory, else why not."""
+    need, free = 2 * kv_bytes(config, tokens, dtype), _free_bytes(device)
+    if need <= 0.9 * free:
+        return None
+    return (
+        f"does not fit: two KV caches of {tokens} tokens need {need / 2**30:.1f} GiB, "
+        f"{free / 2**30:.1f} GiB free on {device.type}"
+    )
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+# ---------------------------------------------------------------------- step a: HF decode sweep
+@torch.no_grad()
+def _prefill(model, prompt: torch.Tensor, kv, memory, block_size: int) -> None:
+    """Fill ``kv`` (and ``memory``) with ``prompt`` in blocks: the memory of a ``block_size`` forward."""
+    kw = {} if memory is None else {"memory_cache": memory}
+    with model.disable_adapter() if memory is None else contextlib.nullcontext():
+        for start in range(0, prompt.shape[1], block_size):
+            model(
+                input_ids=prompt[:, start : start + block_size],
+                past_key_values=kv,
+                use_cache=True,
+                logits_to_keep=1,
+                **kw,
+            )
+
+
+def _restore(kv, length: int) -> None:
+    """Back to the prompt's ``length`` tokens: a dynamic cache is cropped, a static one rewound."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    if isinstance(kv, StaticCache):
+        if not all(type(layer) is StaticLayer for layer in kv.layers):
+            kinds = sorted({type(layer).__name__ for layer in kv.layers})
+            raise NotImplementedError(f"rewinding a static cache with {kinds} layers (only StaticLayer)")
+        for layer in kv.layers:  # in place (a static address): the next token is written at ``length``
+            layer.cumulative_length.fill_(length)
+        return
+    extra = int(kv.get_seq_length()) - length
+    if extra > 0:
+        kv.crop(-extra)  # transformers 5: a negative crop drops that many tokens
+
+
+def _row(result: dict, length: int, variant: str, tokens: int, **extra) -> dict:
+    lm, pl = result["lstmem"]["median"], result["plain"]["median"]
+    result.update(
+        kv_length=length,
+        variant=variant,
+        tokens_per_call=tokens,
+        lstmem_tok_s=tokens / lm,
+        plain_tok_s=tokens / pl,
+        ratio=lm / pl,  # time ratio, as every other record: > 1 is slower
+        speed_retained=pl / lm,  # the paper's figure: LSTMem's speed over the plain backbone's
+        **extra,
+    )
+    return result
+
+
+def _time_forward(model, kv, memory, length, token, s, device) -> dict:
+    def setup(with_memory):
+        _restore(kv[with_memory], length)
+        return memory.clone() if with_memory else None
+
+    def run(with_memory, state):
+        if with_memory:
+            model(input_ids=token, past_key_values=kv[True], use_cache=True, memory_cache=state)
+        else:
+            with model.disable_adapter():
+                model(input_ids=token, past_key_values=kv[False], use_cache=True)
+
+    return bench._alternate(run, s["reps"], s["warmup"], device, setup)
+
+
+def _time_generate(model, kv, memory, length, ids, s, device, reps, warmup, **gen_extra) -> dict:
+    n = s["new_tokens"]
+    gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **gen_extra)
+
+    def setup(with_memory):
+        _restore(kv[with_memory], length)
+        return memory.clone() if with_memory else None
+
+    def run(with_memory, state):
+        if with_memory:
+            model.generate(input_ids=ids, past_key_values=kv[True], memory_cache=state, **gen)
+        else:
+            with model.disable_adapter():
+                model.generate(input_ids=ids, past_key_values=kv[False], **gen)
+
+    return bench._alternate(run, reps, warmup, device, setup)
+
+
+def _compile_config(dry_run: bool):
+    """transformers' compile settings for ``generate``'s decode step; a dry run compiles on CPU too,
+    with the ``eager`` backend (the same capture, no code generation: seconds)."""
+    from transformers import CompileConfig
+
+    if not dry_run:
+        return CompileConfig()  # transformers' defaults: inductor, reduce-overhead (CUDA graphs)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
+
+
+def _measure(model, variant, kv, memory, length, token, ids, s, dry_run) -> tuple[dict, int, dict]:
+    """Time one variant from the prefilled caches: (timings, tokens per call, what the row adds)."""
+    base = model.get_base_model()
+    extra = dict(cache=type(kv[True]).__name__, compiled=False)
+    if variant == "forward":
+        return _time_forward(model, kv, memory, length, token, s, model.device), 1, extra
+    n = s["new_tokens"]
+    if variant == "generate":
+        reps, warmup = s["generate_reps"], s["generate_warmup"]
+        return _time_generate(model, kv, memory, length, ids, s, model.device, reps, warmup), n, extra
+    torch._dynamo.reset()  # a fresh compile per length: the recompile limit is never reached
+    if hasattr(base, "_compiled_call"):
+        del base._compiled_call
+    config, breaks = _compile_config(dry_run), _graph_breaks()
+    reps, warmup = s["generate_reps"], s["compile_warmup"]
+    result = _time_generate(
+        model, kv, memory, length, ids, s, model.device, reps, warmup, compile_config=config
+    )
+    extra.update(
+        compiled=hasattr(base, "_compiled_call"),  # transformers compiled generate's decode step
+        compile_config={
+            k: v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+            for k, v in config.to_dict().items()
+        },
+        graph_breaks=_graph_breaks() - breaks,
+    )
+    return result, n, extra
+
+
+@torch.no_grad()
+def hf_decode_sweep(
+    model, kv_lengths: list[int], s: dict, variants=VARIANTS, dry_run: bool = False, log=print
+) -> tuple[list[dict], list[dict]]:
+    """Rows (one per length and variant) and skipped runs (length, variant, reason; ``failed`` when an
+    error other than running out of memory stopped it); see the module doc."""
+    from transformers import DynamicCache, StaticCache
+
+    from lstmem_peft.memory.cache import MemoryCache
+
+    device = model.device
+    dtype = next(model.parameters()).dtype
+    config = model.get_base_model().config
+    rows, skips = [], []
+    for length in kv_lengths:
+        capacity = length + s["new_tokens"] + 1
+        reason = None
+        if capacity > getattr(config, "max_position_embeddings", capacity):
+            reason = f"longer than the config's max_position_embeddings ({config.max_position_embeddings})"
+        reason = reason or _fits(config, capacity, dtype, device)
+        if reason:
+            skips += [dict(kv_length=length, variant=v, reason=reason) for v in variants]
+            log(f"hf decode: KV {length} skipped: {reason}")
+            continue
+        g = torch.Generator().manual_seed(length)
+        prompt = torch.randint(0, config.vocab_size, (1, length), generator=g).to(device)
+        token = torch.randint(0, config.vocab_size, (1, 1), generator=g).to(device)
+        ids = torch.cat([prompt, token], dim=1)
+        for static in (False, True):
+            wanted = [v for v in variants if (v == "generate-static-compile") == static]
+            if not wanted:
+                continue
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            failure, kv, memory = None, None, None
+            try:
+                if static:
+                    kv = {m: StaticCache(config=config, max_cache_len=capacity) for m in (True, False)}
+                else:
+                    kv = {True: DynamicCache(), False: DynamicCache()}
+                memory = MemoryCache()
+                _prefill(model, prompt, kv[True], memory, s["block_size"])
+                _prefill(model, prompt, kv[False], None, s["block_size"])
+                for variant in wanted:
+                    result, tokens, extra = _measure(
+                        model, variant, kv, memory, length, token, ids, s, dry_run
+                    )
+                    if device.type == "cuda":
+                        extra["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                    r = _row(result, length, variant, tokens, **extra)
+                    rows.append(r)
+                    log(
+                        f"hf decode: KV {length} {variant}: LSTMem {r['lstmem_tok_s']:.2f} tok/s, "
+                        f"plain {r['plain_tok_s']:.2f} tok/s, speed retained {r['speed_retained']:.3f}"
+                    )
+            except Exception as err:  # recorded with the run it stopped; the other runs go on
+                if _is_oom(err):
+                    failure = dict(reason=f"out of memory: {_first_line(err)}")
+                else:
+                    failure = dict(
+                        reason=f"failed: {type(err).__name__}: {_first_line(err)}",
+                        failed=True,
+                        traceback=traceback.format_exc().splitlines()[-20:],
+                    )
+            finally:
+                kv = memory = None
+                _release(device)
+            if failure:
+                done = {(r["kv_length"], r["variant"]) for r in rows}
+                skips += [
+                    dict(kv_length=length, variant=v, **failure) for v in wanted if (length, v) not in done
+                ]
+                log(f"hf decode: KV {length} {'static' if static else 'dynamic'} cache: {failure['reason']}")
+    return rows, skips
+
+
+# ---------------------------------------------------------------------- step b: vLLM sweep
+def _vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_sweep(s: dict, device: torch.device, dry_run: bool, log=print) -> dict:
+    """``benchmarks/bench_vllm.py sweep`` in a child process; its record, or why it did not run."""
+    if not _vllm_importable():
+        return dict(skipped="vllm is not importable in this environment (pip install 'lstmem-peft[vllm]')")
+    if not VLLM_SCRIPT.exists():
+        return dict(skipped=f"{VLLM_SCRIPT} not found: run the suite from a source checkout")
+    with tempfile.TemporaryDirectory(prefix="lstmem-gpu-vllm-") as tmp:
+        command = [
+            sys.executable,
+            str(VLLM_SCRIPT),
+            "sweep",
+            "--kv",
+            *map(str, s["kv_lengths"]),
+            "--new",
+            str(s["new_tokens"]),
+            "--dtype",
+            s["dtype"],
+            "--out",
+            tmp,
+        ]
+        if dry_run:  # bench_vllm's own random Qwen3, eager, a small CPU KV cache
+            command += ["--hidden", str(s["vllm_hidden"]), "--layers", str(s["vllm_layers"])]
+            command += ["--kv-cache-bytes", str(2**30)]
+            checkpoint = f"random Qwen3 (hidden {s['vllm_hidden']}, {s['vllm_layers']} layers)"
+        else:
+            log("vllm: saving a random checkpoint with the preset's dimensions")
+            base, adapter = _random_checkpoint(Path(tmp) / "ckpt", s["preset"], s["dtype"], device)
+            command += ["--model", base, "--adapter", adapter, "--compile"]  # CUDA graphs
+            checkpoint = f"random {s['preset']} dimensions (lstmem_peft/assets/configs)"
+        log("vllm: " + " ".join(command))
+        status, tail = _stream(command, log)
+        records = sorted(Path(tmp).glob("vllm-decode-sweep-*.json"))
+        if status != 0 or not records:
+            return dict(failed=f"bench_vllm.py sweep exited with status {status}", output_tail=tail)
+        inner = json.loads(records[-1].read_text())
+    return dict(
+        command=[Path(c).name if c.startswith(tmp) else c for c in command],
+        checkpoint=checkpoint,
+        cuda_graphs=not dry_run,
+        bench_vllm=inner,
+    )
+
+
+def _stream(command: list[str], log) -> tuple[int, list[str]]:
+    """Run ``command``, passing its output on line by line; its exit status and last 30 lines."""
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:
+            tail.append(line.rstrip())
+            log(f"vllm | {line.rstrip()}")
+    return child.returncode, list(tail)
+
+
+def _random_checkpoint(folder: Path, preset: str, dtype: str, device: torch.device) -> tuple[str, str]:
+    """A random backbone with ``preset``'s dimensions and an LSTMem adapter on every layer, saved."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lstmem_peft.tuner.config import LSTMemConfig
+
+    spec = {k: v for k, v in bench.PRESETS[preset].items() if k != "torch_dtype"}
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    base.save_pretrained(folder / "base")
+    get_peft_model(base, LSTMemConfig(memory_id="bench-gpu-suite")).save_pretrained(folder / "adapter")
+    del base
+    _release(device)
+    return str(folder / "base"), str(folder / "adapter")
+
+
+# ---------------------------------------------------------------------- step c: kernels
+def kernels_speed(s: dict, device: torch.device, log=print) -> dict:
+    from lstmem_kernels import triton_available
+
+    skipped = {}
+    if device.type != "cuda":
+        skipped["triton"] = f"no CUDA device ({device.type}): the Triton kernels run on CUDA only"
+    elif not triton_available():
+        skipped["triton"] = "triton is not importable (pip install 'lstmem-peft[triton]')"
+    log(f"kernels: scan T={s['scan_lengths']} batch {s['scan_batches']}")
+    scan = bench.bench_scan(s["scan_lengths"], s["scan_batches"], device, reps=s["scan_reps"])
+    for row in scan:
+        row["kind"] = "scan"
+    log(f"kernels: decode step, {s['step_calls']} calls per repetition")
+    step = bench.bench_step(s["step_batches"], device, calls=s["step_calls"], reps=s["step_reps"])
+    for row in step:
+        row["kind"] = "step"
+    return dict(rows=scan + step, skipped_backends=skipped)
+
+
+# ---------------------------------------------------------------------- the command
+def settings_for(dry_run: bool, **overrides) -> dict:
+    s = dict(SETTINGS["dry-run" if dry_run else "gpu"])
+    s.update({k: v for k, v in overrides.items() if v is not None})
+    return s
+
+
+def require_gpu(device: str | None, dry_run: bool) -> torch.device:
+    """The CUDA device to run on; without one (and without ``--dry-run``) a one-line refusal."""
+    if dry_run:
+        return torch.device("cpu")
+    dev = torch.device(device or "cuda")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        seen = "torch sees no CUDA device here" if not torch.cuda.is_available() else f"--device {device}"
+        raise UsageError(
+            f"needs a CUDA GPU ({seen}); no figure is written without one. Run lstmem bench gpu --dry-run "
+            "to run every step at tiny sizes on CPU (records marked dry_run)"
+        )
+    return dev
+
+
+def run_suite(
+    out: str | os.PathLike | None = None,
+    dry_run: bool = False,
+    device: str | None = None,
+    steps: list[str] | tuple[str, ...] = STEPS,
+    log=print,
+    **overrides,
+) -> tuple[list[Path], bool]:
+    """What ``lstmem bench gpu`` does; returns the records written and whether every step ran cleanly."""
+    dev = require_gpu(device, dry_run)
+    s = settings_for(dry_run, **overrides)
+    if dry_run:  # every line says so: none of its timings is a figure
+        say = log
+
+        def log(line: str) -> None:
+            say(f"[dry run] {line}")
+
+    if out is None:
+        out = tempfile.mkdtemp(prefix="lstmem-gpu-dry-run-") if dry_run else "benchmarks/results"
+    env = environment(dev)
+    suite_run = env["date"]
+    paths, clean = [], True
+
+    def record(name: str, settings: dict, body) -> None:
+        nonlocal clean
+        base = dict(
+            benchmark=name,
+            suite="lstmem bench gpu",
+            suite_run=suite_run,
+            dry_run=dry_run,
+            preset=s["preset"]
+            if name == "gpu-hf-decode" or (name == "gpu-vllm-decode" and not dry_run)
+            else None,
+            dtype=s["dtype"],
+            settings=settings,
+            **{k: v for k, v in env.items() if k != "date"},
+        )
+        start = time.perf_counter()
+        try:
+            result = body()
+        except Exception as err:  # recorded: the other steps still run
+            clean = False
+            result = dict(
+                rows=[],
+                error=f"{type(err).__name__}: {_first_line(err)}",
+                traceback=traceback.format_exc().splitlines()[-30:],
+            )
+            log(f"{name}: failed: {result['error']}")
+        if result.get("failed") or any(skip.get("failed") for skip in result.get("skipped_runs", [])):
+            clean = False
+        result.setdefault("rows", [])
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        full = {**base, **result, "date": date, "seconds": round(time.perf_counter() - start, 1)}
+        paths.append(bench.save_record(out, name, full))
+        log(f"{name}: wrote {paths[-1]}")
+
+    if "hf" in steps:
+        hf_settings = {k: s[k] for k in ("kv_lengths", "reps", "warmup", "new_tokens", "generate_reps")}
+        hf_settings.update(
+            generate_warmup=s["generate_warmup"],
+            compile_warmup=s["compile_warmup"],
+            prefill_block_size=s["block_size"],
+            batch=1,
+            variants=list(VARIANTS),
+            baseline=BASELINE,
+        )
+
+        def hf():
+            model = bench.build_model(s["preset"], dev, getattr(torch, s["dtype"]))
+            attention = model.get_base_model().config._attn_implementation
+            try:
+                rows, skips = hf_decode_sweep(model, s["kv_lengths"], s, dry_run=dry_run, log=log)
+            finally:
+                del model
+                _release(dev)
+            return dict(rows=rows, skipped_runs=skips, attention=attention)
+
+        record("gpu-hf-decode", hf_settings, hf)
+    if "vllm" in steps:
+        vllm_settings = dict(
+            kv_lengths=s["kv_lengths"],
+            new_tokens=s["new_tokens"],
+            batch=1,
+            cuda_graphs=not dry_run,
+            baseline="the same vLLM on the backbone without the adapter",
+        )
+        record("gpu-vllm-decode", vllm_settings, lambda: vllm_sweep(s, dev, dry_run, log=log))
+    if "kernels" in steps:
+        kernel_settings = {
+            k: s[k]
+            for k in ("scan_lengths", "scan_batches", "scan_reps", "step_batches", "step_calls", "step_reps")
+        }
+        kernel_settings.update(heads=4, rank=8)
+        record("gpu-kernels", kernel_settings, lambda: kernels_speed(s, dev, log=log))
+    if dry_run:
+        log(f"records (not measurements) in {out}")
+    return paths, clean

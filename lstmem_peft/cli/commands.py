@@ -1,0 +1,759 @@
+"""The ``lstmem`` command.
+
+lstmem demo                 # offline recall demo on the embedded backbone and adapters
+lstmem demo --train         # retrain the adapters from scratch first (reports the time)
+lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
+lstmem demo --show 3        # first print 3 episodes: history, question, gold, the answers
+lstmem demo --sweep         # recall against history length (8 to 256 facts): table, JSON record, plot
+lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
+lstmem bench gpu [--dry-run]      # on a GPU: the paper's decode sweep (HF, vLLM) and the kernels' speed
+lstmem bench report benchmarks/results                                   # RESULTS.md + plots
+lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
+lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
+lstmem serve [--model ID --adapter PATH] [--store DIR] [--port N]   # OpenAI-compatible server with memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError, looks_local
+
+# Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
+BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
+
+
+def _integer(text: str, minimum: int, what: str, bound: str) -> int:
+    """``text`` as an integer of at least ``minimum``, or argparse's usage error: ``expected {what}``
+    when it is not an integer, ``expected {bound}`` when it is below the minimum."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {bound}, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "a whole number", "a whole number >= 0")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _integer(text, 1, "a positive integer", "a positive integer")
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1-65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
+    in where the options are listed, with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``lstmem`` command.
+
+    Exit status 2 with one line on stderr for what the user gave wrong -- a file or folder that is
+    missing or not in the expected format, a bad option or option combination -- naming the file or
+    option, what was expected and the fix (checked before any model loads); 1 with one line for other
+    failures (a download, a model that will not load, out of memory); a bug in lstmem keeps its
+    traceback. ``--debug`` shows the traceback in every case.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        raise
+    except UsageError as err:  # a bad file, format or option: one line that says what to do
+        if args.debug:
+            raise
+        print(f"lstmem {_where(args)}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except BUGS:
+        raise
+    except Exception as err:  # one line for the user; the traceback is one flag away
+        if args.debug:
+            raise
+        if isinstance(err, OSError) and _given(args, err.filename):  # open() on a path the user gave
+            line = f"{err.filename}: {err.strerror}; expected a path lstmem can use. Check the path and its permissions"
+            print(f"lstmem {_where(args)}: error: {line}", file=sys.stderr)
+            return 2
+        print(
+            f"lstmem {args.command}: error: {_one_line(err)} ({type(err).__name__}; --debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return " ".join(text.splitlines()[0].split()) if text else type(err).__name__
+
+
+def _where(args) -> str:
+    """The subcommand as typed: ``eval locomo``, ``bench report``, ``demo``, ``serve``."""
+    if args.command == "eval":
+        return f"eval {args.benchmark}"
+    if args.command == "bench":
+        return f"bench {args.kind}"
+    return args.command
+
+
+def _given(args, filename) -> bool:
+    """Whether ``filename`` is one of the paths the user passed."""
+    if not filename:
+        return False
+    options = ("data", "model", "adapter", "rescore", "entity_map", "out", "results", "folder", "store")
+    given = [getattr(args, name, None) for name in (*options, "api_keys_file")]
+    target = os.path.abspath(os.path.expanduser(os.fspath(filename)))
+    return any(isinstance(v, str) and os.path.abspath(os.path.expanduser(v)) == target for v in given)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from lstmem_peft.utils.version import __version__
+
+    parser = _Parser(prog="lstmem", description="LSTMem online memory for frozen LMs")
+    parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
+    demo.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    demo.add_argument(
+        "--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer"
+    )
+    demo.add_argument(
+        "--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)"
+    )
+    demo.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
+    demo.add_argument(
+        "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
+    )
+    demo.add_argument(
+        "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
+    )
+    demo.add_argument(
+        "--show",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="first print N episodes: history (abridged), question, gold, the answers from memory and without",
+    )
+    demo.add_argument("--facts", type=positive_int, default=8, help="facts per history of --show (default 8)")
+    demo.add_argument(
+        "--sweep",
+        nargs="*",
+        type=positive_int,
+        default=None,
+        metavar="FACTS",
+        help="instead of the table: recall against history length (default 8 16 32 64 128 256 facts, "
+        "--episodes each), the window marked; writes a JSON record and a plot to --out",
+    )
+    demo.add_argument(
+        "--window",
+        type=positive_int,
+        default=64,
+        help="the backbone's context window in tokens (default 64, the embedded backbone's)",
+    )
+    demo.add_argument("--out", default=".", help="where --sweep writes its record and plot (default: here)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)"
+    )
+    bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "gpu", "report"])
+    bench.add_argument(
+        "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
+    )
+    bench.add_argument(
+        "--preset", default=None, help="model dimensions: cpu-small (default) or qwen3-4b (gpu: qwen3-4b)"
+    )
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default float32 (gpu: bfloat16)",
+    )
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="where JSON records go (default benchmarks/results; gpu --dry-run: a temp folder)",
+    )
+    bench.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="gpu: every step at tiny sizes on CPU, records marked dry_run (a test of the suite, no figures)",
+    )
+    bench.add_argument(
+        "--steps",
+        nargs="+",
+        choices=["hf", "vllm", "kernels"],
+        default=None,
+        help="gpu: the steps to run (default all)",
+    )
+    bench.add_argument(
+        "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
+    )
+    bench.add_argument("--reps", type=positive_int, default=None)
+    bench.add_argument(
+        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode, gpu: KV cache lengths"
+    )
+    bench.add_argument("--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths")
+    bench.add_argument(
+        "--answer-tokens", type=positive_int, default=None, help="e2e, generate, gpu: generated tokens"
+    )
+    bench.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
+    bench.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
+    bench.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=None, help="scan, gpu: block lengths"
+    )
+    bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan, gpu: batch sizes")
+    ev = sub.add_parser(
+        "eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone"
+    )
+    ev.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
+    ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
+    ev.add_argument("--model", default=None, help="base model: Hub id or local folder (not with --rescore)")
+    ev.add_argument(
+        "--protocol",
+        default="official",
+        choices=["official", "paper"],
+        help="prompts and scoring: the benchmark's released code (official) or the code the paper names",
+    )
+    ev.add_argument(
+        "--rescore",
+        default=None,
+        metavar="PREDICTIONS",
+        help="re-score a run's predictions.jsonl under --protocol without generating (DATA gives the rules)",
+    )
+    ev.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the answers an interrupted run with the same settings left in OUT.partial",
+    )
+    ev.add_argument("--no-plot", action="store_true", help="do not write scores.png")
+    ev.add_argument(
+        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
+    )
+    ev.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
+    ev.add_argument(
+        "--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)"
+    )
+    ev.add_argument("--memory-only", action="store_true", help="history in memory only, not in the prompt")
+    ev.add_argument("--greedy", action="store_true", help="greedy decoding instead of the paper's sampling")
+    ev.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
+    ev.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
+    ev.add_argument(
+        "--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)"
+    )
+    ev.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)",
+    )
+    ev.add_argument(
+        "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
+    )
+    ev.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        choices=["AR", "TTL", "LRU", "SF"],
+        help="mab: families to run (AR TTL LRU SF)",
+    )
+    ev.add_argument(
+        "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
+    )
+    ev.add_argument(
+        "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
+    )
+    ev.add_argument(
+        "--chunk-tokenizer",
+        default="gpt-4o-mini",
+        choices=["gpt-4o-mini", "model"],
+        help="mab, official protocol: count chunk tokens with tiktoken's gpt-4o-mini encoding (the official "
+        "rule; needs tiktoken and its cached encoding) or with the evaluated model's tokenizer",
+    )
+    ev.add_argument(
+        "--max-context-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mab, paper protocol: pre-clip contexts longer than N characters as δ-mem's suite does (its "
+        "first third and last two thirds around a marker; default 120000, the suite's; 0: whole contexts)",
+    )
+    ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
+    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ev.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="plain text prompts even if the tokenizer has a template",
+    )
+    ev.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)",
+    )
+    sv = sub.add_parser(
+        "serve", help="OpenAI-compatible server; every session keeps a persistent LSTMem memory"
+    )
+    sv.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sv.add_argument("--model", default=None, help="backbone: Hub id or local folder (default: embedded demo)")
+    sv.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)")
+    sv.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=port_number, default=8000, help="port to listen on")
+    sv.add_argument("--name", default=None, help="model id served at /v1/models (default: from the adapter)")
+    sv.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
+    sv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    sv.add_argument(
+        "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
+    )
+    sv.add_argument("--max-batch", type=positive_int, default=32, help="most sessions per batched forward")
+    sv.add_argument(
+        "--batch-wait-ms", type=non_negative_float, default=5.0, help="wait for more requests to batch"
+    )
+    sv.add_argument("--no-batching", action="store_true", help="run requests one at a time")
+    sv.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
+    sv.add_argument("--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests")
+    sv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="what generates the answers: the model's generate (hf) or a vLLM engine (needs the vllm extra)",
+    )
+    sv.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM argument with --engine vllm, e.g. max_model_len=8192 (VALUE read as JSON when it parses)",
+    )
+    sv.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 suits tiny models)",
+    )
+    return parser
+
+
+# ---------------------------------------------------------------------- checks before anything loads
+MODEL_EXPECTED = "a model folder with config.json (as save_pretrained writes it) or a Hub model id owner/name"
+ADAPTER_EXPECTED = (
+    "an LSTMem adapter folder with adapter_config.json (as save_pretrained writes it) or a Hub id owner/name"
+)
+
+
+def _local(value: str) -> bool:
+    """A ``--model``/``--adapter`` value meant as a local path (a Hub model id is ``name`` or ``owner/name``)."""
+    return looks_local(value, bare_names=False) or value.count("/") > 1
+
+
+def _check_folder(option: str, value: str | None, needs: str, expected: str, fix: str) -> None:
+    """A local ``--model``/``--adapter`` must be a folder holding ``needs``; Hub ids are left to the Hub."""
+    if value is None or not _local(value):
+        return
+    path = os.path.expanduser(value)
+    label = f"{option} {value}"
+    if not os.path.exists(path):
+        raise MissingDataError(label, expected, "no such file or folder", fix)
+    if not os.path.isdir(path):
+        raise DataFormatError(label, expected, "a file, not a folder", fix)
+    if not os.path.isfile(os.path.join(path, needs)):
+        raise DataFormatError(label, expected, f"a folder without {needs}", fix)
+
+
+def _check_model(value: str | None) -> None:
+    fix = "Pass the folder save_pretrained wrote for the backbone, or its Hub id"
+    _check_folder("--model", value, "config.json", MODEL_EXPECTED, fix)
+
+
+def _check_adapter(value: str | None) -> None:
+    fix = "Pass the folder an LSTMem model's save_pretrained wrote (or LSTMemTrainer's output), or its Hub id"
+    _check_folder("--adapter", value, "adapter_config.json", ADAPTER_EXPECTED, fix)
+
+
+def _check_output_folder(option: str, value: str | None, what: str = "the outputs") -> None:
+    """An output folder may be missing (it is created) but not a file."""
+    if value is not None and os.path.isfile(os.path.expanduser(value)):
+        expected = f"a folder for {what} (created when missing)"
+        raise DataFormatError(f"{option} {value}", expected, "an existing file", "Pass a folder path")
+
+
+def _check_device(value: str | None) -> None:
+    """``--device``: a device torch knows, and CUDA only where torch sees a GPU."""
+    if value is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise UsageError(
+            f"--device {value}: not a device torch knows; expected cpu, cuda or cuda:N. Pass --device cpu, "
+            "or leave --device out (cuda when available)"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(
+                f"--device {value}: torch sees no CUDA device on this machine; expected cpu here. Pass "
+                "--device cpu, or leave --device out"
+            )
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {value}: torch sees {count} CUDA device(s); expected cuda:0 to cuda:{count - 1}. "
+                "Pass one of those"
+            )
+
+
+def _key_values(pairs: list[str], option: str) -> dict:
+    """``KEY=VALUE`` options as a dict (``VALUE`` read as JSON when it parses)."""
+    import json
+
+    kwargs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(
+                f"{option} {pair}: expected KEY=VALUE (VALUE read as JSON when it parses), e.g. "
+                f"{option} enable_thinking=false"
+            )
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return kwargs
+
+
+# ---------------------------------------------------------------------- subcommands
+def _dispatch(args) -> int:
+    if args.command == "eval":
+        return _eval(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "bench":
+        return _bench(args)
+    return _demo(args)
+
+
+def _demo(args) -> int:
+    _check_model(args.model)
+    if args.sweep is not None:
+        _check_output_folder("--out", args.out, "the sweep's record and plot")
+    from .demo import SWEEP_FACTS, run
+
+    run(
+        train=args.train,
+        model_id=args.model,
+        num_episodes=args.episodes,
+        ablations=not args.no_ablations,
+        train_steps=args.steps,
+        show=args.show,
+        show_facts=args.facts,
+        sweep_facts=None if args.sweep is None else (tuple(args.sweep) or SWEEP_FACTS),
+        window=args.window,
+        out=args.out,
+    )
+    return 0
+
+
+def _bench(args) -> int:
+    from . import bench as benchmarks
+
+    if args.kind == "report":
+        folder = args.folder or "benchmarks/results"
+        results = os.path.expanduser(args.results)
+        if os.path.isdir(results):
+            raise DataFormatError(
+                f"--results {args.results}", "the markdown file to write", "a folder", "Pass a file path"
+            )
+        parent = os.path.dirname(os.path.abspath(results))
+        if not os.path.isdir(parent):
+            raise MissingDataError(
+                f"--results {args.results}",
+                "a markdown file in an existing folder",
+                f"no folder {parent}",
+                "Create the folder first, or pass another path",
+            )
+        print(f"wrote {benchmarks.report(folder, results)}")  # reads (and checks) every record first
+        return 0
+    if args.folder is not None:
+        raise UsageError(
+            f"FOLDER {args.folder}: applies to lstmem bench report only; expected no FOLDER with "
+            f"{args.kind}. Pass --out {args.folder} to choose where the records go"
+        )
+    for option, given in (("--dry-run", args.dry_run), ("--steps", args.steps)):
+        if given and args.kind != "gpu":
+            raise UsageError(
+                f"{option} applies to lstmem bench gpu only; expected none with {args.kind}. Drop it"
+            )
+    if args.kind != "scan" and args.preset is not None and args.preset not in benchmarks.PRESETS:
+        raise UsageError(
+            f"--preset {args.preset}: unknown; expected one of {', '.join(sorted(benchmarks.PRESETS))}. "
+            "Pass one of those"
+        )
+    if args.kind == "gpu":
+        return _bench_gpu(args)
+    args.preset = args.preset or "cpu-small"
+    args.dtype = args.dtype or "float32"
+    args.out = args.out or "benchmarks/results"
+    _check_device(args.device)
+    _check_output_folder("--out", args.out, "the JSON records")
+    benchmarks.run(
+        args.kind,
+        preset=args.preset,
+        device=args.device,
+        dtype=args.dtype,
+        out=args.out,
+        reps=args.reps,
+        kv_lengths=args.kv_lengths,
+        histories=args.histories,
+        answer_tokens=args.answer_tokens,
+        prompt_tokens=args.prompt_tokens,
+        tokens=args.tokens,
+        lengths=args.lengths,
+        batches=args.batches,
+    )
+    return 0
+
+
+def _bench_gpu(args) -> int:
+    """``lstmem bench gpu``: refuses (one line, status 2) without a GPU unless ``--dry-run``."""
+    from .bench_gpu import require_gpu, run_suite
+
+    require_gpu(args.device, args.dry_run)  # before anything loads
+    _check_output_folder("--out", args.out, "the JSON records")
+    _, clean = run_suite(
+        out=args.out,
+        dry_run=args.dry_run,
+        device=args.device,
+        steps=args.steps or ("hf", "vllm", "kernels"),
+        preset=args.preset,
+        dtype=args.dtype,
+        kv_lengths=args.kv_lengths,
+        reps=args.reps,
+        new_tokens=args.answer_tokens,
+        scan_lengths=args.lengths,
+        scan_batches=args.batches,
+    )
+    return 0 if clean else 1
+
+
+def _api_keys(path: str) -> list[str]:
+    """The keys of ``--api-keys-file``: one a line, blank lines and ``#`` comments skipped."""
+    label = f"--api-keys-file {path}"
+    expected = "a text file with one accepted API key a line (# starts a comment)"
+    fix = "Put one key a line in it, or pass the keys with --api-key KEY"
+    full = os.path.expanduser(path)
+    if not os.path.exists(full):
+        raise MissingDataError(label, expected, "no such file", fix)
+    if os.path.isdir(full):
+        raise DataFormatError(label, expected, "a folder", fix)
+    try:
+        with open(full, encoding="utf-8") as fh:
+            keys = [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    except UnicodeDecodeError:
+        raise DataFormatError(label, expected, "not UTF-8 text", fix) from None
+    except PermissionError:
+        raise DataFormatError(
+            label, "a file you can read", "permission denied", "Fix its permissions"
+        ) from None
+    if not keys:
+        raise DataFormatError(label, expected, "no key in it", fix)
+    return keys
+
+
+def _serve(args) -> int:
+    if (args.model is None) != (args.adapter is None):
+        raise UsageError(
+            "--model and --adapter go together: expected both (a backbone and the LSTMem adapter trained on "
+            "it) or neither (the embedded demo). Pass the other one too"
+        )
+    if args.engine == "vllm" and args.model is None:
+        raise UsageError(
+            "--engine vllm: expected --model and --adapter (a Qwen3 or Llama backbone and its LSTMem "
+            "adapter). Pass both, or drop --engine vllm to serve the embedded demo"
+        )
+    _check_model(args.model)
+    _check_adapter(args.adapter)
+    _check_device(args.device)
+    _check_output_folder("--store", args.store, "the sessions' memory")
+    keys = list(args.api_key)
+    if args.api_keys_file is not None:
+        keys += _api_keys(args.api_keys_file)
+    vllm_options = _key_values(args.vllm_arg, "--vllm-arg")
+    if vllm_options and args.engine != "vllm":
+        raise UsageError(
+            "--vllm-arg: applies to --engine vllm only; expected no --vllm-arg. Add --engine vllm"
+        )
+    from lstmem_peft.serve import serve
+
+    serve(
+        model=args.model,
+        adapter=args.adapter,
+        store=args.store,
+        host=args.host,
+        port=args.port,
+        name=args.name,
+        device=args.device,
+        dtype=args.dtype,
+        api_keys=keys,
+        threads=args.threads,
+        context_window=args.context_window,
+        max_batch=args.max_batch,
+        batch_wait_ms=args.batch_wait_ms,
+        batching=not args.no_batching,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.max_tokens,
+        engine=args.engine,
+        vllm_options=vllm_options,
+    )
+    return 0
+
+
+def _eval_options(args) -> dict:
+    """The benchmark's options; option combinations that do not apply raise :class:`UsageError`."""
+    options = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "protocol": args.protocol}
+    mab = args.benchmark == "mab"
+    if args.split:
+        if mab:
+            raise UsageError(
+                "--split does not apply to mab: its four splits are the families; expected no --split. "
+                "Pass --families (AR TTL LRU SF) instead"
+            )
+        options["split"] = args.split
+    if not mab and args.max_new_tokens is None:
+        del options["max_new_tokens"]  # the benchmark's own (the paper's) limit
+    if not mab and (args.max_questions is not None or args.entity_map is not None or args.families):
+        raise UsageError(
+            f"--max-questions, --entity-map and --families apply to mab only; expected none of them with "
+            f"{args.benchmark}. Drop them"
+        )
+    if args.max_context_chars is not None and (not mab or args.protocol != "paper"):
+        raise UsageError(
+            "--max-context-chars applies to mab with --protocol paper only; expected it with both. Add "
+            "--protocol paper, or drop --max-context-chars"
+        )
+    if args.max_context_chars is not None and args.max_context_chars < 0:
+        raise UsageError(
+            f"--max-context-chars: expected 0 (no clipping) or more, got {args.max_context_chars}. Pass 0 or "
+            "a positive number of characters"
+        )
+    if args.passages != "all" and args.benchmark != "hotpotqa":
+        raise UsageError(f"--passages applies to hotpotqa only; expected none with {args.benchmark}. Drop it")
+    if args.benchmark == "hotpotqa":
+        options["passages"] = args.passages
+    if mab:
+        options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
+        if args.max_context_chars is not None:
+            options["max_context_chars"] = args.max_context_chars
+    if args.rescore is None and args.model is None:
+        raise UsageError(
+            "--model is required; expected a base model (Hub id or local folder). Pass --model ID, or "
+            "--rescore RUN/predictions.jsonl to re-score an existing run"
+        )
+    if args.rescore is not None and (args.model is not None or args.adapter is not None or args.resume):
+        raise UsageError(
+            "--rescore re-scores without a model; expected no --model, --adapter or --resume with it. Drop "
+            "--model/--adapter/--resume"
+        )
+    return options
+
+
+def _eval(args) -> int:
+    from lstmem_peft.eval import runner
+
+    options = _eval_options(args)
+    if args.benchmark == "locomo":
+        from lstmem_peft.eval.locomo import DATA as spec
+        from lstmem_peft.eval.locomo import LoCoMo as make
+    elif args.benchmark == "hotpotqa":
+        from lstmem_peft.eval.hotpotqa import DATA as spec
+        from lstmem_peft.eval.hotpotqa import HotpotQA as make
+    else:
+        from lstmem_peft.eval.mab import DATA as spec
+        from lstmem_peft.eval.mab import MemoryAgentBench as make
+    # every user-given path and option before the data is read, and the data before the model loads
+    if looks_local(args.data) and not os.path.exists(os.path.expanduser(args.data)):
+        raise MissingDataError(f"DATA {args.data}", spec.expected, "no such file or folder", spec.fix)
+    _check_model(args.model)
+    _check_adapter(args.adapter)
+    _check_device(args.device)
+    out = args.out or f"eval-results/{args.benchmark}"
+    _check_output_folder("--out", out)
+    if args.entity_map is not None and not os.path.isfile(os.path.expanduser(args.entity_map)):
+        got = "a folder" if os.path.isdir(os.path.expanduser(args.entity_map)) else "no such file"
+        raise MissingDataError(
+            f"--entity-map {args.entity_map}",
+            "the snapshot's entity2id.json (entity URI -> id)",
+            got,
+            "Pass the entity2id.json of the ai-hyz/MemoryAgentBench snapshot",
+        )
+    template_kwargs = _key_values(args.template_arg, "--template-arg")
+    benchmark = make(os.path.expanduser(args.data) if looks_local(args.data) else args.data, **options)
+    if args.rescore is not None:
+        summary = runner.rescore(os.path.expanduser(args.rescore), benchmark, out, plot=not args.no_plot)
+        print(runner.markdown_table(summary))
+        print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
+        return 0
+    model, tokenizer = runner.load_model(args.model, args.adapter, args.dtype, args.device)
+    if args.benchmark == "mab" and args.chunk_tokenizer == "model":  # histories are built when iterated
+        benchmark.count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    decoding = runner.Decoding(greedy=args.greedy)
+    if args.seed is not None:
+        decoding.seed = args.seed
+    summary = runner.evaluate(
+        model,
+        tokenizer,
+        benchmark,
+        out,
+        memory_only=args.memory_only,
+        decoding=decoding,
+        block_size=args.block_size,
+        compare_base=not args.no_base,
+        chat_template=False if args.no_chat_template else None,
+        template_kwargs=template_kwargs,
+        run_info={"model": args.model, "adapter": args.adapter, "data": args.data}
+        | ({"chunk_tokenizer": args.chunk_tokenizer} if args.benchmark == "mab" else {}),
+        resume=args.resume,
+        plot=not args.no_plot,
+    )
+    print(runner.markdown_table(summary))
+    print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Serving engines LSTMem plugs into: :mod:`.vllm` (the vLLM plugin)."""

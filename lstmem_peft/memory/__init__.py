@@ -1,0 +1,4 @@
+"""The memory itself, independent of PEFT and transformers: the paper's constants, one memory
+layer's math (:mod:`.layer`) and its float64 reference (:mod:`.reference`), block-end feedback,
+the states (:class:`~lstmem_peft.memory.cache.MemoryCache`) and one forward of the memory stack
+(:class:`~lstmem_peft.memory.engine.MemoryPass`). Imports only ``lstmem_kernels`` and ``utils``."""

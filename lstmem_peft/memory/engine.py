@@ -1,0 +1,197 @@
+"""``MemoryPass``: one forward of the memory stack over a block of tokens.
+
+The tuner opens a pass when the backbone's forward starts, calls :meth:`MemoryPass.run` from each
+memory-enabled decoder layer (shallow to deep; the backbone's own order), and calls
+:meth:`MemoryPass.finish` when the forward ends. A pass
+
+* reads each layer's states from the :class:`~lstmem_peft.memory.cache.MemoryCache` and writes them back,
+* hands ``D_t`` of one memory layer to the next as its depth input, keeping it only until then,
+* keeps each layer's states on the device its layer computes on (a ``device_map`` may spread the
+  decoder layers over devices): states, depth input and validity mask move there when they are
+  elsewhere, and the cache keeps them there,
+* gathers what block-end feedback needs (terminal gates, shared sampled keys/values) and applies it
+  in :meth:`finish` when asked to.
+
+It depends on torch only, so the whole engine can be driven without a transformer (see the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import constants as K
+from .cache import MemoryCache, nonfinite_rows
+from .feedback import FeedbackResult, LayerTerminal, block_feedback, sample_feedback_positions
+from .layer import LayerOutput, LSTMemLayer
+
+
+def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, ...)`` at per-row positions ``index`` ``(B, P)`` -> ``(B, P, ...)``."""
+    view = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return x.gather(1, view)
+
+
+class MemoryPass:
+    """Run the memory layers of one forward against a cache.
+
+    Args:
+        cache: the session states; bound and allocated by the caller.
+        valid: ``(B, T)`` bool validity of the block's positions, or ``None`` (all valid).
+        write: update the states (``False``: read-only pass over fixed states).
+        feedback: apply block-end feedback in :meth:`finish` (history blocks only).
+        depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
+        feedback_positions: ``|I_b|`` bound.
+        backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
+        every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
+            stack (an early-exit draft).
+    """
+
+    def __init__(
+        self,
+        cache: MemoryCache,
+        valid: torch.Tensor | None = None,
+        *,
+        write: bool = True,
+        feedback: bool = False,
+        depth_coupling: bool = True,
+        feedback_positions: int = K.FEEDBACK_POSITIONS,
+        backend: str = "auto",
+        every_layer: bool = True,
+    ) -> None:
+        if feedback and not write:
+            raise ValueError("block feedback needs a writing pass (write=True)")
+        if write and not every_layer:
+            raise ValueError("a writing pass must run every memory layer (every_layer=True)")
+        self.cache = cache
+        self.valid = valid
+        self.write = write
+        self.feedback = feedback
+        self.depth_coupling = depth_coupling
+        self.backend = backend
+        self.feedback_positions = feedback_positions
+        self.every_layer = every_layer
+        self.feedback_result: FeedbackResult | None = None
+        self._next = 0
+        self._depth: torch.Tensor | None = None
+        self._terminals: list[LayerTerminal] = []
+        self._staged: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # new (C, D) per layer, committed by finish()
+        self._tokens: torch.Tensor | None = None
+        self._length = 0
+        self._valid_copies: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def layers_run(self) -> int:
+        """Memory layers that have run in this pass so far."""
+        return self._next
+
+    @property
+    def all_layers_run(self) -> bool:
+        """Whether every memory layer has run in this pass."""
+        return self._next == len(self.cache.layers)
+
+    def _sampling(self, T: int, device: torch.device) -> None:
+        """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
+        valid = self._valid_on(device)
+        if valid is None:
+            valid = torch.ones(self.cache.batch_size, T, dtype=torch.bool, device=device)
+        self._positions, self._mask = sample_feedback_positions(valid, self.feedback_positions)
+        idx = torch.arange(T, device=device).expand_as(valid)
+        self._last = torch.where(valid, idx, torch.zeros_like(idx)).amax(dim=1, keepdim=True)
+
+    def _valid_on(self, device: torch.device) -> torch.Tensor | None:
+        """The validity mask on ``device`` (copied once per device and pass)."""
+        valid = self.valid
+        if valid is None or valid.device == device:
+            return valid
+        moved = self._valid_copies.get(device)
+        if moved is None:
+            moved = self._valid_copies[device] = valid.to(device)
+        return moved
+
+    def run(self, index: int, layer: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
+        """Run memory layer ``index`` (depth order) on its input ``x`` ``(B, T, d)``."""
+        if index != self._next:
+            raise RuntimeError(
+                f"memory layer {index} ran before memory layer {self._next}: memory layers must run "
+                "once each, shallow to deep, within one forward"
+            )
+        state = self.cache.layers[index]
+        device = x.device
+        if state.cell.device != device:  # a sharded backbone: each layer's memory lives on its layer's device
+            state.to(device)
+        depth, valid = self._depth, self._valid_on(device)
+        if depth is not None and depth.device != device:
+            depth = depth.to(device)
+        out = layer(
+            x,
+            state.cell,
+            state.hidden,
+            depth=depth,
+            valid=valid,
+            write=self.write,
+            backend=self.backend,
+            aux=self.feedback,  # the feedback samples, only where block feedback reads them
+        )
+        if self.write:
+            self._staged.append((out.cell, out.hidden))
+            self._depth = out.hidden_seq if self.depth_coupling else None
+            if index == 0:
+                tokens = self.cache.tokens_written
+                n = x.shape[1] if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
+                self._tokens = tokens + n
+                self._length = x.shape[1]
+        else:
+            self._depth = state.hidden if self.depth_coupling else None
+        if self.feedback:
+            if index == 0:
+                self._sampling(x.shape[1], x.device)
+            last, positions = self._last.to(device), self._positions.to(device)
+            self._terminals.append(
+                LayerTerminal(
+                    cell=out.cell,
+                    hidden=out.hidden,
+                    out_gate=_gather_time(out.out_gate, last)[:, 0],
+                    depth_gate=_gather_time(out.depth_gate, last)[:, 0],
+                    key=_gather_time(out.key, positions),
+                    value=_gather_time(out.value, positions),
+                )
+            )
+        self._next += 1
+        return out
+
+    def finish(self) -> FeedbackResult | None:
+        """Close the pass: apply feedback (history blocks), then commit every layer's new states and
+        ``tokens_written`` to the cache at once. Until this returns the cache holds exactly what it held
+        before the pass, so a forward that raises (or is interrupted) leaves it untouched.
+
+        Returns the :class:`~lstmem_peft.memory.feedback.FeedbackResult` when feedback ran.
+        """
+        if not self.all_layers_run and self.every_layer:
+            raise RuntimeError(
+                f"only {self._next} of {len(self.cache.layers)} memory layers ran in this forward; "
+                "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"
+            )
+        self._depth = None
+        if not self.write:
+            return None
+        staged = self._staged
+        if self.feedback and self._terminals:
+            result = block_feedback(self._terminals, self._mask, self.depth_coupling)
+            staged = list(zip(result.cells, result.hiddens, strict=True))
+            self.feedback_result = result
+            self._terminals = []
+        if self._length > 1 or self.feedback:  # block ends; one-token steps: at the next block end or save
+            rows = nonfinite_rows(staged)
+            if rows:
+                raise FloatingPointError(
+                    f"the memory of batch row(s) {rows} became nonfinite (NaN or inf) in this forward: their inputs or "
+                    "the adapter's weights hold nonfinite values. Nothing was written to the MemoryCache; check those "
+                    "rows' inputs"
+                )
+        for state, (cell, hidden) in zip(self.cache.layers, staged, strict=True):
+            state.cell, state.hidden = cell, hidden
+        self.cache.tokens_written = self._tokens
+        self._staged = []
+        return self.feedback_result

@@ -1,0 +1,572 @@
+"""One LSTMem memory layer: projections, reads, gated write and the attention corrections.
+
+Paper Sec. 3.1-3.2 and App. C.2; every name below follows the paper. For one memory layer with
+input ``x_t`` (the backbone layer's attention input, after its input norm):
+
+    q_t = n(W_q x_t),  k_t = n(W_k x_t),  v_t = W_v x_t,  z_t = W_x x_t + b_x        eq:projections
+    r^time_t = D_{t-1} q_t,   r^dep_t = D^{(l-1)}_t q_t   (per head)                  eq:read
+    u_t = W_read [r^time_t; r^dep_t] + b_read
+    dq_t = (alpha / r) W_dq u_t,   do_t = (alpha / r) W_do u_t                        eq:injection
+    p^dep_t = D^{(l-1)}_t k_t,   e_t = v_t - (W~_pred p^dep_t + b_pred)                eq:residual
+    [i; f; o; g]_t = sigmoid(W~_gate [z_t; r^dep_t; e_t] + b_gate)                     eq:gates
+    C_t = diag(f_t) C_{t-1} + diag(i_t) e_t k_t^T                                      eq:write
+    D_t = diag(o_t) tanh(C_t) + diag(g_t) D^{(l-1)}_t                                  eq:hidden
+
+``n(.)`` is tanh followed by l2 normalisation within each head (denominator >= 1e-6). The paper stores
+the full matrices ``W_pred^full = [P_time | P_dep]`` and ``W_gate^full = [G_z | G_time | G_dep | G_e]``
+and feeds them zero-padded inputs, so ``P_time`` and ``G_time`` only ever multiply zeros (App. C.2).
+This layer registers exactly the effective maps, ``w_pred = W~_pred = P_dep`` (only in a layer that
+receives a depth input: elsewhere ``p^dep`` is zero and ``W~_pred`` could never get a gradient) and
+``w_gate = W~_gate = [G_z | G_dep | G_e]``: the same function, and every registered parameter can
+learn. Adapter files that carry the full matrices still load (``_from_full_matrices``).
+
+:meth:`LSTMemLayer.forward` is the one body of this math, in the paper's order, for every token
+count, with or without a depth input, writing or read-only, with or without gradients. Its affine
+maps are arranged once (:class:`LayerWeights`): ``e``, the gate pre-activations ``a`` and the depth
+part of the read ``u`` come from one product of ``[v; z; r^dep; p^dep]``, whatever the token count.
+The recurrence (eq:write, eq:hidden and the temporal read) is the kernel op family of
+``lstmem_kernels``, chosen there by ``backend``: ``lstmem_scan`` for a block or anything that needs
+gradients, and the in-place decode step ``lstmem_step`` for one token without gradients
+(generation). :func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64 token-loop transcription
+every path is tested against.
+
+The layer holds no state: states come in and go out, so one model serves any number of sessions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from lstmem_kernels import lstmem_scan, lstmem_step
+
+from . import constants as K
+
+
+def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The paper's ``n(.)``: tanh, then l2 normalisation within each head.
+
+    Args:
+        x: ``(..., n_h * r)``.
+    Returns:
+        ``(..., n_h, r)``, each head of unit norm (or zero where the input head is zero).
+    """
+    return _unit_heads(torch.tanh(x).unflatten(-1, (num_heads, -1)))
+
+
+class LayerOutput(NamedTuple):
+    """What one memory layer returns for a block of ``T`` tokens (``B`` sequences).
+
+    Attributes:
+        delta_q: ``(B, T, d_q)`` correction added to the query projection's output (``x.dtype``).
+        delta_o: ``(B, T, d)`` correction added to the output projection's output (``x.dtype``).
+        cell, hidden: ``(B, n_h, r, r)`` states after the block, in the state dtype.
+        hidden_seq: ``(B, T, n_h, r, r)`` ``D_t`` at every position, unrounded (the next layer's
+            depth input), or ``None`` when the layer only read.
+        key, value: ``(B, T, n_h, r)`` memory keys ``k_t`` and values ``v_t`` (feedback samples).
+        out_gate, depth_gate: ``(B, T, n_h, r)`` gates ``o_t`` and ``g_t``.
+        read: ``(B, d_s)`` the read ``u`` of a one-token decode step, whose corrections stay
+            factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (``corr``: ``((alpha / r) W_dq^T,
+            (alpha / r) W_do^T)`` of :class:`LayerWeights`); the model's projections accumulate them
+            into their own output (``delta_q``/``delta_o`` are then ``None``; :meth:`correction`
+            forms them).
+    """
+
+    delta_q: torch.Tensor | None
+    delta_o: torch.Tensor | None
+    cell: torch.Tensor
+    hidden: torch.Tensor
+    hidden_seq: torch.Tensor | None = None
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    out_gate: torch.Tensor | None = None
+    depth_gate: torch.Tensor | None = None
+    read: torch.Tensor | None = None
+    corr: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def correction(self, which: int) -> torch.Tensor:
+        """``Δq`` (``which`` 0) or ``Δo`` (1): ``(B, T, n)``, formed (``(B, 1, n)``) if factored."""
+        if self.read is None:
+            return self.delta_q if which == 0 else self.delta_o
+        return torch.mm(self.read, self.corr[which]).unsqueeze(1)
+
+
+class LayerWeights(NamedTuple):
+    """The parameters arranged as the forward multiplies by them (``(in, out)``, contiguous: the
+    fastest layout for a few rows). Derived by :meth:`LSTMemLayer.weights` (differentiably, in every
+    forward that trains) and kept by :meth:`LSTMemLayer.derived_weights` until a parameter changes.
+
+    With ``W~_gate = [G_z | G_dep | G_e]``, ``W~_pred = P_dep`` (App. C.2) and
+    ``W_read = [W_read^time | W_read^dep]``, the residual, the gate pre-activations and the depth
+    part of the read are affine in ``s = [v; z]`` and the depth reads ``r^dep = D^(l-1) q``,
+    ``p^dep = D^(l-1) k``, all known before the write (eq:residual, eq:gates, eq:read)::
+
+        e     = v - b_pred - W~_pred p^dep
+        a     = (b_gate - G_e b_pred) + G_e v + G_z z + G_dep r^dep - G_e W~_pred p^dep
+        u_dep = b_read + W_read^dep r^dep
+
+    so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
+    and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``.
+
+    Attributes:
+        w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
+            ``[0; 0; 0; b_x]``. The first ``2 d_s`` columns hold head ``j``'s rows of ``W_q`` and then of
+            ``W_k``, so that one product's ``(n_h, 2, r)`` view gives ``[q^[j]; k^[j]]`` per head.
+        eau_depth: ``(4 d_s, 6 d_s)``: ``[v; z; reads] -> [e | a | u_dep]``, the reads
+            ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
+            ``[q^[j]; k^[j]]`` yields them).
+        eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
+        b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
+        read: ``(2 d_s, d_s)`` ``W_read^T`` (its first ``d_s`` rows: ``W_read^time^T``).
+        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``(alpha / r) W_dq^T``, ``(alpha / r) W_do^T``
+            (eq:injection, with its scale folded into the maps: ``Δq = u corr_q``).
+    """
+
+    w_in: torch.Tensor
+    b_in: torch.Tensor
+    eau_depth: torch.Tensor
+    eau_first: torch.Tensor
+    b_eau: torch.Tensor
+    read: torch.Tensor
+    corr_q: torch.Tensor
+    corr_o: torch.Tensor
+
+
+class LSTMemLayer(nn.Module):
+    """The trainable parameters of one LSTMem memory layer and its forward math.
+
+    Args:
+        hidden_size: ``d``, width of the backbone layer's attention input and output.
+        query_size: ``d_q``, output width of the backbone's query projection.
+        num_heads: ``n_h``.
+        head_dim: ``r``.
+        alpha: ``alpha`` of the correction scale ``alpha / r``.
+        layer_idx: index of the backbone decoder layer this memory belongs to (informational).
+
+    Example:
+        >>> layer = LSTMemLayer(hidden_size=64, query_size=64)
+        >>> x = torch.randn(2, 5, 64)
+        >>> cell = hidden = torch.zeros(2, 4, 8, 8)
+        >>> out = layer(x, cell, hidden)
+        >>> out.delta_q.shape, out.hidden_seq.shape
+        (torch.Size([2, 5, 64]), torch.Size([2, 5, 4, 8, 8]))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        query_size: int,
+        num_heads: int = K.NUM_HEADS,
+        head_dim: int = K.HEAD_DIM,
+        alpha: float = K.ALPHA,
+        layer_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.query_size = query_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.alpha = alpha
+        self.layer_idx = layer_idx
+        ds = self.state_size
+        kw = {"device": device, "dtype": dtype}
+        # [W_q; W_k; W_v; W_x] stacked so one matmul projects the layer input.
+        self.w_in = nn.Parameter(torch.empty(4 * ds, hidden_size, **kw))
+        self.b_x = nn.Parameter(torch.empty(ds, **kw))
+        self.w_read = nn.Parameter(torch.empty(ds, 2 * ds, **kw))
+        self.b_read = nn.Parameter(torch.empty(ds, **kw))
+        # W~_pred = P_dep (removed by set_depth_input(False)) and W~_gate = [G_z | G_dep | G_e] (App. C.2)
+        self.w_pred = nn.Parameter(torch.empty(ds, ds, **kw))
+        self.b_pred = nn.Parameter(torch.empty(ds, **kw))
+        self.w_gate = nn.Parameter(torch.empty(4 * ds, 3 * ds, **kw))
+        self.b_gate = nn.Parameter(torch.empty(4 * ds, **kw))
+        self.w_dq = nn.Parameter(torch.empty(query_size, ds, **kw))
+        self.w_do = nn.Parameter(torch.empty(hidden_size, ds, **kw))
+        # whether a depth input D^(l-1) reaches this layer (set at injection: not for the first
+        # memory layer, nor without depth coupling); without one there is no W~_pred
+        self.depth_input = True
+        self.reset_parameters()
+        self._register_load_state_dict_pre_hook(_from_full_matrices, with_module=True)
+        self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
+
+    @property
+    def state_size(self) -> int:
+        """``d_s = n_h * r``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r``."""
+        return self.alpha / self.head_dim
+
+    def set_depth_input(self, receives: bool) -> None:
+        """Declare whether a depth input ``D^(l-1)`` reaches this layer (injection sets it: not for
+        the first memory layer, nor without depth coupling).
+
+        Without one, ``p^dep = 0`` and ``W~_pred`` could never get a gradient, so the parameter is
+        removed (it is neither trained nor saved); with one, it is registered at its initial value
+        (zero) if absent. Every registered parameter can then learn (DDP's and PEFT's invariant).
+        """
+        self.depth_input = bool(receives)
+        has = self._parameters.get("w_pred") is not None
+        if not self.depth_input and has:
+            del self._parameters["w_pred"]
+            self.w_pred = None
+        elif self.depth_input and not has:
+            like = self.b_pred
+            self.w_pred = nn.Parameter(
+                torch.zeros(self.state_size, self.state_size, device=like.device, dtype=like.dtype),
+                requires_grad=like.requires_grad,
+            )
+
+    # ------------------------------------------------------------------ initialisation (App. C.4)
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The paper's initialisation, except ``W_dq``/``W_do`` (zero until :meth:`init_corrections`).
+
+        Kaiming-uniform is PyTorch's ``nn.Linear`` default (``a = sqrt(5)``, i.e. ``U(-1/sqrt(d),
+        1/sqrt(d))``), applied to each of ``W_q, W_k, W_v, W_x`` (they share the fan-in ``d``).
+        """
+        ds = self.state_size
+        for block in self.w_in.split(ds, dim=0):
+            nn.init.kaiming_uniform_(block, a=math.sqrt(5))
+        self.b_x.zero_()
+        identity_then_zero = torch.cat([torch.eye(ds), torch.zeros(ds, ds)], dim=1)
+        self.w_read.copy_(identity_then_zero)
+        # W_pred^full = [I | 0] and W_gate^full = 0 (App. C.4) are W~_pred = 0 and W~_gate = 0
+        if self.w_pred is not None:
+            self.w_pred.zero_()
+        self.b_read.zero_()
+        self.b_pred.zero_()
+        self.w_gate.zero_()
+        self.b_gate.copy_(torch.cat([torch.full((ds,), K.GATE_BIAS[name]) for name in ("i", "f", "o", "g")]))
+        self.w_dq.zero_()
+        self.w_do.zero_()
+
+    @torch.no_grad()
+    def init_corrections(self, query_weight: torch.Tensor, output_weight: torch.Tensor) -> None:
+        """Initialise ``W_dq`` and ``W_do`` from the backbone (App. C.4).
+
+        The first ``min(8, d_s)`` columns of each backbone weight, each column l2-normalised and
+        scaled by 0.05; the remaining columns zero.
+
+        Args:
+            query_weight: ``(d_q, d)`` weight of the backbone's query projection.
+            output_weight: ``(d, d_q)`` weight of the backbone's output projection.
+        """
+        for target, source, name in (
+            (self.w_dq, query_weight, "query"),
+            (self.w_do, output_weight, "output"),
+        ):
+            if source.shape[0] != target.shape[0]:
+                raise ValueError(
+                    f"{name} projection weight has {source.shape[0]} output rows but the memory "
+                    f"layer expects {target.shape[0]}; build LSTMemLayer with the backbone's sizes"
+                )
+            n = min(K.CORRECTION_INIT_COLUMNS, self.state_size, source.shape[1])
+            cols = source[:, :n].to(device=target.device, dtype=torch.float32)
+            cols = cols / cols.norm(dim=0, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            target.zero_()
+            target[:, :n] = (K.CORRECTION_INIT_SCALE * cols).to(target.dtype)
+
+    # ------------------------------------------------------------------ paper view
+    def effective_pred(self) -> torch.Tensor:
+        """``W~_pred = P_dep``, ``(d_s, d_s)``: the parameter, or zeros in a layer without depth input
+        (where it only ever multiplies ``p^dep = 0``)."""
+        if self.w_pred is not None:
+            return self.w_pred
+        return torch.zeros(
+            self.state_size, self.state_size, device=self.b_pred.device, dtype=self.b_pred.dtype
+        )
+
+    def effective_gate(self) -> torch.Tensor:
+        """``W~_gate = [G_z | G_dep | G_e]``, ``(4 d_s, 3 d_s)``."""
+        return self.w_gate
+
+    def paper_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters in paper notation (views of the live parameters).
+
+        Keys and shapes: ``Wq, Wk, Wv, Wx`` ``(d_s, d)``; ``bx`` ``(d_s,)``; ``Wread``
+        ``(d_s, 2 d_s)``; ``bread`` ``(d_s,)``; ``Wpred`` (``W~_pred``, :meth:`effective_pred`)
+        ``(d_s, d_s)``; ``bpred`` ``(d_s,)``; ``Wgate`` (``W~_gate``) ``(4 d_s, 3 d_s)``; ``bgate``
+        ``(4 d_s,)``; ``Wdq`` ``(d_q, d_s)``; ``Wdo`` ``(d, d_s)``.
+        """
+        wq, wk, wv, wx = self.w_in.split(self.state_size, dim=0)
+        return {
+            "Wq": wq,
+            "Wk": wk,
+            "Wv": wv,
+            "Wx": wx,
+            "bx": self.b_x,
+            "Wread": self.w_read,
+            "bread": self.b_read,
+            "Wpred": self.effective_pred(),
+            "bpred": self.b_pred,
+            "Wgate": self.w_gate,
+            "bgate": self.b_gate,
+            "Wdq": self.w_dq,
+            "Wdo": self.w_do,
+        }
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_idx={self.layer_idx}, d={self.hidden_size}, d_q={self.query_size}, "
+            f"n_h={self.num_heads}, r={self.head_dim}, alpha={self.alpha}"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def train(self, mode: bool = True) -> LSTMemLayer:
+        self._derived = None  # a mode switch is a natural point to forget derived weights
+        return super().train(mode)
+
+    def derived_weights(self) -> LayerWeights:
+        """:meth:`weights` for a forward that passes none: derived again only when a parameter
+        changed, while no gradient can reach the parameters (decoding, evaluation, memory writes
+        without training). With gradients, or inside a ``torch.compile`` trace, they are derived
+        differentiably in every forward.
+
+        A parameter changes (and the cache is dropped) when its version counter moves (an optimizer
+        step, ``load_state_dict``, any in-place write), when its storage moves (``.to()``, ``.data =
+        ...``), or when it is replaced or removed (``set_depth_input``); ``train()``/``eval()`` also
+        drop the cache.
+        """
+        params = self._parameters
+        if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None)
+        ):
+            return self.weights()
+        key = (torch.is_inference_mode_enabled(),) + tuple(  # inference tensors stay in inference mode
+            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+            for p in params.values()
+        )
+        cached = self.__dict__.get("_derived")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        with torch.no_grad():
+            weights = self.weights()
+        self.__dict__["_derived"] = (key, weights)
+        return weights
+
+    def weights(self) -> LayerWeights:
+        """The :class:`LayerWeights` of the current parameters (differentiable)."""
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
+        w_q, w_k, w_v, w_x = self.w_in.split(ds)
+        qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
+        g_z, g_dep, g_e = self.w_gate.split(ds, dim=1)  # W~_gate = [G_z | G_dep | G_e]
+        p_dep = self.effective_pred()
+        w_read_dep = self.w_read[:, ds:]
+        zeros = torch.zeros_like(p_dep)
+        eye = torch.eye(ds, dtype=p_dep.dtype, device=p_dep.device)
+        eau_first = torch.cat(  # rows v, z; columns [e | a | u_dep]
+            [torch.cat([eye, g_e.t(), zeros], 1), torch.cat([zeros, g_z.t(), zeros], 1)]
+        )
+        r_rows = torch.cat([zeros, g_dep.t(), w_read_dep.t()], 1)  # r^dep
+        p_rows = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)  # p^dep
+        reads = torch.stack([r_rows.view(H, R, -1), p_rows.view(H, R, -1)], 1).reshape(2 * ds, -1)
+        return LayerWeights(
+            w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
+            b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
+            eau_depth=torch.cat([eau_first, reads]),
+            eau_first=eau_first,
+            b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
+            read=self.w_read.t().contiguous(),
+            corr_q=(self.scale * self.w_dq).t(),
+            corr_o=(self.scale * self.w_do).t(),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cell: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        depth: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        write: bool = True,
+        backend: str = "auto",
+        weights: LayerWeights | None = None,
+        aux: bool = True,
+    ) -> LayerOutput:
+        """Read, then (if ``write``) update the memory for a block of tokens, in the paper's order.
+
+        Every token is a row of 2-D products (``B T`` rows), so one token costs few operations.
+
+        Args:
+            x: ``(B, T, d)`` attention input of the backbone layer.
+            cell, hidden: ``(B, n_h, r, r)`` states ``C_{t0-1}``, ``D_{t0-1}`` before the block.
+            depth: the depth input ``D^{(l-1)}``: ``(B, T, n_h, r, r)`` at every position when
+                writing; ``(B, n_h, r, r)`` (the lower layer's fixed state) when only reading;
+                ``None`` for the first memory layer or without depth coupling.
+            valid: ``(B, T)`` bool, ``False`` at padding, or ``None``.
+            write: ``False`` reads the fixed states only (the answer pass of training, read-only
+                generation); ``C`` and ``D`` are returned unchanged.
+            backend: the recurrence's kernel, see :func:`lstmem_kernels.lstmem_scan`.
+            weights: this layer's :meth:`weights`, when the caller derived them already.
+            aux: return the feedback samples (``key``, ``value``, ``out_gate``, ``depth_gate``);
+                ``False`` leaves them ``None`` (block feedback reads them; decoding does not).
+
+        Returns:
+            :class:`LayerOutput`; corrections in ``x.dtype``, states in the dtype of ``cell``.
+        """
+        w = self.derived_weights() if weights is None else weights
+        B, T, _ = x.shape
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
+        dtype = w.w_in.dtype
+        rows = _cast(x, dtype).reshape(B * T, -1)
+        if depth is not None:
+            depth = _cast(depth, dtype)
+        if not write:
+            # eq:projections (q only) and eq:read against the fixed states
+            q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
+            r_time = _read(_cast(hidden, dtype), q).reshape(B * T, ds)
+            if depth is None:
+                u = torch.addmm(self.b_read, r_time, w.read[:ds])
+            else:
+                r_dep = _read(depth, q).reshape(B * T, ds)
+                u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
+            delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
+            return LayerOutput(delta_q, delta_o, cell, hidden)
+
+        # eq:projections, with z_t of eq:gates from the same product
+        proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
+        qk = _unit_heads(
+            torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R)
+        )  # [q^[j]; k^[j]] per (token, head)
+        s = proj[:, 2 * ds :]  # [v; z]
+        if depth is None:  # D^(l-1) = 0: r^dep = p^dep = 0
+            # eq:residual, eq:gates, and the depth part of eq:read
+            eau = torch.addmm(w.b_eau, s, w.eau_first)
+        else:
+            # eq:read (depth) and p^dep of eq:residual: [q; k] D^(l-1)^T per (token, head), one product
+            reads = torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds)
+            # eq:residual, eq:gates, and the depth part of eq:read
+            eau = torch.addmm(w.b_eau, torch.cat([s, reads], 1), w.eau_depth)
+        e, a, u_dep = eau.split_with_sizes([ds, 4 * ds, ds], 1)
+        step = T == 1 and not _needs_grad(rows, cell, hidden, depth, w.w_in)
+        lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
+        i, f, o, g = torch.sigmoid(a).view(*lead, 4, H, R).unbind(-3)
+        i_e = i * e.view(*lead, H, R)
+        q, k = qk.view(*lead, H, 2, R).unbind(-2)
+        depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
+        # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
+        if step:  # the decode step writes new states: the caller's change only at commit
+            new_cell, new_hidden = _step_states(cell, hidden)
+            r_time = lstmem_step(
+                q,
+                k,
+                i_e,
+                f,
+                o,
+                cell,
+                hidden,
+                depth_term,
+                None if valid is None else valid.view(B),
+                backend=backend,
+                out=(new_cell, new_hidden),
+            )
+            hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
+        else:  # a block, or one token under autograd: the (autograd-native) scan
+            r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
+                q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=backend
+            )
+        # eq:read (u) and eq:injection
+        u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read[:ds])
+        if step:  # corrections stay factored: the projections accumulate u corr into their outputs
+            delta_q = delta_o = None
+            read, corr = u, (w.corr_q, w.corr_o)
+        else:
+            delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
+            read = corr = None
+        out = LayerOutput(
+            delta_q,
+            delta_o,
+            _cast(new_cell, cell.dtype),
+            _cast(new_hidden, hidden.dtype),
+            hidden_seq,
+            read=read,
+            corr=corr,
+        )
+        if not aux:
+            return out
+        return out._replace(
+            key=k.view(B, T, H, R),
+            value=s[:, :ds].view(B, T, H, R),
+            out_gate=o.view(B, T, H, R),
+            depth_gate=g.view(B, T, H, R),
+        )
+
+    def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
+        """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u``; ``u`` ``(B T, d_s)`` ->
+        ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
+        delta_q, delta_o = (torch.mm(u, c).view(B, T, -1) for c in (w.corr_q, w.corr_o))
+        return _cast(delta_q, dtype), _cast(delta_o, dtype)
+
+
+#: Adapter files written before the layer stored the effective maps carry the paper's full matrices
+#: under these names: ``w_pred_full = [P_time | P_dep]`` ``(d_s, 2 d_s)`` and ``w_gate_full = [G_z |
+#: G_time | G_dep | G_e]`` ``(4 d_s, 4 d_s)``.
+FULL_MATRICES = {"w_pred_full": "w_pred", "w_gate_full": "w_gate"}
+
+
+def effective_from_full(name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The parameter name and value a full matrix of an older adapter file becomes: ``P_dep`` of
+    ``w_pred_full``, ``[G_z | G_dep | G_e]`` of ``w_gate_full``. ``P_time`` and ``G_time`` only ever
+    multiplied zeros (App. C.2), so the layer computes the same function."""
+    if name == "w_pred_full":
+        ds = full.shape[0]
+        return "w_pred", full[:, ds:]
+    ds = full.shape[0] // 4
+    return "w_gate", torch.cat([full[:, :ds], full[:, 2 * ds :]], dim=1)
+
+
+def _from_full_matrices(layer: LSTMemLayer, state_dict: dict, prefix: str, *args) -> None:
+    """Before a state dict is loaded into ``layer``: the full matrices of an older file become the
+    effective maps (:func:`effective_from_full`); ``w_pred`` is dropped in a layer without depth input."""
+    for old in FULL_MATRICES:
+        full = state_dict.pop(prefix + old, None)
+        if full is None:
+            continue
+        name, value = effective_from_full(old, full)
+        if name == "w_pred" and layer.w_pred is None:
+            continue
+        state_dict.setdefault(prefix + name, value)
+
+
+def _refuse_nonfinite_weights(layer: LSTMemLayer, incompatible_keys) -> None:
+    """After a state dict is loaded into ``layer`` (an adapter file, a checkpoint): every weight finite."""
+    bad = [name for name, p in layer.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(
+            f"the LSTMem weights loaded for decoder layer {layer.layer_idx} hold NaN or inf in {bad}: the adapter "
+            "file is damaged or was saved from a diverged run; load another checkpoint"
+        )
+
+
+def _unit_heads(x: torch.Tensor) -> torch.Tensor:
+    """The l2 normalisation of ``n(.)`` along the last axis (denominator at least 1e-6)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(K.NORM_EPS)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _step_states(cell: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised float32 (or float64) tensors the decode step writes the new states into: the
+    caller's states (a cache's, a checkpoint's) are never written."""
+    dtype = cell.dtype if cell.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.empty_like(cell, dtype=dtype), torch.empty_like(hidden, dtype=dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _read(state: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``state q_t`` per head at every position: state ``(B, H, r, r)``, q ``(B, T, H, r)`` -> ``(B, T, H, r)``."""
+    return torch.matmul(q.transpose(1, 2), state.transpose(-1, -2)).transpose(1, 2)

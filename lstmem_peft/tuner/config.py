@@ -1,0 +1,222 @@
+"""``LSTMemConfig``: the adapter's configuration, a PEFT ``PeftConfig``."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import math
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from peft import PeftConfig, PeftModel
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+from lstmem_peft.memory import constants as K
+from lstmem_peft.memory.cache import STATE_DTYPES
+
+
+class LSTMemPeftType(str, enum.Enum):
+    """PEFT's ``PeftType`` is a closed enum; LSTMem registers its own member (name == value)."""
+
+    LSTMEM = "LSTMEM"
+
+
+# [query projection, output projection] of the attention block, per transformers model type.
+DEFAULT_TARGET_MODULES: dict[str, list[str]] = {
+    model_type: ["q_proj", "o_proj"]
+    for model_type in (
+        "qwen3",
+        "qwen2",
+        "llama",
+        "mistral",
+        "smollm3",
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "gemma",
+        "gemma2",
+        "olmo2",
+    )
+}
+
+
+@dataclass
+class LSTMemConfig(PeftConfig):
+    """Configuration of an LSTMem adapter.
+
+    Args:
+        r (`int`, *optional*, defaults to `8`):
+            Width of a memory head (the paper's ``r``); each state is ``r x r`` per head.
+        num_heads (`int`, *optional*, defaults to `4`):
+            Memory heads per layer (``n_h``); ``d_s = num_heads * r``.
+        alpha (`float`, *optional*, defaults to `16.0`):
+            Correction scale: ``dq = (alpha / r) W_dq u``.
+        layers_to_transform (`int` or `list[int]`, *optional*):
+            Decoder layers that get memory; ``None`` means all. Any subset works (even, odd, first,
+            middle, last); depth coupling links consecutive memory layers in this order.
+        target_modules (`list[str]`, *optional*):
+            ``[query projection, output projection]`` module names inside each attention block.
+            Defaults per model type (``["q_proj", "o_proj"]`` for Qwen2/3, Llama, Mistral, SmolLM3);
+            set it for other architectures.
+        depth_coupling (`bool`, *optional*, defaults to `True`):
+            Feed ``D_t`` of the memory layer below into each layer. ``False`` is the paper's depth
+            ablation (``D^(l-1) := 0`` in training and inference).
+        block_feedback (`bool`, *optional*, defaults to `True`):
+            Apply block-end feedback after each history block.
+        feedback_positions (`int`, *optional*, defaults to `32`):
+            Upper bound on the shared sampled positions ``|I_b|`` per block.
+        block_size (`int`, *optional*, defaults to `2048`):
+            History block length used by ``write_history``.
+        state_dtype (`str`, *optional*, defaults to `"float32"`):
+            ``"float32"`` or ``"bfloat16"`` (the paper's 36 KiB for Qwen3-4B) for the stored states.
+        update_during_generation (`bool`, *optional*, defaults to `True`):
+            Whether prompt and generated tokens write into memory during ``generate``; ``False``
+            makes generation read-only.
+        scan_backend (`str`, *optional*, defaults to `"auto"`):
+            ``"auto"`` (Triton on CUDA, vectorised PyTorch otherwise), ``"torch"``, ``"triton"`` or
+            ``"naive"``.
+        memory_id (`str`, *optional*):
+            Identity of this adapter's memory: a random id drawn when the config is created and saved
+            with the adapter. Memory caches carry it, and an adapter with another id refuses them
+            even when every shape matches. Leave it unset.
+    """
+
+    r: int = field(default=K.HEAD_DIM, metadata={"help": "Width r of a memory head."})
+    num_heads: int = field(default=K.NUM_HEADS, metadata={"help": "Memory heads n_h per layer."})
+    alpha: float = field(default=K.ALPHA, metadata={"help": "Correction scale alpha (dq = alpha/r W_dq u)."})
+    layers_to_transform: int | list[int] | None = field(
+        default=None, metadata={"help": "Decoder layer indices that get memory; None for all."}
+    )
+    target_modules: list[str] | str | None = field(
+        default=None,
+        metadata={"help": "[query projection, output projection] module names; defaults per model type."},
+    )
+    depth_coupling: bool = field(
+        default=True, metadata={"help": "Pass D_t of the layer below up (False: ablation)."}
+    )
+    block_feedback: bool = field(
+        default=True, metadata={"help": "Apply block-end feedback after history blocks."}
+    )
+    feedback_positions: int = field(default=K.FEEDBACK_POSITIONS, metadata={"help": "Bound on |I_b|."})
+    block_size: int = field(
+        default=K.BLOCK_SIZE, metadata={"help": "History block length for write_history."}
+    )
+    state_dtype: str = field(default="float32", metadata={"help": "'float32' or 'bfloat16' memory states."})
+    update_during_generation: bool = field(
+        default=True, metadata={"help": "Write prompt and generated tokens into memory during generate."}
+    )
+    scan_backend: str = field(default="auto", metadata={"help": "'auto', 'torch', 'triton' or 'naive'."})
+    memory_id: str | None = field(
+        default=None,
+        metadata={"help": "Identity of the adapter's memory (drawn at creation, saved with it)."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memory_id is None:
+            self.memory_id = uuid.uuid4().hex
+        elif not isinstance(self.memory_id, str) or not self.memory_id:
+            raise ValueError(f"memory_id must be a non-empty string (or unset), got {self.memory_id!r}")
+        self.peft_type = LSTMemPeftType.LSTMEM
+        if self.task_type is None:
+            self.task_type = "CAUSAL_LM"
+        if str(self.task_type) not in ("CAUSAL_LM", "TaskType.CAUSAL_LM"):
+            raise ValueError(
+                f"task_type must be 'CAUSAL_LM' (LSTMem adapts causal LMs), got {self.task_type!r}"
+            )
+        for name in ("r", "num_heads", "feedback_positions", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not (math.isfinite(self.alpha) and self.alpha > 0)
+        ):
+            raise ValueError(f"alpha must be a positive finite number, got {self.alpha!r}")
+        for name in ("depth_coupling", "block_feedback", "update_during_generation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true or false (a JSON boolean), got {getattr(self, name)!r}; a string such as "
+                    "'false' would count as true"
+                )
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
+        if self.scan_backend not in ("auto", "torch", "triton", "naive"):
+            raise ValueError(
+                f"scan_backend must be 'auto', 'torch', 'triton' or 'naive', got {self.scan_backend!r}"
+            )
+        if isinstance(self.layers_to_transform, int) and not isinstance(self.layers_to_transform, bool):
+            self.layers_to_transform = [self.layers_to_transform]
+        if self.layers_to_transform is not None:
+            if not isinstance(self.layers_to_transform, (list, tuple)):
+                raise ValueError(
+                    f"layers_to_transform must be None (all layers), a layer index or a list of them, got "
+                    f"{self.layers_to_transform!r}"
+                )
+            layers = list(self.layers_to_transform)
+            if not layers or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
+                raise ValueError(
+                    "layers_to_transform must be None (all layers) or non-negative layer indices, "
+                    f"got {self.layers_to_transform!r}"
+                )
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"layers_to_transform has duplicates: {layers}")
+            self.layers_to_transform = sorted(layers)
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, str) or len(self.target_modules) != 2:
+                raise ValueError(
+                    "target_modules must be [query projection, output projection], e.g. ['q_proj', 'o_proj'], "
+                    f"got {self.target_modules!r}"
+                )
+            self.target_modules = list(self.target_modules)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
+        """Load the config from a folder or Hub repo (PEFT's ``PeftConfig.from_pretrained``).
+
+        A config-only load works from a folder that holds ``adapter_config.json`` alone. When the call
+        comes from ``PeftModel.from_pretrained`` or ``PeftModel.load_adapter`` (which load the config
+        first, then the weights), a local folder without ``adapter_model.safetensors`` or
+        ``adapter_model.bin`` is refused here, naming the folder: PEFT itself would go on to treat the
+        folder as a Hub repo id and fail with an unrelated error.
+        """
+        config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_code if frame is not None and frame.f_back is not None else None
+        del frame  # a frame held in a local would keep this call's objects alive
+        if caller in _PEFT_ADAPTER_LOADERS:
+            folder = pretrained_model_name_or_path
+            require_adapter_weights(os.path.join(folder, subfolder) if subfolder else folder)
+        return config
+
+    @property
+    def query_module(self) -> str:
+        return self.target_modules[0]
+
+    @property
+    def output_module(self) -> str:
+        return self.target_modules[1]
+
+
+# PEFT's two entry points that load a config and then that adapter's weights from the same place.
+_PEFT_ADAPTER_LOADERS = (PeftModel.from_pretrained.__func__.__code__, PeftModel.load_adapter.__code__)
+
+
+def require_adapter_weights(folder: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` if the local folder ``folder`` has no adapter weights file.
+
+    A name that is not a local folder (a Hub repo id) is left to PEFT's own download and errors.
+    """
+    if not os.path.isdir(folder):
+        return
+    if not any(
+        os.path.isfile(os.path.join(folder, name)) for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)
+    ):
+        raise FileNotFoundError(
+            f"{os.fspath(folder)!r} has an adapter_config.json but no adapter weights: neither "
+            f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it. Save the adapter with "
+            "model.save_pretrained(folder) (it writes both config and weights), or load the config alone "
+            "with LSTMemConfig.from_pretrained(folder) and build a fresh adapter with get_peft_model."
+        )

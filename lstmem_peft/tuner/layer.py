@@ -1,0 +1,250 @@
+"""PEFT tuner layers: the query projection (which owns the memory) and the output projection.
+
+``LSTMemQueryLayer`` wraps a decoder layer's query projection and owns that layer's
+:class:`~lstmem_peft.memory.layer.LSTMemLayer` per adapter (``lstmem_memory[adapter]``). When a memory pass
+is open (see :mod:`lstmem_peft.tuner.context`), it runs the memory on the projection's input (the
+attention input, after the layer's input norm), adds ``Δq`` to the projection's output (before any
+q-norm and RoPE, which the backbone applies next) and leaves ``Δo`` with the pass. The matching
+``LSTMemOutputLayer`` adds that ``Δo`` to the output projection's output. Outside a memory pass, or
+with adapters disabled, both are the plain base layers. In an inference graph that ``torch.compile``
+captures, each wrapper calls one opaque operation (``lstmem::query_correction`` /
+``lstmem::output_correction``) that does the same, so the graph does not break per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from torch.nn.modules import module as _module
+
+from lstmem_peft.memory.layer import LayerOutput, LSTMemLayer
+
+from . import context
+from .quant import dense_weight
+
+# the context variable's getter without a Python frame: the wrappers ask it in every projection call
+_active = context.ACTIVE.get
+
+
+# ---------------------------------------------------------------------- compiled graphs
+# torch.compile cannot trace the context variable that carries the memory pass, so in a graph it
+# captures (inference: no gradients) each wrapper calls one opaque operation instead: the memory of
+# its decoder layer runs inside it, eagerly, against this thread's pass, exactly as in eager mode.
+# Outside a pass (adapters disabled, plain forwards) the correction is zeros.
+def _memory_pass_and_plan():
+    active = _active()
+    if active is None or active.model_pass is None:
+        return None, None
+    return active.model_pass, active.owner
+
+
+@torch.library.custom_op("lstmem::query_correction", mutates_args=())
+def _query_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """``Δq`` ``(B, T, width)`` of decoder layer ``layer_idx``: runs its memory in the open pass."""
+    model_pass, hooks = _memory_pass_and_plan()
+    if model_pass is None or layer_idx not in model_pass.depth_index:
+        return x.new_zeros(*x.shape[:-1], width)
+    depth = model_pass.depth_index[layer_idx]
+    _, _, layers, queries = hooks._plan(model_pass.adapter_name)
+    out = model_pass.run_layer(queries[depth], layers[depth], x)
+    return out.correction(0).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+
+
+@torch.library.custom_op("lstmem::output_correction", mutates_args=())
+def _output_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """``Δo`` ``(B, T, width)`` of decoder layer ``layer_idx``, left in the pass by its query wrapper."""
+    model_pass, _ = _memory_pass_and_plan()
+    out = None if model_pass is None else model_pass.pop_output(layer_idx)
+    if out is None:
+        return x.new_zeros(*x.shape[:-1], width)
+    return out.correction(1).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+
+
+def _correction_shape(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
+    """What both operations return, for tracing: ``(B, T, width)`` in ``x``'s dtype."""
+    return x.new_empty(*x.shape[:-1], width)
+
+
+_query_correction.register_fake(_correction_shape)
+_output_correction.register_fake(_correction_shape)
+
+
+def _in_captured_graph() -> bool:
+    """Inside a graph torch.compile captures for inference (training keeps the eager wrappers,
+    whose memory has gradients)."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+
+
+class LSTMemTunerLayer(BaseTunerLayer):
+    """Common base of the two LSTMem wrappers (PEFT finds both through it)."""
+
+    def merge(self, *args, **kwargs) -> None:
+        raise NotImplementedError(
+            "an LSTMem adapter cannot be merged: its contribution depends on a memory state that changes "
+            "with every token, not on fixed weights; use model.unload() to get the base model back"
+        )
+
+    def unmerge(self) -> None:
+        """Nothing to undo: LSTMem never merges."""
+
+    @property
+    def in_features(self) -> int:
+        """Input width of the wrapped projection."""
+        return self.get_base_layer().in_features
+
+    @property
+    def out_features(self) -> int:
+        """Output width of the wrapped projection."""
+        return self.get_base_layer().out_features
+
+
+class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
+    """Query projection with LSTMem memory. ``forward(x)``: ``(B, T, d) -> (B, T, d_q)``."""
+
+    adapter_layer_names = ("lstmem_memory",)
+    # per-adapter facts written at injection (PEFT deletes an adapter's entry with its layers)
+    other_param_names = ("lstmem_config", "lstmem_depth")
+
+    def __init__(self, base_layer: nn.Module, layer_idx: int) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_idx = layer_idx
+        self.lstmem_memory = nn.ModuleDict()
+        self.lstmem_config: dict[str, object] = {}  # adapter -> its LSTMemConfig
+        self.lstmem_depth: dict[str, int] = {}  # adapter -> depth index among its memory layers
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.kwargs = {}
+
+    def update_layer(self, adapter_name: str, config, output_weight: torch.Tensor) -> None:
+        """Create the memory of ``adapter_name`` and initialise ``W_dq``/``W_do`` from the backbone.
+
+        Sizes and the correction init come from the dense weights (:func:`~lstmem_peft.tuner.quant.dense_weight`:
+        a quantised projection is dequantised, never sliced). The memory is created on the
+        projection's device, in its dtype when that is a floating dtype (else float32); PEFT then
+        casts float16/bfloat16 adapters to float32 unless ``autocast_adapter_dtype=False``.
+        ``output_weight``: the ``(d, d_q)`` dense weight of the output projection.
+        """
+        base = self.get_base_layer()
+        weight = dense_weight(base)  # (d_q, d) float32
+        stored = getattr(base, "weight", None)
+        dtype = stored.dtype if stored is not None and stored.dtype.is_floating_point else torch.float32
+        memory = LSTMemLayer(
+            hidden_size=weight.shape[1],
+            query_size=weight.shape[0],
+            num_heads=config.num_heads,
+            head_dim=config.r,
+            alpha=config.alpha,
+            layer_idx=self.layer_idx,
+            device=weight.device,
+            dtype=dtype,
+        )
+        memory.init_corrections(weight, output_weight)
+        self.lstmem_memory[adapter_name] = memory
+        self.lstmem_config[adapter_name] = config
+        self.set_adapter(self.active_adapters)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if _in_captured_graph():
+            base = self.base_layer
+            return base(x, *args, **kwargs) + _query_correction(x, self.layer_idx, base.out_features)
+        # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
+        active = _active()
+        active = None if active is None else active.model_pass
+        base = self._modules["base_layer"]
+        memory = (
+            None
+            if active is None or self._disable_adapters
+            else self.lstmem_memory._modules.get(active.adapter_name)
+        )
+        if memory is None:
+            return base(x, *args, **kwargs)
+        return _base_plus(base, x, active.run_layer(self, memory, x), 0, args, kwargs)
+
+    def __repr__(self) -> str:
+        return "lstmem." + super().__repr__()
+
+
+class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
+    """Output projection that adds the ``Δo`` of its decoder layer's memory. ``(B, T, d_q) -> (B, T, d)``."""
+
+    adapter_layer_names = ()
+    other_param_names = ()
+
+    def __init__(self, base_layer: nn.Module, layer_idx: int) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer_idx = layer_idx
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.kwargs = {}
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if _in_captured_graph():
+            base = self.base_layer
+            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, base.out_features)
+        active = _active()
+        active = None if active is None else active.model_pass
+        base = self._modules["base_layer"]
+        out = None if active is None or self._disable_adapters else active.pop_output(self.layer_idx)
+        if out is None:
+            return base(x, *args, **kwargs)
+        return _base_plus(base, x, out, 1, args, kwargs)
+
+    def __repr__(self) -> str:
+        return "lstmem." + super().__repr__()
+
+
+def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``base(x)`` is exactly ``F.linear(x, base.weight)``: a bias-free ``nn.Linear`` of
+    ``x``'s dtype without hooks or a patched forward (then the correction can enter its product).
+    A weight that is not a plain dense tensor (a torchao tensor subclass, say) is not plain: such a
+    projection runs its own forward."""
+    params = base._parameters
+    return (
+        type(base) is nn.Linear
+        and type(params["weight"]) in (nn.Parameter, torch.Tensor)
+        and params["bias"] is None
+        and not args
+        and not kwargs
+        and x.dtype == params["weight"].dtype
+        and not (
+            base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks
+        )
+        and not (
+            _module._global_forward_hooks
+            or _module._global_forward_pre_hooks
+            or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks
+        )
+        and "forward" not in base.__dict__
+    )
+
+
+def _base_plus(base: nn.Module, x: torch.Tensor, out: LayerOutput, which: int, args, kwargs) -> torch.Tensor:
+    """``base(x)`` plus the memory correction ``which`` (0: ``Δq``, 1: ``Δo``) of ``out``.
+
+    For a plain projection (:func:`_plain_linear`) the correction enters its product: a factored
+    one (``out.read``, the fused one-token step) is accumulated into the fresh output in place,
+    ``y += u C``, so ``Δ`` is never formed; a tensor one is the bias (one token) or the accumulator.
+    Otherwise ``base`` runs as it is and the correction is added.
+    """
+    plain = _plain_linear(base, x, args, kwargs)
+    if plain and out.read is not None and out.read.dtype == x.dtype and not torch.is_grad_enabled():
+        weight = base._parameters["weight"]
+        y = F.linear(x, weight)
+        y.view(-1, weight.shape[0]).addmm_(out.read, out.corr[which])
+        return y
+    delta = out.correction(which)
+    if plain and delta.dtype == x.dtype:
+        weight = base._parameters["weight"]
+        n = weight.shape[0]
+        if delta.numel() == n:  # one token of one sequence: the correction is the bias
+            return F.linear(x, weight, delta.view(n))
+        return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(
+            *x.shape[:-1], n
+        )
+    result = base(x, *args, **kwargs)
+    return result + (delta if delta.dtype == result.dtype else delta.to(result.dtype))

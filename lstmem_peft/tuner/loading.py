@@ -1,0 +1,57 @@
+"""One loader for every entry point (``lstmem eval``, ``lstmem serve``, the demo): a causal LM from
+the Hub or a local folder, optionally with an LSTMem adapter on it, and its tokenizer; or, with
+neither, the embedded demo shipped inside the package."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from lstmem_peft.utils.offline import DEMO_ASSETS, demo_tokenizer
+
+
+def load_model_and_adapter(
+    model: str | None = None, adapter: str | None = None, *, dtype: str = "auto", device: str | None = None
+) -> tuple[torch.nn.Module, object]:
+    """Load a backbone and, when given, the LSTMem adapter trained on it, in eval mode.
+
+    Args:
+        model: the backbone, a Hub id or a local folder; ``None`` with ``adapter=None``: the embedded
+            demo (its backbone, its ``full`` adapter and its word-level tokenizer).
+        adapter: the LSTMem adapter, a Hub id or a local folder (``None``: the plain backbone).
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
+        device: ``cpu`` or ``cuda`` (default: cuda when available).
+
+    Returns:
+        ``(model, tokenizer)``: the ``PeftModel`` (or the plain backbone) on ``device``, and the
+        adapter folder's tokenizer when it saved one (it may add chat tokens), else the backbone's.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model is None:
+        if adapter is not None:
+            raise ValueError("an adapter needs the backbone it was trained on: pass the model too")
+        demo = PeftModel.from_pretrained(load_demo_backbone(), DEMO_ASSETS / "adapter_full")
+        return demo.to(device).eval(), demo_tokenizer()
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    if adapter is not None:
+        loaded = PeftModel.from_pretrained(loaded, adapter)
+    own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(adapter if own else model)
+    return loaded.to(device).eval(), tokenizer
+
+
+def load_demo_backbone(path: Path = DEMO_ASSETS):
+    """The embedded demo's backbone (a tiny Qwen3 trained on key-value recall), in eval mode."""
+    from transformers import Qwen3ForCausalLM
+
+    if not (path / "backbone" / "config.json").exists():
+        raise FileNotFoundError(
+            f"the demo backbone is missing from {path}; rebuild it with `python -m lstmem_peft.cli.demo build`"
+        )
+    return Qwen3ForCausalLM.from_pretrained(path / "backbone").eval()

@@ -1,0 +1,269 @@
+"""``LSTMemModel``: the PEFT tuner that injects LSTMem memory into a causal LM.
+
+For every chosen decoder layer, the query projection is wrapped by
+:class:`~lstmem_peft.tuner.layer.LSTMemQueryLayer` (which owns the memory parameters) and the output
+projection by :class:`~lstmem_peft.tuner.layer.LSTMemOutputLayer`. Injection writes each adapter's
+configuration and depth index on its query wrappers (PEFT's per-adapter dict idiom) and attaches the
+backbone's one :class:`~lstmem_peft.tuner.hooks.MemoryHooks`, which carries memory through every forward
+whichever door (``PeftModel``, ``inject_adapter_in_model``, transformers' ``load_adapter``) the
+adapter came in by. ``LSTMemModel.generate`` is that controller's ``generate``; nothing of peft or
+transformers is patched. ``unload()`` removes the wrappers and the hooks.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+from peft.tuners.tuners_utils import BaseTuner
+from torch import nn
+
+from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
+from lstmem_peft.memory.layer import FULL_MATRICES, effective_from_full
+
+from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
+from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
+from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
+from .quant import check_projection, dense_weight
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _with_output_siblings(state_dict: dict, config: LSTMemConfig) -> dict:
+    """``state_dict`` plus one placeholder key per output projection whose query sibling has tensors
+    in it (for PEFT's module matching only: the placeholders are never loaded)."""
+    marker = f".{config.query_module}.{LSTMemModel.prefix}"
+    extra = {}
+    for key in state_dict:
+        if marker in key:
+            parent = key.split(marker, 1)[0]
+            extra[f"{parent}.{config.output_module}.{LSTMemModel.prefix}"] = None
+    return {**state_dict, **extra}
+
+
+class LSTMemModel(BaseTuner):
+    """Creates an LSTMem model from a pretrained causal LM.
+
+    Example:
+        >>> import torch
+        >>> from transformers import Qwen3Config, Qwen3ForCausalLM
+        >>> from peft import get_peft_model
+        >>> from lstmem_peft import LSTMemConfig, MemoryCache
+        >>> base = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+        >>> model = get_peft_model(base, LSTMemConfig())
+        >>> cache = MemoryCache()
+        >>> out = model(input_ids=torch.tensor([[1, 2, 3]]), memory_cache=cache)
+        >>> cache.tokens_written.tolist()
+        [3]
+    """
+
+    prefix: str = "lstmem_"
+    tuner_layer_cls = LSTMemTunerLayer
+    target_module_mapping = DEFAULT_TARGET_MODULES
+
+    # ------------------------------------------------------------------ injection
+    def _prepare_adapter_config(self, peft_config: LSTMemConfig, model_config: dict) -> LSTMemConfig:
+        """Every door injects through here: validate the config again (its fields may have been
+        changed since it was built) and fill in the target modules of known model types."""
+        if not isinstance(peft_config, LSTMemConfig):
+            raise TypeError(f"LSTMemModel needs an LSTMemConfig, got {type(peft_config).__name__}")
+        peft_config.__post_init__()
+        if peft_config.target_modules is None:
+            model_type = model_config.get("model_type")
+            if model_type not in DEFAULT_TARGET_MODULES:
+                raise ValueError(
+                    f"LSTMem has no default target modules for model type {model_type!r}; pass "
+                    "target_modules=[<query projection name>, <output projection name>] (for most decoder "
+                    "models ['q_proj', 'o_proj'])"
+                )
+            peft_config.target_modules = list(DEFAULT_TARGET_MODULES[model_type])
+        return peft_config
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name: str, state_dict: dict) -> dict:
+        """PEFT's key remapping, after the full matrices of an older adapter file (``w_pred_full``,
+        ``w_gate_full``) became the effective maps the layers register (:func:`~lstmem_peft.memory.layer.
+        effective_from_full`); a ``W~_pred`` for a layer without depth input (which has none) is dropped."""
+        converted = {}
+        for key, value in state_dict.items():
+            head, _, leaf = key.rpartition(".")
+            if leaf in FULL_MATRICES and head.endswith("lstmem_memory"):
+                leaf, value = effective_from_full(leaf, value)
+                key = f"{head}.{leaf}"
+            converted[key] = value
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, converted)
+        # a W~_pred the model has no parameter for kept its checkpoint key (no adapter name): drop it
+        return {k: v for k, v in remapped.items() if not k.endswith(".lstmem_memory.w_pred")}
+
+    @staticmethod
+    def _layer_index(key: str) -> int | None:
+        found = _LAYER_INDEX.findall(f".{key}.")
+        return int(found[-1]) if found else None
+
+    @staticmethod
+    def _check_target_module_exists(peft_config: LSTMemConfig, key: str) -> bool:
+        name = key.rsplit(".", 1)[-1]
+        if name not in (peft_config.query_module, peft_config.output_module):
+            return False
+        idx = LSTMemModel._layer_index(key)
+        if idx is None:
+            return False
+        return peft_config.layers_to_transform is None or idx in peft_config.layers_to_transform
+
+    def _create_and_replace(
+        self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None
+    ):
+        idx = self._layer_index(current_key)
+        if target_name == peft_config.query_module:
+            output = getattr(parent, peft_config.output_module, None)
+            if output is None:
+                raise ValueError(
+                    f"{current_key}: found the query projection but no sibling {peft_config.output_module!r}; "
+                    "LSTMem needs both projections of one attention block: set target_modules=[query, output]"
+                )
+            output_base = output.get_base_layer() if isinstance(output, LSTMemTunerLayer) else output
+            self._check_linear(output_base, f"{current_key.rsplit('.', 1)[0]}.{peft_config.output_module}")
+            output_weight = dense_weight(output_base)  # (d, d_q) float32, dequantised if quantised
+            if not isinstance(target, LSTMemQueryLayer):
+                self._check_linear(target, current_key)
+                new = LSTMemQueryLayer(target, idx)
+                self._replace_module(parent, target_name, new, target)
+                target = new
+            target.update_layer(adapter_name, peft_config, output_weight)
+            if not isinstance(output, LSTMemOutputLayer):
+                # the query projection brings its output projection along: an adapter state dict
+                # (inject_adapter_in_model(..., state_dict=...)) names only the query wrappers
+                self._replace_module(
+                    parent, peft_config.output_module, LSTMemOutputLayer(output, idx), output
+                )
+        elif not isinstance(target, LSTMemOutputLayer):
+            self._check_linear(target, current_key)
+            self._replace_module(parent, target_name, LSTMemOutputLayer(target, idx), target)
+
+    @staticmethod
+    def _check_linear(module: nn.Module, key: str) -> None:
+        """Refuse a projection whose dense weight LSTMem cannot read (see :mod:`lstmem_peft.tuner.quant`)."""
+        check_projection(module, key)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        """PEFT's injection (every door comes through here: the tuner's creation, ``add_adapter``,
+        ``load_adapter``, ``inject_adapter_in_model``, transformers' ``load_adapter``), then
+        :meth:`_finish_injection`.
+
+        With a ``state_dict`` (``inject_adapter_in_model(..., state_dict=...)``) PEFT targets the
+        modules whose names carry adapter tensors and warns about config targets that carry none. The
+        output projections hold no tensors (the query wrapper owns the memory), so each query
+        projection's output sibling is named to PEFT as targeted too: a normal call warns about nothing.
+        """
+        state_dict = kwargs.get("state_dict")
+        if state_dict is not None:
+            config = self._prepare_adapter_config(
+                self.peft_config[adapter_name], self.get_model_config(model)
+            )
+            kwargs["state_dict"] = _with_output_siblings(state_dict, config)
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        self._finish_injection(model, self.peft_config[adapter_name], adapter_name)
+
+    def _finish_injection(self, model: nn.Module, config: LSTMemConfig, adapter_name: str) -> None:
+        """Check the placement, write each query wrapper's depth index for the adapter (memory layers
+        in decoder-layer order), and attach the backbone's memory hooks."""
+        queries = sorted(
+            (
+                m
+                for m in model.modules()
+                if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory
+            ),
+            key=lambda m: m.layer_idx,
+        )
+        outputs = {m.layer_idx for m in model.modules() if isinstance(m, LSTMemOutputLayer)}
+        if not queries:
+            raise ValueError(
+                f"LSTMem found no {config.query_module!r}/{config.output_module!r} projections in decoder layers "
+                f"{config.layers_to_transform or 'all'}; check target_modules and layers_to_transform"
+            )
+        missing = [q.layer_idx for q in queries if q.layer_idx not in outputs]
+        if missing:
+            raise ValueError(
+                f"decoder layers {missing} have a query projection but no {config.output_module!r}"
+            )
+        if config.layers_to_transform is not None:
+            absent = sorted(set(config.layers_to_transform) - {q.layer_idx for q in queries})
+            if absent:
+                raise ValueError(
+                    f"layers_to_transform names decoder layers {absent} that the model does not have "
+                    f"(it has {self._num_layers(model)} layers)"
+                )
+        for depth, query in enumerate(queries):
+            query.lstmem_depth[adapter_name] = depth
+            query.lstmem_memory[adapter_name].set_depth_input(config.depth_coupling and depth > 0)
+        MemoryHooks.attach(model)
+
+    @staticmethod
+    def _num_layers(model: nn.Module) -> int | None:
+        return getattr(getattr(model, "config", None), "num_hidden_layers", None)
+
+    # ------------------------------------------------------------------ the memory controller
+    @property
+    def memory_hooks(self) -> MemoryHooks:
+        """The backbone's :class:`~lstmem_peft.tuner.hooks.MemoryHooks` (shared by every adapter)."""
+        hooks = MemoryHooks.of(self.model)
+        if hooks is None:
+            raise RuntimeError("this LSTMem model was unloaded; create it again with get_peft_model")
+        return hooks
+
+    def memory_layout(self, adapter_name: str | None = None) -> MemoryLayout:
+        """The :class:`~lstmem_peft.memory.cache.MemoryLayout` of ``adapter_name`` (default: the active one)."""
+        return self.memory_hooks.memory_layout(adapter_name)
+
+    def memory_layers(self, adapter_name: str | None = None):
+        """The adapter's :class:`~lstmem_peft.memory.layer.LSTMemLayer` modules in depth order."""
+        return self.memory_hooks.memory_layers(adapter_name)
+
+    def generate(
+        self, *args, memory_cache: MemoryCache | None = None, memory_write: bool | None = None, **kwargs
+    ):
+        """``generate`` of the backbone with LSTMem memory (:meth:`MemoryHooks.generate
+        <lstmem_peft.tuner.hooks.MemoryHooks.generate>`); ``PeftModel.generate`` calls it."""
+        return self.memory_hooks.generate(
+            *args, memory_cache=memory_cache, memory_write=memory_write, **kwargs
+        )
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args, **kwargs):
+        """``PeftModel`` enters this around every forward and ``generate``: refuse ``adapter_names``
+        (mixed-adapter batches), which PEFT would otherwise drop silently for this method."""
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(ADAPTER_NAMES_REFUSED)
+        yield
+
+    # ------------------------------------------------------------------ merging and unloading
+    def merge_and_unload(self, *args, **kwargs):
+        raise NotImplementedError(
+            "merge_and_unload() cannot apply to LSTMem: the adapter is a stateful memory whose corrections depend "
+            "on the history written so far, so there are no fixed weights to merge. Use model.unload() to get the "
+            "plain base model back, or keep the adapter and pass a MemoryCache"
+        )
+
+    def merge_adapter(self, *args, **kwargs):
+        self.merge_and_unload()
+
+    def unload(self) -> nn.Module:
+        """Remove every LSTMem layer and hook; returns the plain base model."""
+        return self._unload_and_optionally_merge(merge=False)
+
+    def _unload_and_optionally_merge(
+        self, merge=True, progressbar=False, safe_merge=False, adapter_names=None
+    ):
+        if merge:
+            self.merge_and_unload()
+        hooks = MemoryHooks.of(self.model)
+        if hooks is not None:
+            hooks.detach()
+        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        hooks = MemoryHooks.of(self.model)
+        if hooks is not None:
+            hooks.refresh()

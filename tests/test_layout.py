@@ -1,0 +1,152 @@
+"""The package's wings import only downward (README "Where things are").
+
+Read from the source (every ``import``, at module level or inside a function), not by importing it::
+
+    cli  >  serve  >  eval, integrations  >  training  >  tuner  >  memory  >  utils, lstmem_kernels
+
+``lstmem_peft/__init__.py`` (the public API) stands above the library wings and below ``cli``;
+nothing inside the package imports it (importing any module runs it first anyway, which registers
+LSTMem with PEFT). ``memory``, ``utils`` and the kernels import neither transformers nor peft
+(``utils.offline`` builds tiny transformers models for tests and demos and is the one exception).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Each wing and the wings it may import (besides itself).
+MAY_IMPORT = {
+    "lstmem_kernels": set(),
+    "utils": set(),
+    "memory": {"utils", "lstmem_kernels"},
+    "tuner": {"memory", "utils", "lstmem_kernels"},
+    "training": {"tuner", "memory", "utils"},
+    "eval": {"training", "tuner", "memory", "utils"},
+    "integrations": {"tuner", "memory", "utils", "lstmem_kernels"},
+    "serve": {"integrations", "training", "tuner", "memory", "utils"},
+    "api": {"training", "tuner", "memory", "utils"},
+    "cli": {"api", "serve", "eval", "integrations", "training", "tuner", "memory", "utils", "lstmem_kernels"},
+}
+#: Wings that stay free of the model libraries (the memory's math runs on plain tensors).
+NO_MODEL_LIBRARIES = {"lstmem_kernels", "memory", "utils"}
+MODEL_LIBRARY_EXCEPTIONS = {"lstmem_peft.utils.offline"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "lstmem_peft").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        name = "lstmem_kernels" if path.stem == "__init__" else f"lstmem_kernels.{path.stem}"
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "lstmem_kernels":
+        return "lstmem_kernels"
+    if len(parts) == 1:
+        return "api"
+    if parts[1] not in MAY_IMPORT:
+        raise AssertionError(
+            f"{module} stands in no wing: move it into one of {sorted(MAY_IMPORT)} (or add a wing to this test)"
+        )
+    return parts[1]
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``module`` imports (absolute dotted names; the nearest module of this project
+    for a name imported from a package)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # names defined in the module itself
+                found.add(target)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_module_imports_only_downward(module):
+    wing = _wing(module)
+    upward = sorted(
+        target
+        for target in GRAPH[module]
+        if target in MODULES and _wing(target) != wing and _wing(target) not in MAY_IMPORT[wing]
+    )
+    assert not upward, (
+        f"{module} (wing {wing}) imports {upward}; it may import only {sorted(MAY_IMPORT[wing])}"
+    )
+    if wing in NO_MODEL_LIBRARIES and module not in MODEL_LIBRARY_EXCEPTIONS:
+        libraries = sorted(t for t in GRAPH[module] if t.split(".")[0] in {"transformers", "peft", "vllm"})
+        assert not libraries, (
+            f"{module} (wing {wing}) imports {libraries}: keep the model libraries out of it"
+        )
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others (lazy imports included)."""
+    edges = {m: {t for t in targets if t in MODULES and t != m} for m, targets in GRAPH.items()}
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_every_module_stands_in_a_wing_the_wheel_ships():
+    """Each package folder is listed in pyproject.toml (the wheel holds every module)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
+    for module in MODULES:
+        _wing(module)
