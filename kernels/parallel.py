@@ -167,9 +167,3 @@ def step_torch(
             else:
                 target.copy_(torch.where(keep, new, old))
     return _cast(read, q.dtype)
-    if valid is not None:
-        keep = valid.view(-1, 1, 1, 1)
-        C_new, D_new = torch.where(keep, C_new, C), torch.where(keep, D_new, D)
-    cell.copy_(C_new)
-    hidden.copy_(D_new)
-    return _cast(read, q.dtype)

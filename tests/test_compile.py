@@ -54,9 +54,9 @@ def test_compiled_decoding_equals_eager_and_does_not_recompile_per_step():
     model = make("qwen3", **CONFIG)
     prompt, steps = inputs()
     expected, expected_cache = decode(model, prompt, steps)
-    # the "eager" backend runs the captured graphs op by op. One difference: eager decoding accumulates
-    # a one-token correction into the projection's output (y += u C), the graph adds the formed
-    # correction (y + u C): float32 rounding of one sum per projection, carried through a few layers
+    # the "eager" backend runs the captured graphs op by op. One difference: eager decoding adds a
+    # correction in one product (addmm(y, u, C)), the graph adds the formed correction (y + (u C)):
+    # float32 rounding of one sum per projection, carried through a few layers
     got, cache = decode(torch.compile(model, backend="eager"), prompt, steps, warmup=3)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -186,8 +186,8 @@ def test_a_decode_step_derives_no_weights_once_they_are_cached(monkeypatch):
 def test_compiled_static_cache_generate_gives_the_eager_tokens_and_memory():
     """``generate(cache_implementation="static", compile_config=...)`` with a ``memory_cache``:
     transformers compiles the decoding forward (counted), and the tokens and memory are the eager
-    call's (memory within float32 rounding: the graph adds the one-token correction, eager
-    accumulates it into the projection's output)."""
+    call's (memory within float32 rounding: the graph adds the formed correction, eager adds it in
+    one product with the projection's output)."""
     from transformers import CompileConfig
 
     model = make("qwen3", **CONFIG)

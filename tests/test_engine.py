@@ -48,7 +48,9 @@ def test_left_padded_batch_equals_each_row_alone():
         alone = new_cache(1)
         single_outs, _ = run(layers, alone, [x[b : b + 1, T - n :] for x in xs], feedback=True)
         for o_batch, o_single in zip(outs, single_outs, strict=True):
-            torch.testing.assert_close(o_batch.delta_q[b, T - n :], o_single.delta_q[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                o_batch.correction(0)[b, T - n :], o_single.correction(0)[0], atol=1e-5, rtol=1e-5
+            )
         assert_row_equals_alone(batch, b, alone, atol=1e-5, rtol=1e-5)
     assert batch.tokens_written.tolist() == lengths
 
@@ -63,7 +65,7 @@ def test_prefill_equals_decode_steps_through_the_stack():
     for t in range(T):
         outs, _ = run(layers, steps, [x[:, t : t + 1] for x in xs])
         for o, ref in zip(outs, full_outs, strict=True):
-            torch.testing.assert_close(o.delta_o[:, 0], ref.delta_o[:, t], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(o.correction(1)[:, 0], ref.correction(1)[:, t], atol=1e-5, rtol=1e-5)
     for a, b in zip(full.layers, steps.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
@@ -89,7 +91,7 @@ def test_feedback_changes_the_carried_state_only():
     outs_plain, none = run(layers, without, xs)
     assert none is None and res is not None
     for a, b in zip(outs_fb, outs_plain, strict=True):  # outputs inside the block are unchanged
-        assert torch.equal(a.delta_q, b.delta_q)
+        assert torch.equal(a.correction(0), b.correction(0))
     assert not torch.equal(with_fb.layers[0].cell, without.layers[0].cell)
     assert torch.equal(with_fb.layers[-1].cell, without.layers[-1].cell)
 
@@ -123,7 +125,7 @@ def test_gradients_reach_every_layer_through_history_and_feedback():
     cache = new_cache(2)
     run(layers, cache, [torch.randn(2, 30, D) for _ in range(L)], feedback=True)
     outs, _ = run(layers, cache, [torch.randn(2, 4, D) for _ in range(L)], write=False)
-    sum(o.delta_q.square().sum() + o.delta_o.square().sum() for o in outs).backward()
+    sum(o.correction(0).square().sum() + o.correction(1).square().sum() for o in outs).backward()
     for layer in layers:  # the first has no W~_pred (no depth input): every parameter gets a gradient
         assert [n for n, p in layer.named_parameters() if p.grad is None] == []
         assert layer.w_in.grad.abs().sum() > 0 and layer.w_gate.grad.abs().sum() > 0

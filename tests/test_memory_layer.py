@@ -122,7 +122,7 @@ def test_initial_layer_reads_only_temporal_memory_and_writes_v():
     with_depth = layer(x, cell, hidden, depth=depth)
     without = layer(x, cell, hidden, depth=None)
     # the first token reads D_0 = 0, and W_read = [I | 0] ignores the depth read
-    assert not with_depth.delta_q[:, 0].any()
+    assert not with_depth.correction(0)[:, 0].any()
     # e = v and constant gates: the cell does not depend on the depth input at all
     torch.testing.assert_close(with_depth.cell, without.cell)
     assert not torch.allclose(with_depth.hidden, without.hidden)  # D does, through g * D^(l-1)
@@ -140,10 +140,11 @@ def test_layer_matches_paper_reference(with_depth, backend, T):
     cell = torch.randn(B, 4, 8, 8, dtype=torch.float64)
     hidden = torch.randn(B, 4, 8, 8, dtype=torch.float64)
     valid = torch.rand(B, T) > 0.25
-    out = layer(x, cell, hidden, depth=depth, valid=valid, backend=backend)
+    layer.backend = backend
+    out = layer(x, cell, hidden, depth=depth, valid=valid)
     dq, do, C, D, hs = reference(layer, x, depth, cell, hidden, valid)
-    torch.testing.assert_close(out.delta_q, dq)
-    torch.testing.assert_close(out.delta_o, do)
+    torch.testing.assert_close(out.correction(0), dq)
+    torch.testing.assert_close(out.correction(1), do)
     torch.testing.assert_close(out.cell, C)
     torch.testing.assert_close(out.hidden, D)
     torch.testing.assert_close(out.hidden_seq, hs)
@@ -162,8 +163,8 @@ def assert_prefill_equals_steps(layer, x, cell, hidden, depth, full):
     c, h = cell, hidden
     for t in range(x.shape[1]):
         out = layer(x[:, t : t + 1], c, h, depth=depth[:, t : t + 1])
-        torch.testing.assert_close(out.correction(0)[:, 0], full.delta_q[:, t], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(out.correction(1)[:, 0], full.delta_o[:, t], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.correction(0)[:, 0], full.correction(0)[:, t], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.correction(1)[:, 0], full.correction(1)[:, t], atol=1e-5, rtol=1e-5)
         c, h = out.cell, out.hidden
     torch.testing.assert_close(c, full.cell, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h, full.hidden, atol=1e-5, rtol=1e-5)
@@ -180,7 +181,7 @@ def test_read_only_pass_keeps_states_and_reads_fixed_memory():
     # first-token read, token by token
     for t in range(5):
         ref = layer(x[:, t : t + 1], cell, hidden, depth=below[:, None])
-        torch.testing.assert_close(out.delta_q[:, t], ref.delta_q[:, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.correction(0)[:, t], ref.correction(0)[:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_states_and_backbone_dtype():
@@ -188,7 +189,8 @@ def test_bf16_states_and_backbone_dtype():
     x = torch.randn(2, 9, D_MODEL, dtype=torch.bfloat16)
     cell = hidden = torch.zeros(2, 4, 8, 8, dtype=torch.bfloat16)
     out = layer(x, cell, hidden)
-    assert out.delta_q.dtype == torch.bfloat16 and out.cell.dtype == torch.bfloat16
+    assert out.read.dtype == torch.float32 and out.cell.dtype == torch.bfloat16  # u in the adapter's dtype
+    assert out.add_to(torch.zeros(2, 9, layer.query_size, dtype=torch.bfloat16), 0).dtype == torch.bfloat16
     ref = layer(x.float(), cell.float(), hidden.float())
     torch.testing.assert_close(out.cell.float(), ref.cell, atol=2e-2, rtol=2e-2)
 
@@ -197,7 +199,7 @@ def test_zero_input_head_has_finite_gradients():
     layer = make_layer()
     x = torch.zeros(1, 3, D_MODEL, requires_grad=True)  # e.g. a zero padding embedding
     out = layer(x, torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 8, 8))
-    (out.delta_q.sum() + out.hidden.sum()).backward()
+    (out.correction(0).sum() + out.hidden.sum()).backward()
     assert torch.isfinite(x.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
 
@@ -261,8 +263,7 @@ def test_every_path_and_its_gradients_match_the_reference(path, with_depth, with
         torch.testing.assert_close(out.hidden_seq, ref.hidden_seq)
         for name in ("key", "out_gate", "depth_gate"):  # the feedback samples, same in every path
             assert getattr(out, name).shape == (3, T, 4, 8)
-        assert out.read is None  # corrections formed: autograd never takes the decode step
-        return out.delta_q, out.delta_o, out.cell, out.hidden
+        return out.correction(0), out.correction(1), out.cell, out.hidden
 
     def ref(x, cell, hidden, depth=None):
         return reference(layer, x, depth, cell, hidden, valid)
@@ -285,8 +286,8 @@ def test_the_decode_step_matches_the_reference_and_leaves_the_callers_states(wit
     x, depth, cell, hidden, valid = layer_inputs(1, with_depth, with_valid)
     c0, h0 = cell.clone(), hidden.clone()
     with torch.no_grad():
-        out = layer(x, cell, hidden, depth=depth, valid=valid, backend=backend)
-    assert out.read is not None and out.delta_q is None  # the step: corrections kept factored
+        layer.backend = backend
+        out = layer(x, cell, hidden, depth=depth, valid=valid)
     assert torch.equal(cell, c0) and torch.equal(hidden, h0)
     assert_close_to_reference(out, reference(layer, x, depth, cell, hidden, valid), atol=1e-12, rtol=1e-12)
     for name in ("key", "value", "out_gate", "depth_gate"):
@@ -305,8 +306,8 @@ def test_read_only_pass_matches_the_reference_token_by_token(T, with_depth):
     assert out.cell is cell and out.hidden is hidden and out.hidden_seq is None
     for t in range(T):
         ref = reference(layer, x[:, t : t + 1], None if below is None else below[:, None], cell, hidden)
-        torch.testing.assert_close(out.delta_q[:, t], ref.delta_q[:, 0])
-        torch.testing.assert_close(out.delta_o[:, t], ref.delta_o[:, 0])
+        torch.testing.assert_close(out.correction(0)[:, t], ref.delta_q[:, 0])
+        torch.testing.assert_close(out.correction(1)[:, t], ref.delta_o[:, 0])
 
 
 @pytest.mark.parametrize("states", [torch.float32, torch.bfloat16])
@@ -320,14 +321,13 @@ def test_float32_layer_with_float32_and_bf16_states(path, states):
     c, h = cell.to(states), hidden.to(states)
     with torch.set_grad_enabled(grad):
         out = layer(x, c, h, depth=depth, valid=valid)
-    assert (out.read is not None) == (not grad and T == 1)
     ref = reference(layer, x, depth, c, h, valid)
     assert out.cell.dtype == states and out.hidden.dtype == states and out.hidden_seq.dtype == torch.float32
     assert_close_to_reference(out, ref, atol=1e-5, rtol=1e-5)
-    # a bf16 backbone: corrections come back in its dtype (the decode step's factored corrections
-    # are accumulated by the projections in their own dtype)
+    # a bf16 backbone: the projections add the corrections in their own dtype
     out = layer(x.bfloat16(), c, h, depth=depth, valid=valid)
-    assert out.delta_q.dtype == out.delta_o.dtype == torch.bfloat16
+    on_q, on_o = (torch.zeros(3, T, n, dtype=torch.bfloat16) for n in (layer.query_size, layer.hidden_size))
+    assert out.add_to(on_q, 0).dtype == out.add_to(on_o, 1).dtype == torch.bfloat16
 
 
 def test_a_bf16_adapter_is_within_bf16_precision_of_the_reference():
@@ -337,7 +337,12 @@ def test_a_bf16_adapter_is_within_bf16_precision_of_the_reference():
         out = layer(x, cell, hidden, depth=depth)
     ref = reference(layer, x, depth, cell, hidden)
     for name in ("delta_q", "delta_o", "cell", "hidden"):
-        got, want = getattr(out, name).double(), getattr(ref, name)
+        got = (
+            out.correction(("delta_q", "delta_o").index(name))
+            if name.startswith("delta")
+            else getattr(out, name)
+        )
+        got, want = got.double(), getattr(ref, name)
         # every input, weight and product rounded to bf16 (2^-8 relative) a few dozen times
         assert (got - want).abs().max() <= 0.1 * want.abs().max() + 1e-2, name
 
@@ -350,7 +355,7 @@ def test_blocks_are_bit_stable_and_prefill_equals_steps():
     with torch.no_grad():
         full = layer(x, cell, hidden, depth=depth)
         again = layer(x, cell, hidden, depth=depth)
-        assert torch.equal(full.delta_q, again.delta_q) and torch.equal(full.hidden, again.hidden)
+        assert torch.equal(full.correction(0), again.correction(0)) and torch.equal(full.hidden, again.hidden)
         assert_prefill_equals_steps(layer, x, cell, hidden, depth, full)
 
 
@@ -403,7 +408,8 @@ def test_the_triton_backend_matches_the_reference(path):
         c, h = cell.to(states), hidden.to(states)
         c0, h0 = c.clone(), h.clone()
         with torch.set_grad_enabled(grad):
-            out = layer(x, c, h, depth=depth, valid=valid, backend="triton")
+            layer.backend = "triton"
+            out = layer(x, c, h, depth=depth, valid=valid)
         assert torch.equal(c, c0) and torch.equal(h, h0)
         assert_close_to_reference(out, reference(layer, x, depth, c, h, valid), atol=2e-5, rtol=2e-5)
 
@@ -433,12 +439,14 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
     monkeypatch.setattr(LSTMemLayer, "weights", lambda self: calls.append(1) or derive(self))
     first = _block(layer, x, states)
     again = _block(layer, x, states)
-    assert len(calls) == 1 and torch.equal(first.delta_q, again.delta_q)  # derived once, reused
+    assert len(calls) == 1 and torch.equal(first.correction(0), again.correction(0))  # derived once, reused
 
     if change == "optimizer step":
         opt = torch.optim.SGD(layer.parameters(), lr=0.5)
         with torch.enable_grad():
-            layer(x, *states).delta_q.square().sum().backward()  # with gradients: derived in the forward
+            layer(x, *states).correction(
+                0
+            ).square().sum().backward()  # with gradients: derived in the forward
         opt.step()
     elif change == "load_state_dict":
         layer.load_state_dict(make_layer(seed=9).state_dict())
@@ -456,9 +464,9 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
     changed = _block(layer, x, states)
     assert len(calls) == 1  # derived again: the cache saw the change
     fresh = _block(layer, x, states, weights=derive(layer))
-    assert torch.equal(changed.delta_q, fresh.delta_q) and torch.equal(changed.cell, fresh.cell)
+    assert torch.equal(changed.correction(0), fresh.correction(0)) and torch.equal(changed.cell, fresh.cell)
     if change not in ("train()", "depth input removed"):  # (without a depth input W~_pred never acts)
-        assert not torch.equal(changed.delta_q.to(first.delta_q.dtype), first.delta_q)
+        assert not torch.equal(changed.correction(0).to(first.correction(0).dtype), first.correction(0))
 
 
 def test_with_gradients_the_weights_are_derived_in_the_forward_and_carry_the_gradient():
@@ -468,5 +476,5 @@ def test_with_gradients_the_weights_are_derived_in_the_forward_and_carry_the_gra
     states = (torch.zeros(1, 4, 8, 8), torch.zeros(1, 4, 8, 8))
     _block(layer, x, states)  # fills the cache
     out = layer(x, *states)
-    (out.delta_q.sum() + out.delta_o.sum()).backward()
+    (out.correction(0).sum() + out.correction(1).sum()).backward()
     assert all(p.grad is not None for p in layer.parameters())

@@ -29,7 +29,7 @@ from transformers import (
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layers
 from lstmem_peft.memory.layer import LSTMemLayer
-from lstmem_peft.tuner.layer import LSTMemQueryLayer, _plain_linear
+from lstmem_peft.tuner.layer import LSTMemQueryLayer
 from lstmem_peft.tuner.quant import (
     BNB_CPU_BLOCK_N,
     SUPPORTED_PROJECTIONS,
@@ -217,14 +217,6 @@ def test_adapter_attaches_in_float32_with_corrections_from_the_dequantised_weigh
         float_memory = float_layer.self_attn.q_proj.lstmem_memory["default"]
         torch.testing.assert_close(memory.w_dq, float_memory.w_dq, rtol=0, atol=5e-3)
         torch.testing.assert_close(memory.w_do, float_memory.w_do, rtol=0, atol=5e-3)
-
-
-@backends
-def test_quantised_base_layers_run_their_own_forward(checkpoint, backend):
-    """A quantised projection never takes the plain-Linear fast path (which would multiply by its storage)."""
-    model = load_quantized(checkpoint[0], backend)
-    x = torch.randn(1, 3, model.config.hidden_size)
-    assert not any(_plain_linear(module, x, (), {}) for module in projections(model))
 
 
 @backends

@@ -41,7 +41,6 @@ class MemoryPass:
         feedback: apply block-end feedback in :meth:`finish` (history blocks only).
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
-        backend: scan backend for :func:`lstmem_kernels.lstmem_scan`.
         every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
             stack (an early-exit draft).
     """
@@ -55,7 +54,6 @@ class MemoryPass:
         feedback: bool = False,
         depth_coupling: bool = True,
         feedback_positions: int = K.FEEDBACK_POSITIONS,
-        backend: str = "auto",
         every_layer: bool = True,
     ) -> None:
         if feedback and not write:
@@ -67,7 +65,6 @@ class MemoryPass:
         self.write = write
         self.feedback = feedback
         self.depth_coupling = depth_coupling
-        self.backend = backend
         self.feedback_positions = feedback_positions
         self.every_layer = every_layer
         self.feedback_result: FeedbackResult | None = None
@@ -131,7 +128,6 @@ class MemoryPass:
             depth=depth,
             valid=valid,
             write=self.write,
-            backend=self.backend,
             aux=self.feedback,  # the feedback samples, only where block feedback reads them
         )
         if self.write:

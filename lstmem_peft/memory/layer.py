@@ -25,7 +25,7 @@ count, with or without a depth input, writing or read-only, with or without grad
 maps are arranged once (:class:`LayerWeights`): ``e``, the gate pre-activations ``a`` and the depth
 part of the read ``u`` come from one product of ``[v; z; r^dep; p^dep]``, whatever the token count.
 The recurrence (eq:write, eq:hidden and the temporal read) is the kernel op family of
-``lstmem_kernels``, chosen there by ``backend``: ``lstmem_scan`` for a block or anything that needs
+``lstmem_kernels``, chosen there by the layer's ``backend``: ``lstmem_scan`` for a block or anything that needs
 gradients, and the in-place decode step ``lstmem_step`` for one token without gradients
 (generation). :func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64 token-loop transcription
 every path is tested against.
@@ -60,38 +60,48 @@ def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 class LayerOutput(NamedTuple):
     """What one memory layer returns for a block of ``T`` tokens (``B`` sequences).
 
+    The corrections stay factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (eq:injection with
+    ``corr = ((alpha / r) W_dq^T, (alpha / r) W_do^T)``, the scale folded into the maps), so a
+    projection adds its correction in one product (:meth:`add_to`) and nothing ``(B, T, d)``-sized is
+    formed unless asked for (:meth:`correction`).
+
     Attributes:
-        delta_q: ``(B, T, d_q)`` correction added to the query projection's output (``x.dtype``).
-        delta_o: ``(B, T, d)`` correction added to the output projection's output (``x.dtype``).
+        read: ``(B, T, d_s)`` the read ``u_t`` of eq:read, in the layer's weight dtype.
+        corr: ``((d_s, d_q), (d_s, d))`` the correction maps of :class:`LayerWeights`.
         cell, hidden: ``(B, n_h, r, r)`` states after the block, in the state dtype.
         hidden_seq: ``(B, T, n_h, r, r)`` ``D_t`` at every position, unrounded (the next layer's
             depth input), or ``None`` when the layer only read.
         key, value: ``(B, T, n_h, r)`` memory keys ``k_t`` and values ``v_t`` (feedback samples).
         out_gate, depth_gate: ``(B, T, n_h, r)`` gates ``o_t`` and ``g_t``.
-        read: ``(B, d_s)`` the read ``u`` of a one-token decode step, whose corrections stay
-            factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (``corr``: ``((alpha / r) W_dq^T,
-            (alpha / r) W_do^T)`` of :class:`LayerWeights`); the model's projections accumulate them
-            into their own output (``delta_q``/``delta_o`` are then ``None``; :meth:`correction`
-            forms them).
     """
 
-    delta_q: torch.Tensor | None
-    delta_o: torch.Tensor | None
-    cell: torch.Tensor
-    hidden: torch.Tensor
+    read: torch.Tensor
+    corr: tuple[torch.Tensor, torch.Tensor]
+    cell: torch.Tensor | None
+    hidden: torch.Tensor | None
     hidden_seq: torch.Tensor | None = None
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
     out_gate: torch.Tensor | None = None
     depth_gate: torch.Tensor | None = None
-    read: torch.Tensor | None = None
-    corr: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def correction(self, which: int) -> torch.Tensor:
-        """``Δq`` (``which`` 0) or ``Δo`` (1): ``(B, T, n)``, formed (``(B, 1, n)``) if factored."""
-        if self.read is None:
-            return self.delta_q if which == 0 else self.delta_o
-        return torch.mm(self.read, self.corr[which]).unsqueeze(1)
+    def correction(self, which: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``Δq`` (``which`` 0) ``(B, T, d_q)`` or ``Δo`` (1) ``(B, T, d)``, formed, in ``dtype``
+        (default: the layer's weight dtype)."""
+        delta = torch.matmul(self.read, self.corr[which])
+        return delta if dtype is None else _cast(delta, dtype)
+
+    def add_to(self, result: torch.Tensor, which: int) -> torch.Tensor:
+        """``result + Δ`` for the projection output ``result`` ``(B, T, n)`` (``which``: 0 for
+        ``Δq``, 1 for ``Δo``): one fused product where the dtypes agree, else ``Δ`` is formed in the
+        layer's dtype and rounded once to ``result``'s."""
+        corr = self.corr[which]
+        if self.read.dtype != result.dtype:
+            return result + self.correction(which, result.dtype)
+        n = corr.shape[1]
+        return torch.addmm(result.reshape(-1, n), self.read.reshape(-1, corr.shape[0]), corr).view(
+            result.shape
+        )
 
 
 class LayerWeights(NamedTuple):
@@ -151,7 +161,7 @@ class LSTMemLayer(nn.Module):
         >>> x = torch.randn(2, 5, 64)
         >>> cell = hidden = torch.zeros(2, 4, 8, 8)
         >>> out = layer(x, cell, hidden)
-        >>> out.delta_q.shape, out.hidden_seq.shape
+        >>> out.correction(0).shape, out.hidden_seq.shape
         (torch.Size([2, 5, 64]), torch.Size([2, 5, 4, 8, 8]))
     """
 
@@ -190,6 +200,10 @@ class LSTMemLayer(nn.Module):
         # whether a depth input D^(l-1) reaches this layer (set at injection: not for the first
         # memory layer, nor without depth coupling); without one there is no W~_pred
         self.depth_input = True
+        #: the recurrence's kernel: ``"auto"`` (Triton for CUDA tensors when installed, else PyTorch),
+        #: ``"torch"``, ``"triton"`` or ``"naive"`` (:mod:`lstmem_kernels.ops`); set at injection from
+        #: ``LSTMemConfig.scan_backend``
+        self.backend = "auto"
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(_from_full_matrices, with_module=True)
         self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
@@ -388,7 +402,6 @@ class LSTMemLayer(nn.Module):
         depth: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         write: bool = True,
-        backend: str = "auto",
         weights: LayerWeights | None = None,
         aux: bool = True,
     ) -> LayerOutput:
@@ -405,13 +418,13 @@ class LSTMemLayer(nn.Module):
             valid: ``(B, T)`` bool, ``False`` at padding, or ``None``.
             write: ``False`` reads the fixed states only (the answer pass of training, read-only
                 generation); ``C`` and ``D`` are returned unchanged.
-            backend: the recurrence's kernel, see :func:`lstmem_kernels.lstmem_scan`.
             weights: this layer's :meth:`weights`, when the caller derived them already.
             aux: return the feedback samples (``key``, ``value``, ``out_gate``, ``depth_gate``);
                 ``False`` leaves them ``None`` (block feedback reads them; decoding does not).
 
         Returns:
-            :class:`LayerOutput`; corrections in ``x.dtype``, states in the dtype of ``cell``.
+            :class:`LayerOutput`: the read ``u`` and the correction maps in the weight dtype (the
+            projections add ``Δq``, ``Δo`` in their own dtype), states in the dtype of ``cell``.
         """
         w = self.derived_weights() if weights is None else weights
         B, T, _ = x.shape
@@ -429,8 +442,7 @@ class LSTMemLayer(nn.Module):
             else:
                 r_dep = _read(depth, q).reshape(B * T, ds)
                 u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
-            delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
-            return LayerOutput(delta_q, delta_o, cell, hidden)
+            return LayerOutput(u.view(B, T, ds), (w.corr_q, w.corr_o), cell, hidden)
 
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
@@ -466,30 +478,22 @@ class LSTMemLayer(nn.Module):
                 hidden,
                 depth_term,
                 None if valid is None else valid.view(B),
-                backend=backend,
+                backend=self.backend,
                 out=(new_cell, new_hidden),
             )
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
         else:  # a block, or one token under autograd: the (autograd-native) scan
             r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
-                q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=backend
+                q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=self.backend
             )
         # eq:read (u) and eq:injection
         u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read[:ds])
-        if step:  # corrections stay factored: the projections accumulate u corr into their outputs
-            delta_q = delta_o = None
-            read, corr = u, (w.corr_q, w.corr_o)
-        else:
-            delta_q, delta_o = self._inject(u, w, B, T, x.dtype)
-            read = corr = None
         out = LayerOutput(
-            delta_q,
-            delta_o,
+            u.view(B, T, ds),
+            (w.corr_q, w.corr_o),
             _cast(new_cell, cell.dtype),
             _cast(new_hidden, hidden.dtype),
             hidden_seq,
-            read=read,
-            corr=corr,
         )
         if not aux:
             return out
@@ -499,12 +503,6 @@ class LSTMemLayer(nn.Module):
             out_gate=o.view(B, T, H, R),
             depth_gate=g.view(B, T, H, R),
         )
-
-    def _inject(self, u: torch.Tensor, w: LayerWeights, B: int, T: int, dtype: torch.dtype):
-        """eq:injection: ``(alpha / r) W_dq u`` and ``(alpha / r) W_do u``; ``u`` ``(B T, d_s)`` ->
-        ``(B, T, d_q)``, ``(B, T, d)`` in ``dtype``."""
-        delta_q, delta_o = (torch.mm(u, c).view(B, T, -1) for c in (w.corr_q, w.corr_o))
-        return _cast(delta_q, dtype), _cast(delta_o, dtype)
 
 
 #: Adapter files written before the layer stored the effective maps carry the paper's full matrices

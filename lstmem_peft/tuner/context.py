@@ -5,9 +5,10 @@ A forward, drawn::
     model(input_ids, memory_cache=cache, memory_write=True, memory_feedback=False, past_key_values=kv)
       pre-hook (outermost hooked module): pop the memory_* kwargs, open a ModelPass over a staged copy
           of the cache's states and set ACTIVE = Active(owner=hooks, module, pass, session)
-      q_proj wrapper of decoder layer l:  x -> pass.run_layer(l, x): memory layer l reads, writes -> Δq, Δo
-          (D_t of layer l waits in the pass for layer l+1; Δo waits for the o_proj wrapper)
-      o_proj wrapper of decoder layer l:  adds Δo
+      q_proj wrapper of decoder layer l:  base(x) + Δq, out = pass.query(l, x): memory layer l reads,
+          writes -> u, whose corrections are Δq and Δo (D_t of layer l waits in the pass for layer l+1;
+          out waits for the o_proj wrapper)
+      o_proj wrapper of decoder layer l:  base(x) + Δo, out = pass.output(l)
       (memory_only=True: the topmost memory layer raises MemoryWritten; the rest of the backbone is skipped)
       (gradient checkpointing, non-reentrant: a checkpointed decoder layer runs its memory once, its
           saved tensors kept outside the checkpoint; when backward recomputes the layer, ACTIVE holds a
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from lstmem_peft.memory.cache import MemoryLayout
 from lstmem_peft.memory.engine import MemoryPass
 from lstmem_peft.memory.layer import LayerOutput, LSTMemLayer
 
@@ -107,12 +109,29 @@ def current_pass() -> ModelPass | None:
     return None if active is None else active.model_pass
 
 
+class AdapterPlan(NamedTuple):
+    """Where an adapter's memory sits in the backbone (built once per adapter by the hooks).
+
+    Attributes:
+        layout: the :class:`~lstmem_peft.memory.cache.MemoryLayout` its caches must have.
+        depth_index: decoder layer index -> memory layer index (depth order).
+        memories: the :class:`~lstmem_peft.memory.layer.LSTMemLayer` modules in depth order.
+        queries: their query projection wrappers, in the same order.
+    """
+
+    layout: MemoryLayout
+    depth_index: dict[int, int]
+    memories: list[LSTMemLayer]
+    queries: list
+
+
 class ModelPass:
-    """A :class:`~lstmem_peft.memory.engine.MemoryPass` seen from the model's decoder layers.
+    """A :class:`~lstmem_peft.memory.engine.MemoryPass` seen from the model's decoder layers: the
+    projection wrappers ask it for their layer's memory output (:meth:`query`, :meth:`output`).
 
     Args:
         adapter_name: the adapter whose memory runs.
-        depth_index: decoder layer index -> memory layer index (depth order).
+        plan: where that adapter's memory layers sit.
         memory_pass: the engine pass over the cache.
         record_inputs: keep each memory layer's input ``x`` (``(B, T, d)``) after the forward, so
             that states at any position of this forward can be recomputed (generation that may crop
@@ -124,14 +143,14 @@ class ModelPass:
     def __init__(
         self,
         adapter_name: str,
-        depth_index: dict[int, int],
+        plan: AdapterPlan,
         memory_pass: MemoryPass,
         record_inputs: bool = False,
         draft: bool = False,
         memory_only: bool = False,
     ) -> None:
         self.adapter_name = adapter_name
-        self.depth_index = depth_index
+        self.plan = plan
         self.memory_pass = memory_pass
         self.inputs: list[torch.Tensor] | None = [] if record_inputs else None
         self.draft = draft
@@ -141,26 +160,31 @@ class ModelPass:
         self._outputs: dict[int, LayerOutput] = {}
         self._replay: CheckpointReplay | None = None  # the checkpointed decoder layer running now
 
-    def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
-        """Run the memory of decoder layer ``wrapper.layer_idx``; keeps its output for ``Δo``."""
+    def query(self, layer_idx: int, x: torch.Tensor) -> LayerOutput | None:
+        """Run the memory of decoder layer ``layer_idx`` on its attention input ``x`` ``(B, T, d)``
+        and keep its output for :meth:`output`; ``None`` when that layer has no memory."""
+        index = self.plan.depth_index.get(layer_idx)
+        if index is None:
+            return None
+        memory = self.plan.memories[index]
         replay = self._replay
         if replay is None:
-            out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
+            out = self.memory_pass.run(index, memory, x)
         else:
             # inside a checkpointed decoder layer: the memory's saved tensors stay in its graph (the
             # recompute does not run memory again), and the replay keeps the output for the recompute
             with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-                out = self.memory_pass.run(self.depth_index[wrapper.layer_idx], memory, x)
-            replay.outputs[wrapper.layer_idx] = _replayed(out)
+                out = self.memory_pass.run(index, memory, x)
+            replay.outputs[layer_idx] = _replayed(out)
         if self.inputs is not None:
             self.inputs.append(x.detach())
-        self._outputs[wrapper.layer_idx] = out
+        self._outputs[layer_idx] = out
         if self.stop is not None and self.memory_pass.all_layers_run:
             raise self.stop  # nothing after the topmost memory layer changes memory
         return out
 
-    def pop_output(self, layer_idx: int) -> LayerOutput | None:
-        """The output of decoder layer ``layer_idx``'s memory (its ``Δo``), once."""
+    def output(self, layer_idx: int) -> LayerOutput | None:
+        """The memory output of decoder layer ``layer_idx`` (for its ``Δo``), once."""
         return self._outputs.pop(layer_idx, None)
 
     def close(self, completed: bool) -> None:
@@ -197,20 +221,23 @@ class CheckpointReplay:
 
     draft = False
 
-    def __init__(self, adapter_name: str) -> None:
+    def __init__(self, adapter_name: str, layers) -> None:
         self.adapter_name = adapter_name
+        self.layers = layers  # the decoder layers with memory
         self.outputs: dict[int, LayerOutput] = {}
 
-    def run_layer(self, wrapper, memory: LSTMemLayer, x: torch.Tensor) -> LayerOutput:
-        out = self.outputs.get(wrapper.layer_idx)
+    def query(self, layer_idx: int, x: torch.Tensor) -> LayerOutput | None:
+        if layer_idx not in self.layers:
+            return None
+        out = self.outputs.get(layer_idx)
         if out is None:
             raise RuntimeError(
-                f"gradient checkpointing recomputed decoder layer {wrapper.layer_idx}, whose memory did not run "
+                f"gradient checkpointing recomputed decoder layer {layer_idx}, whose memory did not run "
                 "in that layer's forward"
             )
         return out
 
-    def pop_output(self, layer_idx: int) -> LayerOutput | None:
+    def output(self, layer_idx: int) -> LayerOutput | None:
         return self.outputs.get(layer_idx)
 
 
@@ -252,7 +279,7 @@ class MemoryCheckpoint:
         # the checkpoint keeps the recompute context in the layer's graph: nothing it holds may reach
         # the graph or the pass (a cycle through autograd's nodes, which the garbage collector cannot
         # see, would keep the graph alive whenever no backward runs). The replay holds detached values.
-        replay = CheckpointReplay(model_pass.adapter_name)
+        replay = CheckpointReplay(model_pass.adapter_name, model_pass.plan.depth_index)
         owner = active.owner
 
         @contextlib.contextmanager
@@ -281,7 +308,7 @@ class MemoryCheckpoint:
 
 
 def _replayed(out: LayerOutput) -> LayerOutput:
-    """What a recomputed layer's wrappers need of ``out``: its corrections (or their factors), detached
+    """What a recomputed layer's wrappers need of ``out``: its correction factors, detached
     from the memory's graph (the recompute only refills the layer's saved activations; gradients flow
     through the forward's graph) and requiring gradients as they did, so that the recompute saves
     exactly what the forward saved."""
@@ -289,8 +316,7 @@ def _replayed(out: LayerOutput) -> LayerOutput:
     def value(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
-    corr = None if out.corr is None else tuple(value(t) for t in out.corr)
-    return LayerOutput(value(out.delta_q), value(out.delta_o), None, None, read=value(out.read), corr=corr)
+    return LayerOutput(value(out.read), tuple(value(t) for t in out.corr), None, None)
 
 
 @contextlib.contextmanager

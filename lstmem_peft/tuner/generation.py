@@ -436,9 +436,7 @@ class GenerateSession:
         config = self.hooks.config(self.adapter)
         layers = self.hooks.memory_layers(self.adapter)
         valid = None if last.valid is None else last.valid[:, :count]
-        step = MemoryPass(
-            self.work, valid, write=True, depth_coupling=config.depth_coupling, backend=config.scan_backend
-        )
+        step = MemoryPass(self.work, valid, write=True, depth_coupling=config.depth_coupling)
         with torch.no_grad():
             for i, (layer, x) in enumerate(zip(layers, last.inputs, strict=True)):
                 step.run(i, layer, x[:, :count])

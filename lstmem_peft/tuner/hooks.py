@@ -23,7 +23,15 @@ from torch import nn
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 from lstmem_peft.memory.engine import MemoryPass
 
-from .context import ACTIVE, REENTRANT_REFUSED, Active, MemoryCheckpoint, ModelPass, checkpoint_kwargs
+from .context import (
+    ACTIVE,
+    REENTRANT_REFUSED,
+    Active,
+    AdapterPlan,
+    MemoryCheckpoint,
+    ModelPass,
+    checkpoint_kwargs,
+)
 from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, resolve_generation_config
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 
@@ -116,7 +124,7 @@ class MemoryHooks:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._plans: dict[str, tuple] = {}
+        self._plans: dict[str, AdapterPlan] = {}
         self._wrappers: list[nn.Module] | None = None
         self._checkpointable: list[nn.Module] | None = None
         self._handles: list = []
@@ -216,7 +224,7 @@ class MemoryHooks:
         walk over the wrappers when its plan is built, as on every forward of a running model)."""
         for name in active:
             plan = self._plans.get(name)
-            if plan is not None and name in plan[3][0].lstmem_memory:
+            if plan is not None and name in plan.queries[0].lstmem_memory:
                 return True
         return any(name in self.adapters() for name in active)
 
@@ -237,22 +245,22 @@ class MemoryHooks:
     def config(self, adapter: str | None = None):
         """The :class:`~lstmem_peft.tuner.config.LSTMemConfig` of ``adapter`` (default: the active one)."""
         adapter = adapter or self.active_adapter()
-        return self._plan(adapter)[3][0].lstmem_config[adapter]
+        return self.plan(adapter).queries[0].lstmem_config[adapter]
 
     def memory_layers(self, adapter: str | None = None) -> list:
         """The adapter's :class:`~lstmem_peft.memory.layer.LSTMemLayer` modules in depth order."""
-        return list(self._plan(adapter or self.active_adapter())[2])
+        return list(self.plan(adapter or self.active_adapter()).memories)
 
     def memory_layout(self, adapter: str | None = None) -> MemoryLayout:
         """The :class:`~lstmem_peft.memory.cache.MemoryLayout` of ``adapter`` (default: the active one)."""
-        return self._plan(adapter or self.active_adapter())[0]
+        return self.plan(adapter or self.active_adapter()).layout
 
-    def _plan(self, adapter: str) -> tuple[MemoryLayout, dict[int, int], list, list]:
-        """The adapter's layout, decoder layer -> depth index map, memory layers in depth order and
-        their query wrappers, built from the facts injection wrote on the layers (once per adapter,
-        so a forward does no model walk; rebuilt if PEFT deleted the adapter from the layers)."""
+    def plan(self, adapter: str) -> AdapterPlan:
+        """Where the adapter's memory sits, built from the facts injection wrote on the layers (once
+        per adapter, so a forward does no model walk; rebuilt if PEFT deleted the adapter from the
+        layers)."""
         plan = self._plans.get(adapter)
-        if plan is not None and adapter in plan[3][0].lstmem_memory:
+        if plan is not None and adapter in plan.queries[0].lstmem_memory:
             return plan
         queries = [
             w for w in self.wrappers() if isinstance(w, LSTMemQueryLayer) and adapter in w.lstmem_memory
@@ -262,7 +270,7 @@ class MemoryHooks:
         queries.sort(key=lambda q: q.lstmem_depth[adapter])
         layers = [q.lstmem_memory[adapter] for q in queries]
         depth_index = {q.layer_idx: q.lstmem_depth[adapter] for q in queries}
-        plan = (self._layout(adapter, queries), depth_index, layers, queries)
+        plan = AdapterPlan(self._layout(adapter, queries), depth_index, layers, queries)
         self._plans[adapter] = plan
         return plan
 
@@ -366,7 +374,8 @@ class MemoryHooks:
         def past() -> int:  # read only where needed: a static cache keeps its length on the device
             return 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
 
-        layout, depth_index, layers, _ = self._plan(adapter)
+        plan = self.plan(adapter)
+        layout = plan.layout
         session = active.session if active is not None and active.owner is self and cache is None else None
         draft = session is not None and session.drafting()
         if draft:  # an early-exit draft: reads the verified memory, writes nothing
@@ -415,12 +424,11 @@ class MemoryHooks:
             feedback=feedback,
             depth_coupling=config.depth_coupling,
             feedback_positions=config.feedback_positions,
-            backend=config.scan_backend,
             every_layer=not draft,  # a draft runs only the layers below its exit
         )
         model_pass = ModelPass(
             adapter,
-            depth_index,
+            plan,
             memory_pass,
             record_inputs=session is not None and not draft and length <= RECORD_LIMIT,
             draft=draft,
@@ -485,7 +493,7 @@ class MemoryHooks:
         cache = MemoryCache() if memory_cache is None else memory_cache
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
-        cache.check_layout(self._plan(adapter)[0])
+        cache.check_layout(self.plan(adapter).layout)
         if memory_write is not None and not isinstance(memory_write, bool):
             raise TypeError(f"memory_write must be True, False or None, got {memory_write!r}")
         write = self.config(adapter).update_during_generation if memory_write is None else memory_write

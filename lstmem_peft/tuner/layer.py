@@ -14,12 +14,10 @@ captures, each wrapper calls one opaque operation (``lstmem::query_correction`` 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
-from torch.nn.modules import module as _module
 
-from lstmem_peft.memory.layer import LayerOutput, LSTMemLayer
+from lstmem_peft.memory.layer import LSTMemLayer
 
 from . import context
 from .quant import dense_weight
@@ -33,33 +31,29 @@ _active = context.ACTIVE.get
 # captures (inference: no gradients) each wrapper calls one opaque operation instead: the memory of
 # its decoder layer runs inside it, eagerly, against this thread's pass, exactly as in eager mode.
 # Outside a pass (adapters disabled, plain forwards) the correction is zeros.
-def _memory_pass_and_plan():
+def _current_pass():
     active = _active()
-    if active is None or active.model_pass is None:
-        return None, None
-    return active.model_pass, active.owner
+    return None if active is None else active.model_pass
 
 
 @torch.library.custom_op("lstmem::query_correction", mutates_args=())
 def _query_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
     """``Δq`` ``(B, T, width)`` of decoder layer ``layer_idx``: runs its memory in the open pass."""
-    model_pass, hooks = _memory_pass_and_plan()
-    if model_pass is None or layer_idx not in model_pass.depth_index:
+    model_pass = _current_pass()
+    out = None if model_pass is None else model_pass.query(layer_idx, x)
+    if out is None:
         return x.new_zeros(*x.shape[:-1], width)
-    depth = model_pass.depth_index[layer_idx]
-    _, _, layers, queries = hooks._plan(model_pass.adapter_name)
-    out = model_pass.run_layer(queries[depth], layers[depth], x)
-    return out.correction(0).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+    return out.correction(0, x.dtype).reshape(*x.shape[:-1], width).contiguous()
 
 
 @torch.library.custom_op("lstmem::output_correction", mutates_args=())
 def _output_correction(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
     """``Δo`` ``(B, T, width)`` of decoder layer ``layer_idx``, left in the pass by its query wrapper."""
-    model_pass, _ = _memory_pass_and_plan()
-    out = None if model_pass is None else model_pass.pop_output(layer_idx)
+    model_pass = _current_pass()
+    out = None if model_pass is None else model_pass.output(layer_idx)
     if out is None:
         return x.new_zeros(*x.shape[:-1], width)
-    return out.correction(1).to(x.dtype).reshape(*x.shape[:-1], width).contiguous()
+    return out.correction(1, x.dtype).reshape(*x.shape[:-1], width).contiguous()
 
 
 def _correction_shape(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tensor:
@@ -142,26 +136,21 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
             dtype=dtype,
         )
         memory.init_corrections(weight, output_weight)
+        memory.backend = config.scan_backend
         self.lstmem_memory[adapter_name] = memory
         self.lstmem_config[adapter_name] = config
         self.set_adapter(self.active_adapters)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if _in_captured_graph():
-            base = self.base_layer
-            return base(x, *args, **kwargs) + _query_correction(x, self.layer_idx, base.out_features)
-        # runs once per decoder layer and token while decoding: plain dict reads, no Module.__getattr__
-        active = _active()
-        active = None if active is None else active.model_pass
+        """``base(x) + Δq``: the memory of this decoder layer runs in the open memory pass (reads,
+        then writes) and its ``Δq`` is added; outside a pass, or disabled, ``base(x)``."""
         base = self._modules["base_layer"]
-        memory = (
-            None
-            if active is None or self._disable_adapters
-            else self.lstmem_memory._modules.get(active.adapter_name)
-        )
-        if memory is None:
-            return base(x, *args, **kwargs)
-        return _base_plus(base, x, active.run_layer(self, memory, x), 0, args, kwargs)
+        if _in_captured_graph():
+            return base(x, *args, **kwargs) + _query_correction(x, self.layer_idx, base.out_features)
+        model_pass = None if self._disable_adapters else _current_pass()
+        out = None if model_pass is None else model_pass.query(self.layer_idx, x)
+        result = base(x, *args, **kwargs)
+        return result if out is None else out.add_to(result, 0)
 
     def __repr__(self) -> str:
         return "lstmem." + super().__repr__()
@@ -182,69 +171,14 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
         self.kwargs = {}
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if _in_captured_graph():
-            base = self.base_layer
-            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, base.out_features)
-        active = _active()
-        active = None if active is None else active.model_pass
+        """``base(x) + Δo``, the ``Δo`` its decoder layer's memory left in the open pass."""
         base = self._modules["base_layer"]
-        out = None if active is None or self._disable_adapters else active.pop_output(self.layer_idx)
-        if out is None:
-            return base(x, *args, **kwargs)
-        return _base_plus(base, x, out, 1, args, kwargs)
+        if _in_captured_graph():
+            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, base.out_features)
+        model_pass = None if self._disable_adapters else _current_pass()
+        out = None if model_pass is None else model_pass.output(self.layer_idx)
+        result = base(x, *args, **kwargs)
+        return result if out is None else out.add_to(result, 1)
 
     def __repr__(self) -> str:
         return "lstmem." + super().__repr__()
-
-
-def _plain_linear(base: nn.Module, x: torch.Tensor, args, kwargs) -> bool:
-    """Whether ``base(x)`` is exactly ``F.linear(x, base.weight)``: a bias-free ``nn.Linear`` of
-    ``x``'s dtype without hooks or a patched forward (then the correction can enter its product).
-    A weight that is not a plain dense tensor (a torchao tensor subclass, say) is not plain: such a
-    projection runs its own forward."""
-    params = base._parameters
-    return (
-        type(base) is nn.Linear
-        and type(params["weight"]) in (nn.Parameter, torch.Tensor)
-        and params["bias"] is None
-        and not args
-        and not kwargs
-        and x.dtype == params["weight"].dtype
-        and not (
-            base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks
-        )
-        and not (
-            _module._global_forward_hooks
-            or _module._global_forward_pre_hooks
-            or _module._global_backward_hooks
-            or _module._global_backward_pre_hooks
-        )
-        and "forward" not in base.__dict__
-    )
-
-
-def _base_plus(base: nn.Module, x: torch.Tensor, out: LayerOutput, which: int, args, kwargs) -> torch.Tensor:
-    """``base(x)`` plus the memory correction ``which`` (0: ``Δq``, 1: ``Δo``) of ``out``.
-
-    For a plain projection (:func:`_plain_linear`) the correction enters its product: a factored
-    one (``out.read``, the fused one-token step) is accumulated into the fresh output in place,
-    ``y += u C``, so ``Δ`` is never formed; a tensor one is the bias (one token) or the accumulator.
-    Otherwise ``base`` runs as it is and the correction is added.
-    """
-    plain = _plain_linear(base, x, args, kwargs)
-    if plain and out.read is not None and out.read.dtype == x.dtype and not torch.is_grad_enabled():
-        weight = base._parameters["weight"]
-        y = F.linear(x, weight)
-        y.view(-1, weight.shape[0]).addmm_(out.read, out.corr[which])
-        return y
-    delta = out.correction(which)
-    if plain and delta.dtype == x.dtype:
-        weight = base._parameters["weight"]
-        n = weight.shape[0]
-        if delta.numel() == n:  # one token of one sequence: the correction is the bias
-            return F.linear(x, weight, delta.view(n))
-        return torch.addmm(delta.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(
-            *x.shape[:-1], n
-        )
-    result = base(x, *args, **kwargs)
-    return result + (delta if delta.dtype == result.dtype else delta.to(result.dtype))
