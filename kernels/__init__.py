@@ -11,11 +11,20 @@ torch.Size([1, 5, 4, 8, 8])
 """
 
 from .naive import scan_naive, step_naive
-from .ops import BACKENDS, lstmem_scan, lstmem_step, triton_available
+from .ops import (
+    BACKENDS,
+    fused_decode_step_applies,
+    lstmem_decode_step,
+    lstmem_scan,
+    lstmem_step,
+    triton_available,
+)
 from .parallel import scan_parallel, step_torch
 
 __all__ = [
     "BACKENDS",
+    "fused_decode_step_applies",
+    "lstmem_decode_step",
     "lstmem_scan",
     "lstmem_step",
     "scan_naive",

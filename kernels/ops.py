@@ -2,6 +2,10 @@
 
 ``backend="auto"`` picks the Triton kernels for CUDA tensors (when Triton is installed) and the
 vectorised PyTorch path otherwise; ``"naive"``, ``"torch"`` and ``"triton"`` force one.
+
+:func:`lstmem_scan` and :func:`lstmem_step` run the recurrence alone; :func:`lstmem_decode_step`
+runs a memory layer's whole decode step (projections, reads, gates, recurrence, read-out), which its
+Triton member does in one kernel launch.
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _triton_step():
+    try:
+        from . import triton_step
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "backend='triton' needs the `triton` package: pip install 'lstmem-peft[triton]'"
+        ) from err
+    return triton_step
 
 
 def _triton():
@@ -140,3 +154,155 @@ def lstmem_step(
     if backend == "triton":
         return _triton().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
     return step_naive(q, k, w, f, o, cell, hidden, depth, valid)
+
+
+def fused_decode_step_applies(backend: str, x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+    """Whether a memory layer whose kernels run on ``backend`` hands its one-token decode step to
+    :func:`lstmem_decode_step`: ``"triton"`` (not with float64 weights, which the kernel refuses), or
+    ``"auto"`` on CUDA tensors with Triton installed."""
+    _check_backend(backend)
+    if weight_dtype == torch.float64:
+        return False
+    return backend == "triton" or (backend == "auto" and x.is_cuda and triton_available())
+
+
+def lstmem_decode_step(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    eau: torch.Tensor,
+    b_eau: torch.Tensor,
+    read: torch.Tensor,
+    cell: torch.Tensor,
+    hidden: torch.Tensor,
+    *,
+    num_heads: int,
+    out: tuple[torch.Tensor, torch.Tensor],
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """The whole decode step of one memory layer for one token per sequence, from the layer input to
+    the read ``u`` and the new states, in one Triton kernel launch.
+
+    Only the Triton member exists: in PyTorch the layer's own forward is this step (its math is
+    written once, in ``lstmem_peft.memory.layer``), and :func:`fused_decode_step_applies` says when
+    a layer hands its step to this kernel instead.
+
+    With ``d_s = n_h r`` and the weights arranged as the layer's ``LayerWeights`` (``lstmem_peft``)::
+
+        proj = x w_in + b_in;  [q; k] = n(proj[:, :2 d_s]) per head;  s = proj[:, 2 d_s:] = [v; z]
+        [e | a | u_dep] = [s, D^(l-1) q, D^(l-1) k] eau + b_eau   (without depth: s eau[:2 d_s] + b_eau)
+        i, f, o, g = sigmoid(a);  C_t = diag(f) C + (i e) k^T;  D_t = diag(o) tanh(C_t) + diag(g) D^(l-1)
+        u = u_dep + (D_{t-1} q) read[:d_s]
+
+    where ``n(.)`` is tanh then l2 normalisation within each head (denominator at least ``norm_eps``;
+    the layer passes the paper's constant).
+
+    Args:
+        x: ``(B, d)`` the layer input of the token (the backbone layer's normed attention input).
+        w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: the input map; columns ``[q^[j]; k^[j]]`` head by
+            head (``2 d_s``), then ``v`` and ``z`` (``d_s`` each).
+        eau, b_eau: ``(4 d_s, 6 d_s)`` (rows ``[v; z]`` then ``[r^dep^[j]; p^dep^[j]]`` head by head)
+            and ``(6 d_s,)``: the map to ``[e | i | f | o | g | u_dep]``. Without ``depth`` a
+            ``(2 d_s, 6 d_s)`` map (the rows of ``[v; z]``) is enough; a ``(4 d_s, 6 d_s)`` one also
+            works (its depth rows are not used).
+        read: ``(2 d_s, d_s)`` ``W_read^T``; only its first ``d_s`` rows (the temporal read) act here.
+        cell, hidden: ``(B, n_h, r, r)`` states ``C_{t-1}``, ``D_{t-1}``, any float dtype; never written.
+        num_heads: ``n_h`` (``d_s``, the width of ``read``, must be a multiple of it).
+        out: ``(cell_out, hidden_out)``, ``(B, n_h, r, r)`` float tensors where ``C_t`` and ``D_t`` go
+            (rows where ``valid`` is ``False`` get the old states), in their own dtype (float32, or
+            float64 to keep float64 states). Their memory must not overlap any input's.
+        depth: ``(B, n_h, r, r)`` ``D^(l-1)_t``, the new hidden state of the memory layer below at this
+            token (un-gated), or ``None`` for the first memory layer or without depth coupling.
+        valid: ``(B,)`` bool, ``False`` at padding, or ``None``.
+    Returns:
+        ``u`` ``(B, d_s)`` in the weights' dtype: the read ``u_dep + W_read^time r^time`` that the
+        layer's corrections are made from (``Δq = u corr_q``, ``Δo = u corr_o``).
+
+    Not differentiable (a decode step): under autograd run the layer's forward, which scans the token.
+    """
+    _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w_in, b_in, eau, b_eau, read, cell, hidden, depth)
+    ):
+        raise RuntimeError(
+            "lstmem_decode_step has no gradient; call it inside torch.no_grad(), or under autograd run "
+            "the memory layer's forward (which scans the token with lstmem_scan)"
+        )
+    return _triton_step().decode_step_triton(
+        x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, depth, valid, out, norm_eps
+    )
+
+
+def _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid) -> None:
+    """Shapes of :func:`lstmem_decode_step`'s inputs, with ``ValueError`` saying what was expected."""
+    if x.dim() != 2:
+        raise ValueError(
+            f"x must have shape (B, d), one token per sequence, got {tuple(x.shape)}; for a block of tokens "
+            "run the memory layer's forward"
+        )
+    if read.dim() != 2 or read.shape[0] != 2 * read.shape[1]:
+        raise ValueError(f"read must have shape (2 d_s, d_s) (W_read^T), got {tuple(read.shape)}")
+    ds = read.shape[1]
+    if not isinstance(num_heads, int) or num_heads < 1 or ds % num_heads:
+        raise ValueError(
+            f"num_heads must be a positive int dividing d_s = {ds} (the width of read), got {num_heads!r}"
+        )
+    B, d = x.shape
+    H, R = num_heads, ds // num_heads
+    state = (B, H, R, R)
+    eau_rows = (4 * ds,) if depth is not None else (2 * ds, 4 * ds)
+    expected = [
+        ("w_in", w_in, (d, 4 * ds)),
+        ("b_in", b_in, (4 * ds,)),
+        ("b_eau", b_eau, (6 * ds,)),
+        ("cell", cell, state),
+        ("hidden", hidden, state),
+        ("depth", depth, state),
+        ("valid", valid, (B,)),
+    ]
+    for name, t, shape in expected:
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, expected {shape} (B = {B}, d = {d}, n_h = {H}, r = {R})"
+            )
+    if eau.dim() != 2 or eau.shape[0] not in eau_rows or eau.shape[1] != 6 * ds:
+        need = " or ".join(str((n, 6 * ds)) for n in eau_rows)
+        raise ValueError(
+            f"eau has shape {tuple(eau.shape)}, expected {need}"
+            + (" (with a depth input: the map eau_depth)" if depth is not None else "")
+        )
+    if valid is not None and valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool tensor, got {valid.dtype}")
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(
+            "out must be a pair (cell_out, hidden_out) of (B, n_h, r, r) tensors for C_t and D_t"
+        )
+    inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth}
+    for name, t in zip(("cell_out", "hidden_out"), out, strict=True):
+        if tuple(t.shape) != state or not t.is_floating_point():
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected a float tensor of shape {state}"
+            )
+        for other, u in inputs.items():
+            if u is not None and _overlap(t, u):
+                raise ValueError(
+                    f"{name} overlaps the memory of {other}: the step reads its inputs while it writes, so "
+                    "write the new states into separate tensors (e.g. torch.empty_like(cell, dtype=torch.float32))"
+                )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extents = [(n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)]
+        low = t.data_ptr() + sum(e for e in extents if e < 0) * t.element_size()
+        high = t.data_ptr() + (sum(e for e in extents if e > 0) + 1) * t.element_size()
+        return low, high
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

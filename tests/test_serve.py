@@ -378,6 +378,29 @@ def test_memory_endpoints_write_info_export_import_reset(server, http, tmp_path)
     assert http.get("/v1/memory/mem-copy/export").status_code == 404
 
 
+def test_gate_means_of_a_padded_row_equal_those_of_the_row_written_alone():
+    """The write record's gate means leave padding out: in a batch with a long and a short history
+    (three blocks and one, left-padded), the short row's means equal its history written alone."""
+    from tiny_models import make
+
+    from lstmem_peft.serve.runtime import GateProbe
+
+    model = make("qwen3", r=4, num_heads=2, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    long, short = torch.randint(3, 90, (11,), generator=g), torch.randint(3, 90, (3,), generator=g)
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.zeros(2, 11, dtype=torch.long)
+    ids[0], mask[0] = long, 1
+    ids[1, 8:], mask[1, 8:] = short, 1
+    with torch.no_grad(), GateProbe(model, [11, 3], 4) as both:
+        write_history(model, ids, MemoryCache(), attention_mask=mask, block_size=4, progress=False)
+    with torch.no_grad(), GateProbe(model, [3], 4) as alone:
+        write_history(model, short[None], MemoryCache(), block_size=4, progress=False)
+    for name in ("out_gate", "depth_gate"):
+        torch.testing.assert_close(torch.tensor(both.row(1)[name]), torch.tensor(alone.row(0)[name]))
+    assert both.row(0) is not None
+
+
 def test_import_refuses_another_layout_or_adapter_and_garbage(http, tmp_path):
     from tiny_models import make
 
@@ -455,6 +478,178 @@ def test_openapi_schema_fuzz(server):
     for op in operations:
         fuzz(op)
     assert not failures, failures[:5]
+
+
+def in_process(app, scenario):
+    """``scenario(client)`` against ``app`` on httpx's ASGI transport, its worker running meanwhile."""
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=TIMEOUT) as client:
+            return await scenario(client)
+
+    app.state.scheduler.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        app.state.scheduler.stop()
+
+
+def test_the_openapi_schema_declares_each_response_and_the_answers_conform(loaded, tmp_path):
+    """Every /v1 route documents its 200 body (a response model, or the memory file's bytes for
+    export) and its errors (one ErrorResponse for 4XX and 5XX, no FastAPI 422, which this server never
+    sends); and a real answer of every route conforms to what ``/openapi.json`` declares (schemathesis'
+    response checks: status, content type, body schema), errors included."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from lstmem_peft.serve import app as app_module
+
+    app = app_module.create_app(loaded, str(tmp_path / "store"))
+    spec = app.openapi()
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    routes = [
+        (path, method) for path, item in spec["paths"].items() if path.startswith("/v1/") for method in item
+    ]
+    assert len(routes) == 10
+    for path, method in routes:
+        responses = spec["paths"][path][method]["responses"]
+        assert "422" not in responses and responses["4XX"]["content"] == responses["5XX"]["content"] == error
+        ok = responses["200"]["content"]
+        if path.endswith("/export"):
+            assert list(ok) == ["application/octet-stream"], (path, method)
+        else:
+            assert ok["application/json"]["schema"]["$ref"].startswith("#/components/schemas/"), (
+                path,
+                method,
+            )
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "? k07"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    scoring = {
+        "model": MODEL,
+        "prompt": ["<s> k01 v05 ; ? k01", "<s> ? k02"],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+
+    async def every_route(client):
+        calls = [
+            ("POST", "/v1/memory/{session}/write", client.post("/v1/memory/s/write", json={"text": HISTORY})),
+            (
+                "POST",
+                "/v1/chat/completions",
+                client.post("/v1/chat/completions", json=chat, headers=session("s")),
+            ),
+            (
+                "POST",
+                "/v1/chat/completions",
+                client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2}),
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                client.post("/v1/completions", json={**scoring, "echo": True, "logprobs": 2}),
+            ),
+            ("GET", "/v1/memory/{session}", client.get("/v1/memory/s")),
+            ("GET", "/v1/sessions", client.get("/v1/sessions")),
+            ("GET", "/v1/models", client.get("/v1/models")),
+            ("GET", "/v1/models/{model_id}", client.get(f"/v1/models/{MODEL}")),
+            ("GET", "/v1/memory/{session}/export", client.get("/v1/memory/s/export")),
+            ("DELETE", "/v1/memory/{session}", client.delete("/v1/memory/s")),
+            (
+                "POST",
+                "/v1/chat/completions",
+                client.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}),
+            ),
+            ("POST", "/v1/completions", client.post("/v1/completions", json={**scoring, "top_k": 3})),
+            ("GET", "/v1/memory/{session}/export", client.get("/v1/memory/s/export")),
+        ]
+        answers = []
+        for method, path, call in calls:
+            answers.append((method, path, await call))
+            if path.endswith("/export") and answers[-1][2].status_code == 200:
+                imported = await client.put("/v1/memory/t/import", content=answers[-1][2].content)
+                answers.append(("PUT", "/v1/memory/{session}/import", imported))
+        return answers
+
+    answers = in_process(app, every_route)
+    statuses = [response.status_code for _, _, response in answers]
+    assert statuses == [200] * 11 + [404, 400, 404], statuses
+    assert {(path, method.lower()) for method, path, _ in answers} == set(routes)
+    info = answers[4][2].json()
+    assert [t["kind"] for t in info["turns"]] == ["write", "chat"] and len(info["layers"]) == len(
+        loaded.layout.layer_indices
+    )
+    schema = schemathesis.openapi.from_dict(spec)
+    for method, path, response in answers:
+        schema[path][method].validate_response(response)  # raises, naming the mismatch
+
+
+def sse_events(response) -> list:
+    """The ``data:`` payloads of a server-sent event stream: JSON objects, then the final ``[DONE]``."""
+    payloads = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    return [json.loads(p) for p in payloads[:-1]] + payloads[-1:]
+
+
+def test_streams_send_openai_chunks_with_usage_last_then_done(loaded, tmp_path):
+    """The raw events of a chat stream (greedy, ``n=2``, ``include_usage``) and a completions stream
+    with ``echo``, as OpenAI sends them: a chat stream opens each choice with ``{"role": "assistant",
+    "content": ""}``, text deltas carry only ``content``, each choice ends with an empty delta and its
+    ``finish_reason``; ``usage`` appears only in the last chunk (no choices), which counts the tokens
+    of the plain answer; ``[DONE]`` ends the stream; the streamed text equals the plain answer's."""
+    from lstmem_peft.serve import app as app_module
+
+    app = app_module.create_app(loaded, str(tmp_path / "store"))
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "? k07"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    text = {"model": MODEL, "prompt": "<s> ? k07", "max_tokens": 3, "temperature": 0, "echo": True}
+
+    async def both(client):
+        plain = (await client.post("/v1/chat/completions", json={**chat, "n": 2})).json()
+        stream = {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+        streamed = await client.post("/v1/chat/completions", json=stream)
+        plain_text = (await client.post("/v1/completions", json=text)).json()
+        streamed_text = await client.post("/v1/completions", json={**text, "stream": True})
+        return plain, streamed, plain_text, streamed_text
+
+    plain, streamed, plain_text, streamed_text = in_process(app, both)
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    *chunks, done = sse_events(streamed)
+    assert done == "[DONE]" and len(chunks) >= 5  # opening, a delta per choice at least, two endings, usage
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert [c["choices"] for c in chunks[:1]] == [
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(2)]
+    ]
+    *body, usage = chunks[1:]
+    assert (
+        all("usage" not in c for c in chunks[:-1])
+        and usage["choices"] == []
+        and usage["usage"] == plain["usage"]
+    )
+    texts, endings = ["", ""], {}
+    for chunk in body:
+        (choice,) = chunk["choices"]
+        if choice["finish_reason"] is None:
+            assert list(choice["delta"]) == ["content"] and choice["index"] not in endings
+            texts[choice["index"]] += choice["delta"]["content"]
+        else:
+            assert choice["delta"] == {}
+            endings[choice["index"]] = choice["finish_reason"]
+    assert texts == [c["message"]["content"] for c in plain["choices"]] and texts[0] != ""
+    assert endings == {c["index"]: c["finish_reason"] for c in plain["choices"]}
+
+    *chunks, done = sse_events(streamed_text)
+    assert done == "[DONE]" and all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"] == [{"index": 0, "text": "<s> ? k07", "finish_reason": None}]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain_text["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == plain_text["choices"][0]["finish_reason"]
 
 
 # ---------------------------------------------------------------------- cancellation
@@ -715,8 +910,9 @@ def test_the_prompt_is_the_latest_turns_that_fit_the_window_and_only_new_ones_ar
     """The chat policy (``plan_chat``): the prompt holds the latest whole messages that fit
     ``window - max_tokens`` (older turns live only in memory), and only messages the session has not
     written are written."""
+    from lstmem_peft.serve.planning import plan_chat
+    from lstmem_peft.serve.protocol import ServeError
     from lstmem_peft.serve.runtime import ChatFormat, message_hash
-    from lstmem_peft.serve.scheduler import ServeError, plan_chat
     from lstmem_peft.serve.store import Session
 
     fmt = ChatFormat(loaded.tokenizer)
@@ -820,8 +1016,8 @@ def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_pa
 def test_a_turn_writes_new_messages_outside_the_window_before_answering_and_the_rest_after(loaded):
     """``plan_chat`` / ``plan_completion`` split the new tokens: those older than the prompt are
     written before answering (``before``), those in the prompt after it (``after``), in order."""
+    from lstmem_peft.serve.planning import plan_chat, plan_completion
     from lstmem_peft.serve.runtime import ChatFormat, message_hash
-    from lstmem_peft.serve.scheduler import plan_chat, plan_completion
     from lstmem_peft.serve.store import Session
 
     fmt = ChatFormat(loaded.tokenizer)
@@ -1398,8 +1594,8 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
     writes only the part after the text the session's completions wrote before."""
     import hashlib
 
+    from lstmem_peft.serve.planning import plan_completion
     from lstmem_peft.serve.runtime import ChatFormat
-    from lstmem_peft.serve.scheduler import plan_completion
     from lstmem_peft.serve.store import Session
 
     fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lstmem_kernels import lstmem_scan, lstmem_step
+from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step, lstmem_scan, lstmem_step
 
 from . import constants as K
 
@@ -434,15 +434,14 @@ class LSTMemLayer(nn.Module):
         if depth is not None:
             depth = _cast(depth, dtype)
         if not write:
-            # eq:projections (q only) and eq:read against the fixed states
-            q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
-            r_time = _read(_cast(hidden, dtype), q).reshape(B * T, ds)
-            if depth is None:
-                u = torch.addmm(self.b_read, r_time, w.read[:ds])
-            else:
-                r_dep = _read(depth, q).reshape(B * T, ds)
-                u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
-            return LayerOutput(u.view(B, T, ds), (w.corr_q, w.corr_o), cell, hidden)
+            return self._read_fixed(rows, cell, hidden, depth, w, B, T)
+        if (
+            T == 1
+            and not aux
+            and fused_decode_step_applies(self.backend, x, dtype)
+            and not _needs_grad(x, cell, hidden, depth, w.w_in)
+        ):
+            return self._fused_step(x, cell, hidden, depth, valid, w)
 
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
@@ -467,20 +466,7 @@ class LSTMemLayer(nn.Module):
         depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
         if step:  # the decode step writes new states: the caller's change only at commit
-            new_cell, new_hidden = _step_states(cell, hidden)
-            r_time = lstmem_step(
-                q,
-                k,
-                i_e,
-                f,
-                o,
-                cell,
-                hidden,
-                depth_term,
-                None if valid is None else valid.view(B),
-                backend=self.backend,
-                out=(new_cell, new_hidden),
-            )
+            r_time, new_cell, new_hidden = self._step(q, k, i_e, f, o, cell, hidden, depth_term, valid)
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
         else:  # a block, or one token under autograd: the (autograd-native) scan
             r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
@@ -503,6 +489,62 @@ class LSTMemLayer(nn.Module):
             out_gate=o.view(B, T, H, R),
             depth_gate=g.view(B, T, H, R),
         )
+
+    def _read_fixed(self, rows, cell, hidden, depth, w: LayerWeights, B: int, T: int) -> LayerOutput:
+        """The read-only forward: eq:projections (``q`` only) and eq:read against the fixed states
+        ``hidden`` and ``depth`` (the lower layer's fixed ``D``, or ``None``); the states come back as
+        they are."""
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
+        q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
+        r_time = _read(_cast(hidden, rows.dtype), q).reshape(B * T, ds)
+        if depth is None:
+            u = torch.addmm(self.b_read, r_time, w.read[:ds])
+        else:
+            r_dep = _read(depth, q).reshape(B * T, ds)
+            u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
+        return LayerOutput(u.view(B, T, ds), (w.corr_q, w.corr_o), cell, hidden)
+
+    def _fused_step(self, x, cell, hidden, depth, valid, w: LayerWeights) -> LayerOutput:
+        """The whole one-token step (projections to ``u`` and the new states) in one kernel launch
+        (:func:`lstmem_kernels.lstmem_decode_step`, the Triton member of this layer's math; tested
+        against the float64 reference and against this forward's PyTorch path)."""
+        B = x.shape[0]
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
+        new_cell, new_hidden = _step_states(cell, hidden)
+        u = lstmem_decode_step(
+            x.reshape(B, -1),
+            w.w_in,
+            w.b_in,
+            w.eau_first if depth is None else w.eau_depth,
+            w.b_eau,
+            w.read,
+            cell,
+            hidden,
+            num_heads=H,
+            out=(new_cell, new_hidden),
+            depth=None if depth is None else depth.view(B, H, R, R),
+            valid=None if valid is None else valid.view(B),
+            norm_eps=K.NORM_EPS,
+        )
+        return LayerOutput(
+            u.view(B, 1, ds),
+            (w.corr_q, w.corr_o),
+            _cast(new_cell, cell.dtype),
+            _cast(new_hidden, hidden.dtype),
+            _cast(new_hidden, w.w_in.dtype).unsqueeze(1),
+        )
+
+    def _step(self, q, k, i_e, f, o, cell, hidden, depth_term, valid):
+        """eq:write, eq:hidden and ``r^time`` of eq:read for one token without gradients: the kernel
+        family's decode step, writing the new states into fresh tensors (the caller's states change
+        only when its pass commits). Inputs ``(B, n_h, r)``, states and ``depth_term`` ``(B, n_h, r,
+        r)``, ``valid`` ``(B, 1)`` or ``None``; returns ``(r_time, C_t, D_t)``."""
+        new_cell, new_hidden = _step_states(cell, hidden)
+        valid = None if valid is None else valid.view(-1)
+        r_time = lstmem_step(
+            q, k, i_e, f, o, cell, hidden, depth_term, valid, backend=self.backend, out=(new_cell, new_hidden)
+        )
+        return r_time, new_cell, new_hidden
 
 
 #: Adapter files written before the layer stored the effective maps carry the paper's full matrices

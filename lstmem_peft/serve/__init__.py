@@ -1,9 +1,17 @@
 """``lstmem serve``: an OpenAI-compatible HTTP server whose sessions keep a persistent LSTMem memory.
 
 Needs the ``serve`` extra (``pip install "lstmem-peft[serve]"``); ``import lstmem_peft`` never imports
-this package. Modules: :mod:`.runtime` (model, chat format, batched memory operations),
-:mod:`.store` (sessions on disk), :mod:`.scheduler` (batching, turns), :mod:`.schemas` (request
-bodies), :mod:`.app` (routes), :mod:`.page` (the page at ``/``).
+this package. Shaped as vLLM's OpenAI server is, from the HTTP side down:
+
+* :mod:`.app`: the FastAPI app: middlewares, exception handlers, lifespan, route wiring;
+* :mod:`.protocol`: every request and response body (pydantic models) and the error shape;
+* :mod:`.serving_chat`, :mod:`.serving_completions`, :mod:`.serving_models`, :mod:`.serving_memory`:
+  one serving class per endpoint family, over :mod:`.serving_base` (shared checks, streaming);
+* :mod:`.scheduler`: the worker thread that batches jobs and runs turns (:mod:`.planning`: what a
+  turn writes and prompts with);
+* :mod:`.runtime` (model loading, chat format, batched memory writes), :mod:`.generation` (answers
+  and log-probabilities read from memory), :mod:`.store` (sessions on disk), :mod:`.metrics`
+  (Prometheus), :mod:`.page` (the page at ``/``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ A turn (:meth:`Scheduler._run_turns`) reads every new token before it writes it,
 once:
 
 1. the messages of the request that the session has not written yet are found (the written
-   record's prefix is skipped; see :func:`plan_chat`); the prompt is the latest messages that fit
-   the context window;
+   record's prefix is skipped; see :func:`.planning.plan_chat`); the prompt is the latest messages
+   that fit the context window;
 2. new messages that are *not* in the prompt (older than the window) are written into memory
    (``write_history``: blocks + feedback) first: memory is the only place the answer can read them;
 3. the answer is generated with memory read-only (``generate(memory_cache=..., memory_write=False)``):
@@ -31,10 +31,10 @@ new message, by its next turn; with ``n > 1`` that is the choice it kept. A clie
 latest message keeps the answers out of memory. So an answer the model made up is never stored unless
 the client keeps it.
 
-A completion is the same turn on text (:func:`plan_completion`): of the prompt's tokens the session
-has not written, those before the context window are written before answering, the rest after it;
-a completion is written when a later prompt carries it. So a question sent as a turn is answered
-from memory as the in-process "write the history, then read the question"
+A completion is the same turn on text (:func:`.planning.plan_completion`): of the prompt's tokens
+the session has not written, those before the context window are written before answering, the
+rest after it; a completion is written when a later prompt carries it. So a question sent as a turn
+is answered from memory as the in-process "write the history, then read the question"
 (``lstmem_peft.cli.demo.evaluate``) does, and memory holds each message once, in order.
 
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
@@ -54,172 +54,13 @@ from dataclasses import dataclass, field, replace
 
 from lstmem_peft.memory.cache import MemoryCache
 
-from .runtime import (
-    Answer,
-    ChatFormat,
-    LoadedModel,
-    Sampling,
-    fresh_memory,
-    generate_rows,
-    message_hash,
-    score_rows,
-    state_norms,
-    tokens_after,
-    write_rows,
-)
+from .generation import Answer, Sampling, end_of_sequence_ids, generate_rows, score_rows
+from .planning import Plan, plan_chat, plan_completion
+from .protocol import ServeError
+from .runtime import ChatFormat, LoadedModel, fresh_memory, message_hash, state_norms, write_rows
 from .store import Session, SessionStore
 
 log = logging.getLogger("lstmem.serve")
-
-
-class ServeError(Exception):
-    """An error with an HTTP status and an OpenAI error type/code, raised to the client as JSON."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-
-
-# ---------------------------------------------------------------------- planning a turn
-@dataclass
-class Plan:
-    """What one turn writes and prompts with.
-
-    Attributes:
-        before: token ids written into memory before answering: the new messages (or text) that are
-            not in the prompt.
-        prompt: token ids of the prompt in the context window.
-        after: token ids written after answering, ahead of the answer: the new messages (or text)
-            that are in the prompt.
-        new_messages: record entries of the messages written now (chat), in order.
-        text_chain: completions only: the text chain the record covers after the turn (the prompt's
-            text; the completion joins it when a later prompt carries it).
-    """
-
-    before: list[int]
-    prompt: list[int]
-    after: list[int] = field(default_factory=list)
-    new_messages: list[dict] = field(default_factory=list)
-    text_chain: str | None = None
-
-    @property
-    def new_tokens(self) -> list[int]:
-        """Every token of the request that this turn writes, in order."""
-        return self.before + self.after
-
-
-def _fit(budget: int, what: str) -> None:
-    if budget <= 0:
-        raise ServeError(
-            400,
-            f"max_tokens leaves no room for the {what} in the context window; lower max_tokens or raise "
-            "--context-window",
-            code="context_length_exceeded",
-            param="max_tokens",
-        )
-
-
-def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: int, max_tokens: int) -> Plan:
-    """Which messages are new, and the prompt, for a chat turn.
-
-    The session's record lists the messages written so far (hash of role and content). If the
-    request's messages start with that list, only the rest is new. If they share no first message
-    with it, all of them are new (a client that sends only its latest turn). If they share a first
-    part and then differ, the conversation was edited: memory cannot un-write, so this is refused
-    (409): reset the session or start another.
-
-    The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
-    the latest message must fit, or the request is refused (400). New messages before the prompt
-    are written before answering (``before``), new messages in it after (``after``).
-    """
-    written = [m["hash"] for m in session.messages]
-    hashes = [message_hash(m["role"], m["content"]) for m in messages]
-    k = 0
-    while k < min(len(written), len(hashes)) and written[k] == hashes[k]:
-        k += 1
-    if 0 < k < len(written):
-        raise ServeError(
-            409,
-            f"the conversation differs from what session {session.session!r} has written from message {k} on "
-            f"(it wrote {len(written)} messages); memory cannot un-write a turn: send the conversation as it was "
-            "written plus new messages, or DELETE /v1/memory/{session} to reset",
-            code="conversation_diverged",
-            param="messages",
-        )
-    encoded = [fmt.message(m["role"], m["content"]) for m in messages]
-    new = list(range(k, len(messages)))
-    opening = fmt.generation_prompt()
-    budget = window - max_tokens - len(opening)
-    _fit(budget, "prompt")
-    prompt: list[int] = []
-    first = len(encoded)  # the first message in the prompt
-    for ids in reversed(encoded):
-        if len(prompt) + len(ids) > budget:
-            break
-        prompt = ids + prompt
-        first -= 1
-    if not prompt:
-        raise ServeError(
-            400,
-            f"the latest message is {len(encoded[-1])} tokens but the context window leaves {budget} for the prompt "
-            f"(window {window} - max_tokens {max_tokens} - {len(opening)} generation-prompt tokens); write long "
-            "text into memory with POST /v1/memory/{session}/write, shorten the message, or lower max_tokens",
-            code="context_length_exceeded",
-            param="messages",
-        )
-    new_messages = [{"hash": hashes[i], "role": messages[i]["role"], "tokens": len(encoded[i])} for i in new]
-    before = [t for i in new if i < first for t in encoded[i]]
-    after = [t for i in new if i >= first for t in encoded[i]]
-    return Plan(before, prompt + opening, after, new_messages)
-
-
-def plan_completion(
-    fmt: ChatFormat, session: Session, prompt: str | list[int], window: int, max_tokens: int
-) -> Plan:
-    """Which part of a completions prompt is new, and what stays in context.
-
-    If the text written by earlier completions of the session (prompt plus answer) is a prefix of
-    ``prompt``, only the rest is new; otherwise the whole prompt is. The context gets the prompt's
-    last ``window - max_tokens`` tokens (the rest lives in memory). Of the new text's tokens, the
-    last ones, as many as the context holds, are written after answering (``after``); any before
-    them are written before answering (``before``).
-
-    A prompt of token ids is taken as it is (never re-tokenized); its decoded text is what the
-    record's text chain sees.
-    """
-    tokens = None if isinstance(prompt, str) else list(prompt)
-    if tokens is not None:
-        prompt = fmt.tokenizer.decode(tokens, skip_special_tokens=False)
-    chain = session.completion_text
-    length = chain["length"]
-    if (
-        length
-        and len(prompt) >= length
-        and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]
-    ):
-        new_text = prompt[length:]
-    else:
-        new_text = prompt
-    budget = window - max_tokens
-    _fit(budget, "prompt")
-    ids = fmt.encode_text(prompt) if tokens is None else tokens
-    if not ids:
-        raise ServeError(400, "the prompt is empty after tokenization", param="prompt")
-    context = ids[-budget:]
-    if tokens is None:
-        new_ids = fmt.encode_text(new_text)
-    else:
-        new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
-        new_ids = tokens if new_ids is None else new_ids
-    split = len(new_ids) - min(len(new_ids), len(context))
-    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt)
 
 
 # ---------------------------------------------------------------------- jobs
@@ -298,6 +139,23 @@ class _StreamState:
         self.sent = final
 
 
+@dataclass
+class _Turn:
+    """One job of a batch of turns on its way through :meth:`Scheduler._run_turns`.
+
+    Attributes:
+        job: the request.
+        session: the session as it was before the turn.
+        plan: what the turn writes and prompts with.
+        streams: with ``job.stream``, one :class:`_StreamState` per choice.
+    """
+
+    job: Job
+    session: Session
+    plan: Plan
+    streams: list[_StreamState] | None = None
+
+
 # ---------------------------------------------------------------------- the scheduler
 class Scheduler:
     """Owns the model: takes jobs from a queue and runs them in batches on one worker thread.
@@ -309,7 +167,7 @@ class Scheduler:
         max_batch: most sessions per batch.
         batch_wait: seconds to wait for more jobs after the first one of a batch arrives.
         batching: ``False`` runs one job at a time (the benchmark's baseline).
-        metrics: optional :class:`~lstmem_peft.serve.app.Metrics`.
+        metrics: optional :class:`~lstmem_peft.serve.metrics.Metrics`.
     """
 
     def __init__(
@@ -333,10 +191,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="lstmem-serve-worker", daemon=True)
-        config = getattr(loaded.model, "generation_config", None)
-        eos = getattr(config, "eos_token_id", None) if config is not None else None
-        eos = loaded.tokenizer.eos_token_id if eos is None else eos
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self.eos_ids = end_of_sequence_ids(loaded)
 
     def start(self) -> None:
         self._thread.start()
@@ -443,110 +298,136 @@ class Scheduler:
             self.store.commit(new)
         return new
 
+    def _commit_or_report(
+        self, job: Job, session: Session, memory: MemoryCache, turn: dict, **changes
+    ) -> Session | None:
+        """:meth:`_commit`; a commit that fails is logged and sent to the job as a 500 error, and
+        gives ``None`` (the session stays at its previous version, on disk and in RAM)."""
+        try:
+            return self._commit(job, session, memory, turn, **changes)
+        except Exception as err:  # the store failed (disk, permissions): a server error, not the request's
+            log.exception("commit of session %s failed", job.session)
+            job.emit(("error", ServeError(500, f"could not store the session: {err}", type="server_error")))
+            return None
+
     # ------------------------------------------------------------------ turns
     def _run_turns(self, jobs: list[Job]) -> None:
-        sampling = jobs[0].sampling
-        plans, sessions, ok = [], [], []
-        for job in jobs:
-            session = self._session(job)
-            try:
-                p = job.payload
-                if p["mode"] == "chat":
-                    plan = plan_chat(self.fmt, session, p["messages"], self.window, sampling.max_tokens)
-                else:
-                    plan = plan_completion(self.fmt, session, p["prompt"], self.window, sampling.max_tokens)
-            except ServeError as err:
-                job.emit(("error", err))
-                continue
-            plans.append(plan)
-            sessions.append(session)
-            ok.append(job)
-        if not ok:
+        """A batch of chat or completion turns (one decoding setting, one job per session), by the
+        turn rule of this module's docstring: write what precedes the prompt, answer with memory
+        read-only, write the new part of the prompt, commit. Each job gets its result or its error."""
+        turns = self._plan_turns(jobs)
+        if not turns:
             return
-        jobs = ok
         start = time.perf_counter()
         # new messages older than the prompt: written first, memory is where the answer reads them
         memories, gates_in = write_rows(
-            self.loaded, [self._memory(s) for s in sessions], [p.before for p in plans]
+            self.loaded, [self._memory(t.session) for t in turns], [t.plan.before for t in turns]
         )
-        n = sampling.n
-        streams = [
-            [_StreamState(job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)]
-            if job.stream
-            else None
-            for job in jobs
-        ]
-
-        def on_token(row: int, token: int) -> None:
-            state = streams[row // n]
-            if state is not None:
-                state[row % n].push(token, self.eos_ids)
-
-        answers = generate_rows(
-            self.loaded,
-            memories,
-            [p.prompt for p in plans],
-            sampling,
-            on_token=on_token if any(s is not None for s in streams) else None,
-            cancelled=lambda row: jobs[row // n].cancelled.is_set(),
-        )
+        answers = self._answer(turns, memories)
         # then the new messages that were in the prompt (read, not yet written), once; the answer is
         # written when the client sends it back as part of its conversation (or prompt)
-        finals, gates_out = write_rows(self.loaded, memories, [p.after for p in plans])
+        finals, gates_out = write_rows(self.loaded, memories, [t.plan.after for t in turns])
         elapsed = time.perf_counter() - start
-        for i, job in enumerate(jobs):
-            if job.cancelled.is_set():
-                job.emit(
-                    (
-                        "error",
-                        ServeError(499, "request cancelled; the session was not changed", code="cancelled"),
-                    )
-                )
+        for i, turn in enumerate(turns):
+            gates = _merge_gates(gates_in[i], gates_out[i], len(turn.plan.before), len(turn.plan.after))
+            self._finish_turn(turn, finals[i], answers[i], gates, len(turns), elapsed)
+
+    def _plan_turns(self, jobs: list[Job]) -> list[_Turn]:
+        """Each job's plan (:mod:`.planning`); a job whose request does not fit gets its error and
+        leaves the batch."""
+        max_tokens = jobs[0].sampling.max_tokens
+        turns = []
+        for job in jobs:
+            session = self._session(job)
+            p = job.payload
+            try:
+                if p["mode"] == "chat":
+                    plan = plan_chat(self.fmt, session, p["messages"], self.window, max_tokens)
+                else:
+                    plan = plan_completion(self.fmt, session, p["prompt"], self.window, max_tokens)
+            except ServeError as err:
+                job.emit(("error", err))
                 continue
-            plan, session, choices = plans[i], sessions[i], answers[i]
-            changes = {}
-            if job.payload["mode"] == "chat":
-                changes["messages"] = session.messages + plan.new_messages
-            else:
-                chain = plan.text_chain
-                changes["completion_text"] = {
+            turns.append(_Turn(job, session, plan))
+        return turns
+
+    def _answer(self, turns: list[_Turn], memories: list[MemoryCache]) -> list[list[Answer]]:
+        """Every turn's choices, generated from its memory read-only (:func:`~.generation.generate_rows`);
+        turns that stream get their text deltas as the tokens come, and a cancelled turn's rows stop."""
+        sampling = turns[0].job.sampling
+        n = sampling.n
+        for turn in turns:
+            if turn.job.stream:
+                turn.streams = [
+                    _StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)
+                ]
+
+        def on_token(row: int, token: int) -> None:
+            streams = turns[row // n].streams
+            if streams is not None:
+                streams[row % n].push(token, self.eos_ids)
+
+        return generate_rows(
+            self.loaded,
+            memories,
+            [t.plan.prompt for t in turns],
+            sampling,
+            on_token=on_token if any(t.streams is not None for t in turns) else None,
+            cancelled=lambda row: turns[row // n].job.cancelled.is_set(),
+        )
+
+    def _finish_turn(
+        self,
+        turn: _Turn,
+        memory: MemoryCache,
+        choices: list[Answer],
+        gates: dict | None,
+        batch: int,
+        elapsed: float,
+    ) -> None:
+        """Commit one turn (its new memory and record) and send its result; a turn whose request
+        was cancelled meanwhile commits nothing."""
+        job, plan, session = turn.job, turn.plan, turn.session
+        if job.cancelled.is_set():
+            job.emit(
+                ("error", ServeError(499, "request cancelled; the session was not changed", code="cancelled"))
+            )
+            return
+        if job.payload["mode"] == "chat":
+            changes = {"messages": session.messages + plan.new_messages}
+        else:
+            chain = plan.text_chain
+            changes = {
+                "completion_text": {
                     "length": len(chain),
                     "sha256": hashlib.sha256(chain.encode()).hexdigest(),
                 }
-            later = len(plan.after)
-            turn = {
-                "kind": job.payload["mode"],
-                "input": job.payload.get("display", ""),
-                "answer": choices[0].text,
-                "written": len(plan.before) + later,
-                "prompt_tokens": len(plan.prompt),
-                "batch": len(jobs),
-                "gates": _merge_gates(gates_in[i], gates_out[i], len(plan.before), later),
             }
-            try:
-                new = self._commit(job, session, finals[i], turn, **changes)
-            except Exception as err:
-                log.exception("commit of session %s failed", job.session)
-                job.emit(
-                    ("error", ServeError(500, f"could not store the session: {err}", type="server_error"))
-                )
-                continue
-            if streams[i] is not None:
-                for state, choice in zip(streams[i], choices, strict=True):
-                    state.finish(choice.text)
-            job.emit(
-                (
-                    "done",
-                    {
-                        "choices": choices,
-                        "prompt_tokens": len(plan.prompt),
-                        "written": turn["written"],
-                        "tokens_written": new.tokens_written,
-                        "batch": len(jobs),
-                        "seconds": elapsed,
-                    },
-                )
-            )
+        written = len(plan.before) + len(plan.after)
+        record = {
+            "kind": job.payload["mode"],
+            "input": job.payload.get("display", ""),
+            "answer": choices[0].text,
+            "written": written,
+            "prompt_tokens": len(plan.prompt),
+            "batch": batch,
+            "gates": gates,
+        }
+        new = self._commit_or_report(job, session, memory, record, **changes)
+        if new is None:
+            return
+        if turn.streams is not None:
+            for state, choice in zip(turn.streams, choices, strict=True):
+                state.finish(choice.text)
+        result = {
+            "choices": choices,
+            "prompt_tokens": len(plan.prompt),
+            "written": written,
+            "tokens_written": new.tokens_written,
+            "batch": batch,
+            "seconds": elapsed,
+        }
+        job.emit(("done", result))
 
     # ------------------------------------------------------------------ memory writes
     def _run_writes(self, jobs: list[Job]) -> None:
@@ -580,15 +461,9 @@ class Scheduler:
                 "batch": len(jobs),
                 "gates": gate,
             }
-            try:
-                new = self._commit(job, session, memory, turn, **changes)
-            except Exception as err:
-                log.exception("commit of session %s failed", job.session)
-                job.emit(
-                    ("error", ServeError(500, f"could not store the session: {err}", type="server_error"))
-                )
-                continue
-            job.emit(("done", {"written": len(ids), "tokens_written": new.tokens_written}))
+            new = self._commit_or_report(job, session, memory, turn, **changes)
+            if new is not None:
+                job.emit(("done", {"written": len(ids), "tokens_written": new.tokens_written}))
 
     def _run_resets(self, jobs: list[Job]) -> None:
         for job in jobs:

@@ -123,17 +123,7 @@ def write_history(
         raise TypeError(f"memory_cache must be a MemoryCache, got {type(memory_cache).__name__}")
     B, T = input_ids.shape
     past = 0 if past_key_values is None else past_key_values.get_seq_length()
-    if attention_mask is None:
-        full_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
-    elif attention_mask.shape == (B, past + T):
-        full_mask = attention_mask.long()
-    elif attention_mask.shape == (B, T):
-        full_mask = torch.cat([attention_mask.new_ones(B, past), attention_mask], dim=1).long()
-    else:
-        raise ValueError(
-            f"attention_mask must have shape {(B, T)} (or {(B, past + T)} with the KV cache's {past} tokens), "
-            f"got {tuple(attention_mask.shape)}"
-        )
+    full_mask = _full_mask(attention_mask, B, T, past, input_ids.device)
     extra = {"logits_to_keep": 1} if _accepts(hooks.model, "logits_to_keep") else {}
     forward = model
     if past_key_values is None and not torch.is_grad_enabled() and not _runs_whole(model):
@@ -143,19 +133,10 @@ def write_history(
 
     valid = full_mask[:, past:].bool()
     if not bool(valid.all()):  # padding: every row is cut into blocks of its own tokens
-        if past_key_values is not None:
-            first = valid.long().argmax(dim=1)
-            contiguous = valid.sum(dim=1) == valid.shape[1] - first
-            if not (bool(contiguous.all()) and bool((first == first[0]).all())):
-                raise ValueError(
-                    "write_history with past_key_values needs the rows' tokens to start at the same column: each "
-                    "row is cut into blocks of its own tokens, and one KV cache cannot hold blocks that end at "
-                    "different columns. Write each history with its own KV cache (batch size 1), or without "
-                    "past_key_values"
-                )
-        else:
+        if past_key_values is None:
             _write_row_blocks(forward, model, input_ids, valid, memory_cache, block, extra, show=progress)
             return memory_cache
+        _refuse_ragged_rows_with_kv(valid)
     positions = (full_mask.cumsum(dim=1) - 1).clamp_min(0)
     starts = range(0, T, block)
     show = len(starts) > 1 if progress is None else progress
@@ -181,6 +162,35 @@ def write_history(
     return memory_cache
 
 
+def _full_mask(attention_mask, B: int, T: int, past: int, device) -> torch.Tensor:
+    """The ``(B, past + T)`` long attention mask of a history whose KV cache holds ``past`` tokens,
+    from the caller's mask of the history alone, of cache and history, or none."""
+    if attention_mask is None:
+        return torch.ones(B, past + T, dtype=torch.long, device=device)
+    if attention_mask.shape == (B, past + T):
+        return attention_mask.long()
+    if attention_mask.shape == (B, T):
+        return torch.cat([attention_mask.new_ones(B, past), attention_mask], dim=1).long()
+    raise ValueError(
+        f"attention_mask must have shape {(B, T)} (or {(B, past + T)} with the KV cache's {past} tokens), "
+        f"got {tuple(attention_mask.shape)}"
+    )
+
+
+def _refuse_ragged_rows_with_kv(valid: torch.Tensor) -> None:
+    """With a KV cache, padded rows must all start at one column and be contiguous: each row is cut
+    into blocks of its own tokens, and one KV cache cannot hold blocks that end at different columns."""
+    first = valid.long().argmax(dim=1)
+    contiguous = valid.sum(dim=1) == valid.shape[1] - first
+    if not (bool(contiguous.all()) and bool((first == first[0]).all())):
+        raise ValueError(
+            "write_history with past_key_values needs the rows' tokens to start at the same column: each "
+            "row is cut into blocks of its own tokens, and one KV cache cannot hold blocks that end at "
+            "different columns. Write each history with its own KV cache (batch size 1), or without "
+            "past_key_values"
+        )
+
+
 def _runs_whole(model: nn.Module) -> bool:
     """Whether ``model``'s forwards must run to their end: accelerate's offload hooks, FSDP and
     DeepSpeed ZeRO-3 do work after each module's forward (offload, reshard) that a forward stopped
@@ -192,6 +202,15 @@ def _runs_whole(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def row_blocks(lengths: list[int], block: int) -> list[list[int]]:
+    """The padded-batch rule of :func:`write_history` (without a KV cache): block ``k`` of every row is
+    that row's own tokens ``[k * block, (k + 1) * block)``, and block ``k``'s forward runs on the rows
+    that have any. Returns the rows of each block's forward, in order (``lengths``: each row's token
+    count)."""
+    count = max((-(-n // block) for n in lengths), default=0)
+    return [[b for b, n in enumerate(lengths) if n > k * block] for k in range(count)]
+
+
 def _write_row_blocks(forward, model, input_ids, valid, memory_cache, block, extra, show) -> None:
     """``write_history`` for a padded batch without a KV cache: block ``k`` of every row is that
     row's tokens ``[k * block, (k + 1) * block)``, whatever padding the batch gave it, so each row's
@@ -199,14 +218,12 @@ def _write_row_blocks(forward, model, input_ids, valid, memory_cache, block, ext
     tokens (the others keep their memory) and commits them all at once."""
     B = input_ids.shape[0]
     tokens = [input_ids[b][valid[b]] for b in range(B)]
-    count = max(-(-len(t) // block) for t in tokens)
+    blocks = row_blocks([len(t) for t in tokens], block)
     memory_cache.bind(find_memory(model).memory_layout())  # all rows exist before sub-batches are cut
     memory_cache.ensure(B, input_ids.device)
-    for k in tqdm(
-        range(count), desc="writing history", unit="block", disable=not (count > 1 if show is None else show)
-    ):
+    show = len(blocks) > 1 if show is None else show
+    for k, rows in enumerate(tqdm(blocks, desc="writing history", unit="block", disable=not show)):
         pieces = [t[k * block : (k + 1) * block] for t in tokens]
-        rows = [b for b in range(B) if len(pieces[b])]
         width = max(len(pieces[b]) for b in rows)
         ids = input_ids.new_zeros(len(rows), width)
         mask = torch.zeros_like(ids)

@@ -375,42 +375,12 @@ class MemoryHooks:
             return 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
 
         plan = self.plan(adapter)
-        layout = plan.layout
         session = active.session if active is not None and active.owner is self and cache is None else None
         draft = session is not None and session.drafting()
-        if draft:  # an early-exit draft: reads the verified memory, writes nothing
-            memory, write = session.draft_memory(layout, batch, ref.device), False
-        elif session is not None:
-            memory = session.memory_for(layout, kwargs, batch, length, ref.device)
-            write = session.write if write is None else write
-        else:
-            if cache is None:
-                if past():
-                    raise ValueError(
-                        f"past_key_values holds {past()} tokens but no memory_cache was passed: LSTMem memory would "
-                        "start empty while attention sees that context. Pass the MemoryCache that was written "
-                        "with those tokens (memory_cache=...), or no past_key_values"
-                    )
-                cache = MemoryCache()  # a fresh memory for this call only
-            if not isinstance(cache, MemoryCache):
-                raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
-            cache.bind(layout)
-            cache.ensure(batch, ref.device)
-            memory = cache
-        write = True if write is None else bool(write)
-        feedback = bool(feedback) and config.block_feedback
-        if feedback and not write:
-            raise ValueError(
-                "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
-            )
-        if memory_only and (
-            not write or session is not None or kv is not None or torch.compiler.is_compiling()
-        ):
-            raise ValueError(
-                "memory_only=True stops a forward once memory is written, so it needs memory_write=True, no "
-                "past_key_values (the layers it skips would leave the KV cache incomplete), no generate() and no "
-                "torch.compile; write histories with lstmem_peft.write_history"
-            )
+        memory, write = self._memory_of(
+            cache, session, draft, write, plan.layout, kwargs, batch, length, ref, past
+        )
+        write, feedback = _pass_flags(write, feedback, memory_only, config, session, kv)
         if session is not None and not draft:
             position = session.forward_position  # tracked by the session: no read of the cache
             past = lambda: position  # noqa: E731
@@ -437,6 +407,31 @@ class MemoryHooks:
         model_pass.length = length
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
         return args, kwargs
+
+    @staticmethod
+    def _memory_of(cache, session, draft, write, layout, kwargs, batch, length, ref, past):
+        """The memory a forward runs against and whether it writes (``None``: not said): a draft's
+        read-only view of its ``generate`` call's verified memory, the call's own memory, the
+        ``memory_cache`` passed, or a fresh memory for this forward only."""
+        if draft:  # an early-exit draft: reads the verified memory, writes nothing
+            return session.draft_memory(layout, batch, ref.device), False
+        if session is not None:
+            return session.memory_for(layout, kwargs, batch, length, ref.device), (
+                session.write if write is None else write
+            )
+        if cache is None:
+            if past():
+                raise ValueError(
+                    f"past_key_values holds {past()} tokens but no memory_cache was passed: LSTMem memory would "
+                    "start empty while attention sees that context. Pass the MemoryCache that was written "
+                    "with those tokens (memory_cache=...), or no past_key_values"
+                )
+            cache = MemoryCache()  # a fresh memory for this call only
+        if not isinstance(cache, MemoryCache):
+            raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
+        cache.bind(layout)
+        cache.ensure(batch, ref.device)
+        return cache, write
 
     def _close_pass(self, module: nn.Module, args, kwargs, output):
         """Forward hook (also called when the forward raised): commit the pass, or drop it."""
@@ -513,3 +508,21 @@ class MemoryHooks:
             session.stack.num_hidden_layers = session.num_layers
         session.commit(output)
         return output
+
+
+def _pass_flags(write, feedback, memory_only: bool, config, session, kv) -> tuple[bool, bool]:
+    """``memory_write`` and ``memory_feedback`` of one forward as they apply (defaults filled, feedback
+    only where the adapter has it), or the error for a combination that cannot run."""
+    write = True if write is None else bool(write)
+    feedback = bool(feedback) and config.block_feedback
+    if feedback and not write:
+        raise ValueError(
+            "memory_feedback=True needs memory_write=True (feedback corrects states a block wrote)"
+        )
+    if memory_only and (not write or session is not None or kv is not None or torch.compiler.is_compiling()):
+        raise ValueError(
+            "memory_only=True stops a forward once memory is written, so it needs memory_write=True, no "
+            "past_key_values (the layers it skips would leave the KV cache incomplete), no generate() and no "
+            "torch.compile; write histories with lstmem_peft.write_history"
+        )
+    return write, feedback

@@ -69,7 +69,7 @@ class VLLMAnswers:
         Args:
             rows: one-row :class:`~lstmem_peft.MemoryCache` per prompt (not modified).
             prompts: prompt token ids per row.
-            sampling: the request's :class:`~lstmem_peft.serve.runtime.Sampling`.
+            sampling: the request's :class:`~lstmem_peft.serve.generation.Sampling`.
             eos_ids: tokens that end an answer.
             on_token: ``on_token(expanded_row, token_id)`` for every generated token, in order.
         """

@@ -1,0 +1,366 @@
+"""A Triton kernel for the whole decode step of one memory layer: one launch per layer and token.
+
+For one token per sequence, a memory layer (``LSTMemLayer.forward`` in ``lstmem_peft``) projects its
+input row, normalises the query and key per head, reads the depth input, forms the write residual,
+the gates and the depth part of the read with one affine map, runs one step of the recurrence and
+finishes the read. With the layer's derived weights (``LayerWeights``: ``w_in``, ``b_in``, ``eau``,
+``b_eau``, ``read``), per sequence and with ``d_s = n_h r``::
+
+    proj   = x w_in + b_in                     [q^[j]; k^[j]] head by head (2 d_s), then s = [v; z]
+    q, k   = n(proj[:2 d_s])                   tanh, then l2 within each head (denominator >= 1e-6)
+    reads  = [D^(l-1) q; D^(l-1) k] per head    [r^dep^[j]; p^dep^[j]] head by head (with depth only)
+    eau    = [s, reads] eau + b_eau             [e | i | f | o | g | u_dep] (gates pre-sigmoid)
+    r_time = D_{t-1} q                          per head, from the state before the update
+    C_t    = diag(f) C_{t-1} + (i * e) k^T
+    D_t    = diag(o) tanh(C_t) + diag(g) D^(l-1)
+    u      = u_dep + r_time read[:d_s]
+
+and at a padded row (``valid`` false) ``C`` and ``D`` keep their values (the read ``u`` is still
+produced). Without a depth input ``reads`` is zero and only the first ``2 d_s`` rows of ``eau`` act.
+
+Kernel design
+-------------
+One program per batch row (grid ``B``): the affine map ``eau`` mixes heads, so a row's heads cannot
+be split across programs without a second pass. Every per-head quantity lives in a register tile
+indexed ``(head, lane)``, ``BLOCK_H x BLOCK_R`` (``n_h`` and ``r`` rounded up to powers of two); a
+pair of such quantities (``[q; k]``, ``[v; z]``, ``[r^dep; p^dep]``) is a ``(2, BLOCK_H, BLOCK_R)``
+tile, the six outputs of ``eau`` one ``(8, BLOCK_H, BLOCK_R)`` tile (two pieces of padding), and the
+states ``(BLOCK_H, BLOCK_R, BLOCK_R)`` tiles. Padding lanes are masked on every load and store and
+stay exactly zero, so ``r`` and ``n_h`` need not be powers of two. Each weight is addressed where it
+lies (through its strides), so the tiles come straight out of the ``LayerWeights`` layout and no
+input is copied or converted before the launch. All arithmetic is float32; inputs may be float32,
+bfloat16 or float16, states any float dtype (stored back in the dtype of the output tensors).
+
+1. Projection: a loop over ``d`` in chunks of ``BLOCK_D`` accumulates ``x w_in`` for the
+   ``[q; k]`` and ``[v; z]`` tiles (``(BLOCK_D, 2, BLOCK_H, BLOCK_R)`` weight tiles, summed over the
+   chunk), so ``d`` may be any size; ``BLOCK_D`` keeps the two tiles near ``_TILE`` elements.
+2. ``n(.)`` on the ``[q; k]`` tile: tanh, then a sum of squares over the lane axis per head.
+3. Depth reads: the ``(BLOCK_H, BLOCK_R, BLOCK_R)`` depth tile times the ``[q; k]`` tile, summed
+   over the last lane axis (kept for the ``g D^(l-1)`` term of step 5).
+4. ``eau``: a loop over the input heads. Head ``j``'s inputs are picked out of the tiles with a
+   masked sum over the head axis; for each of the six output pieces a
+   ``(2, BLOCK_R, BLOCK_H, BLOCK_R)`` weight tile (head ``j``'s rows, every output column of the
+   piece) is multiplied and summed, and the result added into its piece of the output tile. A tile
+   is at most ``2 r d_s`` elements (16,384 at ``r = 32``, ``d_s = 256``), never ``d_s^2``.
+5. Gates (sigmoid), the read of the old hidden state and the recurrence on the state tiles; padded
+   rows select the loaded states, so they are written back bit for bit.
+6. ``u``: ``u_dep`` plus a loop over heads of ``r_time^[j]`` times its rows of ``read``.
+
+No product uses ``tl.dot``: every dimension is small (``r`` may be below 16) and broadcast products
+reduced with ``tl.sum`` also run well under the interpreter. ``triton.language`` has no ``tanh``;
+as in :mod:`triton_scan` it is written inline (``2 / (1 + exp(-2x)) - 1``, exponent clamped to 80),
+and so is the sigmoid (``1 / (1 + exp(-x))``, same clamp), rather than called as jit helpers: the
+interpreter re-patches ``triton.language`` on every nested jit call.
+
+On a machine without a GPU the kernel runs on CPU tensors under the Triton interpreter, which
+must be enabled by setting ``TRITON_INTERPRET=1`` before this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_scan import _check_runtime, _device_guard
+
+__all__ = ["decode_step_triton"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: target number of elements of one weight tile (one program's registers on a GPU)
+_TILE = 8192
+
+
+@triton.jit
+def _decode_step_kernel(
+    x_ptr,
+    w_in_ptr,
+    b_in_ptr,
+    eau_ptr,
+    b_eau_ptr,
+    read_ptr,
+    cell_ptr,
+    hidden_ptr,
+    depth_ptr,
+    valid_ptr,
+    cell_out_ptr,
+    hidden_out_ptr,
+    u_ptr,
+    d,
+    H,
+    R,
+    sx_b,
+    sx_d,
+    sw_r,
+    sw_c,
+    sb_in,
+    se_r,
+    se_c,
+    sb_eau,
+    sr_r,
+    sr_c,
+    sc_b,
+    sc_h,
+    sc_r,
+    sc_c,
+    sh_b,
+    sh_h,
+    sh_r,
+    sh_c,
+    sd_b,
+    sd_h,
+    sd_r,
+    sd_c,
+    sco_b,
+    sco_h,
+    sco_r,
+    sco_c,
+    sho_b,
+    sho_h,
+    sho_r,
+    sho_c,
+    eps,
+    HAS_DEPTH: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The decode step of one batch row (see the module docstring for the math and the tiles).
+
+    Every tensor is addressed through its strides (``s<name>_<axis>``); ``valid`` is ``(B,)`` uint8;
+    ``u`` is a contiguous ``(B, d_s)`` output.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    DS = H * R
+    # (head, lane) index tiles, alone and under a leading piece axis of 2 or 8
+    h2 = tl.arange(0, BLOCK_H)[:, None]
+    r2 = tl.arange(0, BLOCK_R)[None, :]
+    m2 = (h2 < H) & (r2 < R)
+    p3 = tl.arange(0, 2)[:, None, None]
+    h3 = h2[None]
+    r3 = r2[None]
+    m3 = m2[None]
+    o3 = tl.arange(0, 8)[:, None, None]
+
+    # 1. proj = x w_in + b_in, as the [q; k] and [v; z] tiles. Columns: head j's q then k (2 r each),
+    #    then v and z (d_s each).
+    col_qk = h3 * (2 * R) + p3 * R + r3
+    col_s = 2 * DS + p3 * DS + h3 * R + r3
+    acc_qk = tl.load(b_in_ptr + col_qk * sb_in, mask=m3, other=0.0).to(tl.float32)
+    acc_s = tl.load(b_in_ptr + col_s * sb_in, mask=m3, other=0.0).to(tl.float32)
+    dd = tl.arange(0, BLOCK_D)
+    for d0 in range(0, d, BLOCK_D):
+        di = d0 + dd
+        d_mask = di < d
+        xv = tl.load(x_ptr + b * sx_b + di * sx_d, mask=d_mask, other=0.0).to(tl.float32)
+        xv = xv[:, None, None, None]
+        w_rows = w_in_ptr + di[:, None, None, None] * sw_r
+        chunk_mask = d_mask[:, None, None, None] & m3[None]
+        w_qk = tl.load(w_rows + col_qk[None] * sw_c, mask=chunk_mask, other=0.0).to(tl.float32)
+        acc_qk += tl.sum(xv * w_qk, axis=0)
+        w_s = tl.load(w_rows + col_s[None] * sw_c, mask=chunk_mask, other=0.0).to(tl.float32)
+        acc_s += tl.sum(xv * w_s, axis=0)
+
+    # 2. n(.): tanh, then l2 within each head (padding heads are zero and stay zero)
+    t = 2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * acc_qk, 80.0))) - 1.0
+    norm = tl.sqrt(tl.sum(t * t, axis=2))
+    qk = t / tl.maximum(norm, eps)[:, :, None]
+    q = tl.sum(tl.where(p3 == 0, qk, 0.0), axis=0)
+    k = tl.sum(tl.where(p3 == 1, qk, 0.0), axis=0)
+
+    # 3. reads[p, j, a] = sum_c D^(l-1)[j, a, c] [q; k][p, j, c]
+    st_h = h2[:, :, None]  # (head, row, column) index tiles of a state
+    st_r = r2[:, :, None]
+    st_c = r2[:, None, :]
+    st_mask = (st_h < H) & (st_r < R) & (st_c < R)
+    if HAS_DEPTH:
+        dep = tl.load(
+            depth_ptr + b * sd_b + st_h * sd_h + st_r * sd_r + st_c * sd_c, mask=st_mask, other=0.0
+        ).to(tl.float32)
+        reads = tl.sum(dep[None] * qk[:, :, None, :], axis=3)
+
+    # 4. eau = [s, reads] eau + b_eau as the (8, head, lane) tile [e | i | f | o | g | u_dep | pad]
+    eau = tl.load(b_eau_ptr + (o3 * DS + h3 * R + r3) * sb_eau, mask=(o3 < 6) & m3, other=0.0).to(tl.float32)
+    p_in = tl.arange(0, 2)[:, None]  # input piece: v or z (r^dep or p^dep)
+    lane_in = tl.arange(0, BLOCK_R)[None, :]
+    eau_mask = (lane_in < R)[:, :, None, None] & m2[None, None]
+    for j in range(H):
+        head = h3 == j
+        s_j = tl.sum(tl.where(head, acc_s, 0.0), axis=1)[:, :, None, None]
+        rows_sj = eau_ptr + (p_in * DS + j * R + lane_in)[:, :, None, None] * se_r
+        if HAS_DEPTH:
+            reads_j = tl.sum(tl.where(head, reads, 0.0), axis=1)[:, :, None, None]
+            rows_rj = eau_ptr + (2 * DS + j * (2 * R) + p_in * R + lane_in)[:, :, None, None] * se_r
+        for piece in tl.static_range(6):
+            cols = ((piece * DS + h2 * R + r2) * se_c)[None, None]
+            w_sj = tl.load(rows_sj + cols, mask=eau_mask, other=0.0).to(tl.float32)
+            part = tl.sum(tl.sum(s_j * w_sj, axis=0), axis=0)
+            if HAS_DEPTH:
+                w_rj = tl.load(rows_rj + cols, mask=eau_mask, other=0.0).to(tl.float32)
+                part += tl.sum(tl.sum(reads_j * w_rj, axis=0), axis=0)
+            eau = tl.where(o3 == piece, eau + part[None], eau)
+
+    # 5. gates, the read of D_{t-1} and the recurrence
+    gates = 1.0 / (1.0 + tl.exp(tl.minimum(-eau, 80.0)))
+    e = tl.sum(tl.where(o3 == 0, eau, 0.0), axis=0)
+    i = tl.sum(tl.where(o3 == 1, gates, 0.0), axis=0)
+    f = tl.sum(tl.where(o3 == 2, gates, 0.0), axis=0)
+    o = tl.sum(tl.where(o3 == 3, gates, 0.0), axis=0)
+    u = tl.sum(tl.where(o3 == 5, eau, 0.0), axis=0)
+    C_old = tl.load(cell_ptr + b * sc_b + st_h * sc_h + st_r * sc_r + st_c * sc_c, mask=st_mask, other=0.0)
+    D_old = tl.load(hidden_ptr + b * sh_b + st_h * sh_h + st_r * sh_r + st_c * sh_c, mask=st_mask, other=0.0)
+    C = C_old.to(tl.float32)
+    D = D_old.to(tl.float32)
+    r_time = tl.sum(D * q[:, None, :], axis=2)
+    C_new = f[:, :, None] * C + (i * e)[:, :, None] * k[:, None, :]
+    D_new = o[:, :, None] * (2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C_new, 80.0))) - 1.0)
+    if HAS_DEPTH:
+        g = tl.sum(tl.where(o3 == 4, gates, 0.0), axis=0)
+        D_new += g[:, :, None] * dep
+    C_new = C_new.to(cell_out_ptr.dtype.element_ty)
+    D_new = D_new.to(hidden_out_ptr.dtype.element_ty)
+    if HAS_VALID:
+        keep = tl.load(valid_ptr + b) != 0
+        C_new = tl.where(keep, C_new, C_old.to(cell_out_ptr.dtype.element_ty))
+        D_new = tl.where(keep, D_new, D_old.to(hidden_out_ptr.dtype.element_ty))
+    tl.store(cell_out_ptr + b * sco_b + st_h * sco_h + st_r * sco_r + st_c * sco_c, C_new, mask=st_mask)
+    tl.store(hidden_out_ptr + b * sho_b + st_h * sho_h + st_r * sho_r + st_c * sho_c, D_new, mask=st_mask)
+
+    # 6. u = u_dep + r_time read[:d_s]
+    lane = tl.arange(0, BLOCK_R)
+    r_mask = (lane < R)[:, None, None] & m2[None]
+    cols_u = (h2 * R + r2)[None] * sr_c
+    for j in range(H):
+        r_j = tl.sum(tl.where(h2 == j, r_time, 0.0), axis=0)[:, None, None]
+        w_j = tl.load(read_ptr + (j * R + lane)[:, None, None] * sr_r + cols_u, mask=r_mask, other=0.0)
+        u += tl.sum(r_j * w_j.to(tl.float32), axis=0)
+    tl.store(u_ptr + b * DS + h2 * R + r2, u.to(u_ptr.dtype.element_ty), mask=m2)
+
+
+def _launch_config(d: int, H: int, R: int) -> dict:
+    """Block sizes and ``num_warps`` for one program's tiles: the projection loads two
+    ``BLOCK_D x 2 d_s`` weight tiles per chunk, about ``_TILE`` elements together; a warp per 1,024
+    elements of the largest tile, 16 at most (``r = 32``, ``d_s = 256``: 16,384-element ``eau`` and
+    depth-read tiles; with 8 warps ptxas spilled about 20 kB there, with 16 about 2 kB, none at the
+    paper's ``r = 8``, ``d_s = 32``)."""
+    block_h, block_r = triton.next_power_of_2(H), triton.next_power_of_2(R)
+    width = 2 * block_h * block_r  # columns of one projection weight tile
+    block_d = max(1, min(triton.next_power_of_2(max(d, 1)), _TILE // (2 * width)))
+    largest = max(2 * block_d * width, 2 * block_r * block_h * block_r, 2 * block_h * block_r * block_r)
+    return {
+        "BLOCK_D": block_d,
+        "BLOCK_H": block_h,
+        "BLOCK_R": block_r,
+        "num_warps": max(1, min(16, largest // 1024)),
+    }
+
+
+def _check(name: str, x: torch.Tensor, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (the device of x); move it there")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
+        raise ValueError(f"{name} has dtype {x.dtype}; the Triton decode step takes {names}")
+
+
+def decode_step_triton(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    b_in: torch.Tensor,
+    eau: torch.Tensor,
+    b_eau: torch.Tensor,
+    read: torch.Tensor,
+    cell: torch.Tensor,
+    hidden: torch.Tensor,
+    num_heads: int,
+    depth: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    out: tuple[torch.Tensor, torch.Tensor],
+    norm_eps: float,
+) -> torch.Tensor:
+    """The decode step of one memory layer in one kernel launch (see the module docstring);
+    ``norm_eps``: the lower bound of the l2 normalisation's denominator in ``n(.)``.
+
+    Shapes are checked by :func:`lstmem_kernels.lstmem_decode_step`; this checks what the kernel
+    needs besides: float32, bfloat16 or float16 for ``x``, the weights (one dtype) and ``depth``, any
+    float dtype for the states, one device, and CUDA tensors unless the interpreter runs.
+
+    Returns:
+        ``u`` ``(B, d_s)`` in the dtype of the weights; ``C_t`` and ``D_t`` go into ``out``.
+    """
+    device = x.device
+    wdtype = w_in.dtype
+    if (
+        wdtype == torch.float64
+        or x.dtype == torch.float64
+        or (depth is not None and depth.dtype == torch.float64)
+    ):
+        raise ValueError(
+            "the Triton decode step computes in float32 and takes float32, bfloat16 or float16 inputs and "
+            "weights, got float64; a float64 adapter decodes in PyTorch (the layer's forward with backend 'torch')"
+        )
+    _check_runtime(device)
+    floats = (torch.float64, *_FLOAT_DTYPES)
+    _check("x", x, device, _FLOAT_DTYPES)
+    if wdtype not in _FLOAT_DTYPES:
+        raise ValueError(f"w_in has dtype {wdtype}; the weights must be float32, bfloat16 or float16")
+    for name, t in (("b_in", b_in), ("eau", eau), ("b_eau", b_eau), ("read", read)):
+        if t.dtype != wdtype:
+            raise ValueError(
+                f"{name} has dtype {t.dtype} but w_in has {wdtype}; pass the weights in one dtype "
+                "(the layer's derived weights are)"
+            )
+        _check(name, t, device, (wdtype,))
+    for name, t in (("cell", cell), ("hidden", hidden), ("cell_out", out[0]), ("hidden_out", out[1])):
+        _check(name, t, device, floats)
+    if depth is not None:
+        _check("depth", depth, device, _FLOAT_DTYPES)
+    if valid is not None:
+        _check("valid", valid, device, (torch.bool,))
+
+    B, d = x.shape
+    ds = read.shape[1]
+    H = num_heads
+    R = ds // H
+    u = torch.empty((B, ds), dtype=wdtype, device=device)
+    if B == 0:
+        return u
+    cell_out, hidden_out = out
+    # strides of an absent depth input are never read (HAS_DEPTH is false)
+    depth_strides = depth.stride() if depth is not None else (0, 0, 0, 0)
+    with _device_guard(device):
+        _decode_step_kernel[(B,)](
+            x,
+            w_in,
+            b_in,
+            eau,
+            b_eau,
+            read,
+            cell,
+            hidden,
+            depth,
+            None if valid is None else valid.view(torch.uint8),  # a view: no copy, no kernel
+            cell_out,
+            hidden_out,
+            u,
+            d,
+            H,
+            R,
+            *x.stride(),
+            *w_in.stride(),
+            *b_in.stride(),
+            *eau.stride(),
+            *b_eau.stride(),
+            *read.stride(),
+            *cell.stride(),
+            *hidden.stride(),
+            *depth_strides,
+            *cell_out.stride(),
+            *hidden_out.stride(),
+            norm_eps,
+            HAS_DEPTH=depth is not None,
+            HAS_VALID=valid is not None,
+            **_launch_config(d, H, R),
+        )
+    return u

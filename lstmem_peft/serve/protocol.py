@@ -1,0 +1,578 @@
+"""The wire protocol of ``lstmem serve``: every request and response body, as pydantic models.
+
+One module holds what travels over HTTP, in OpenAI's shapes where OpenAI has one (as vLLM's
+``entrypoints/openai/protocol.py`` does): the routes take the request models as bodies and declare
+the response models as their ``response_model``, so the OpenAPI schema at ``/openapi.json``
+documents both. The memory routes (``/v1/memory/...``, ``/v1/sessions``) are this server's own.
+
+Requests: every field a request may carry is declared: an unknown field, or a known one this
+server does not implement (``tools``, ``logit_bias``, a ``response_format`` other than text,
+``suffix``, nonzero penalties, ...), is refused with a 400 error that names it, never ignored
+(``user`` and ``metadata`` are accepted: they tag a request and change nothing it generates). Values
+out of range are 400 errors too. Sizes are bounded: ``n`` (:data:`MAX_N`), stop strings
+(:data:`MAX_STOP` of at most :data:`MAX_STOP_CHARS` characters), prompts per completions request
+(:data:`MAX_PROMPTS`) and ``logprobs`` / ``top_logprobs`` (:data:`MAX_LOGPROBS`); ``max_tokens`` is
+bounded by the context window (checked by the serving classes).
+
+Responses: a completion (:class:`ChatCompletionResponse`, :class:`CompletionResponse`) or a stream
+of chunks (:class:`ChatCompletionChunk`, :class:`CompletionChunk`), each with OpenAI's ``usage`` and
+this server's ``lstmem`` field (:class:`MemoryUsage`); errors are one shape,
+:class:`ErrorResponse`, raised as :class:`ServeError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+MAX_N = 8
+MAX_STOP = 16  # OpenAI takes 4; lm-eval's generation tasks may send more (their stop words + EOS)
+MAX_STOP_CHARS = 1000
+MAX_PROMPTS = 128  # prompts per /v1/completions request, times n
+MAX_LOGPROBS = 20
+
+FinishReason = Literal["stop", "length"]
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    """What went wrong: OpenAI's error object."""
+
+    message: str = Field(description="what went wrong, and the fix where there is one")
+    type: str = Field(description="``invalid_request_error`` (4xx) or ``server_error`` (5xx)")
+    param: str | None = Field(None, description="the request parameter at fault, if one is")
+    code: str | None = Field(None, description="a stable name of the error, e.g. ``context_length_exceeded``")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer (and of a stream's error event): ``{"error": {...}}``."""
+
+    error: ErrorInfo
+
+
+class ServeError(Exception):
+    """An error with an HTTP status and an OpenAI error type/code, sent to the client as an
+    :class:`ErrorResponse` (by the app's exception handler, or as a stream's error event).
+
+    Args:
+        status: the HTTP status (4xx: the request; 5xx: the server).
+        message: what went wrong, and the fix where there is one.
+        type: OpenAI's error type.
+        code: a stable name of the error (``model_not_found``, ``context_length_exceeded``, ...).
+        param: the request parameter at fault.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+
+    def body(self) -> ErrorResponse:
+        """The error as the client receives it."""
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+# ---------------------------------------------------------------------- requests
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content list (the only part type a text model can take)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; a content list of text parts is joined into one string. Other fields of a
+    message (``name``, ``refusal``, ...) are not rendered; tool calls are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        if value:
+            raise ValueError("tool calls are not supported by this server (no function calling)")
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+def _unsupported(what: str):
+    raise ValueError(f"{what} is not supported by this server")
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: the smallest nucleus, the most likely token (greedy)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value):
+        if value is None:
+            return value
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"stop must be a string or a list of at most {MAX_STOP} strings")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value, info):
+        if value:
+            _unsupported(f"{info.field_name} (other than 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value):
+        if value:
+            _unsupported("logit_bias")
+        return value
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0, or ``top_p`` 0 (a nucleus of the single most likely token)."""
+        return self.temperature == 0.0 or self.top_p == 0.0
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            _unsupported(f"{info.field_name} (function calling)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        if value not in (None, "none"):
+            _unsupported(f"{info.field_name} other than 'none' (function calling)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value is not None and value != {"type": "text"}:
+            _unsupported('a response_format other than {"type": "text"} (no JSON mode or schemas)')
+        return value
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, or a list of them (text or token ids)."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value):
+        shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError(shape if not isinstance(value, list) else "prompt is an empty list")
+
+        def token_ids(ids) -> bool:
+            return all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+        if all(isinstance(p, str) for p in value):
+            prompts = value
+        elif token_ids(value):
+            prompts = [value]
+        elif all(isinstance(p, list) and token_ids(p) for p in value):
+            prompts = value
+        else:
+            raise ValueError(shape)
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if not isinstance(p, str) and min(p) < 0:
+                raise ValueError(f"prompt {i} has a negative token id")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            _unsupported("suffix (insertion)")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class MemoryWriteRequest(BaseModel):
+    """``POST /v1/memory/{session}/write``: ``text`` (written as it is) or ``messages`` (in the chat
+    format, and recorded as written, so a later chat that re-sends them does not write them again)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.text is None) == (self.messages is None):
+            raise ValueError("pass exactly one of 'text' or 'messages'")
+        if self.text is not None and not self.text:
+            raise ValueError("'text' is empty")
+        return self
+
+
+# ---------------------------------------------------------------------- responses: shared parts
+class Usage(BaseModel):
+    """OpenAI's token counts of one request (every prompt and every choice of it)."""
+
+    prompt_tokens: int = Field(description="tokens of the prompts in the context window")
+    completion_tokens: int = Field(description="tokens generated, over every choice")
+    total_tokens: int
+
+
+class MemoryUsage(BaseModel):
+    """The ``lstmem`` field of a completion: what the request did to memory."""
+
+    session: str | None = Field(description="the request's X-Session-Id; null: a fresh memory, not stored")
+    memory_tokens_written: int = Field(description="tokens this request wrote into memory")
+    session_tokens_written: int = Field(description="tokens the session's memory holds after the request")
+    batch_size: int = Field(description="requests in the largest batch this one ran in")
+
+
+class ModelCard(BaseModel):
+    """``GET /v1/models/{model}``: the served model (one per server)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "lstmem"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class _Chunk(BaseModel):
+    """A streamed chunk: ``usage`` appears only in the chunk that carries it (the last one, with
+    ``stream_options.include_usage``), as OpenAI streams it; other chunks have no such key."""
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_usage(self, handler):
+        data = handler(self)
+        if "usage" in data and data["usage"] is None:
+            del data["usage"]
+        return data
+
+
+# ---------------------------------------------------------------------- responses: chat
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position."""
+
+    token: str
+    logprob: float = Field(description="log-probability; -9999 for a token the model rules out (-inf)")
+    bytes: list[int] = Field(description="the token's UTF-8 bytes")
+
+
+class ChatTokenLogprob(TopLogprob):
+    """An answer token with its log-probability and the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(description="best first; empty without top_logprobs")
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion: one entry per answer token (the EOS that ended
+    the answer is not one)."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    lstmem: MemoryUsage
+
+
+class ChatDelta(BaseModel):
+    """What a chunk adds to a choice's message: only the keys that change (``role`` in the first
+    chunk, ``content`` in the text chunks, nothing in the last one)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_changes(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_Chunk):
+    """One server-sent event of ``POST /v1/chat/completions`` with ``stream``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------------- responses: completions
+class CompletionLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a completion (OpenAI's completions form), one entry per token:
+    the prompt's first (with ``echo``), then the answer's, the EOS that ended it included."""
+
+    tokens: list[str] = Field(description="each token's piece of the text")
+    token_logprobs: list[float | None] = Field(description="null for a prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="most likely tokens: text to log-probability"
+    )
+    text_offset: list[int] = Field(description="characters into the choice's text where each token starts")
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="``i * n + c`` for choice ``c`` of prompt ``i``")
+    text: str = Field(description="the answer; with echo, the prompt then the answer")
+    finish_reason: FinishReason
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    lstmem: MemoryUsage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class CompletionChunk(_Chunk):
+    """One server-sent event of ``POST /v1/completions`` with ``stream``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------------- responses: memory and sessions
+class MemoryWriteResponse(BaseModel):
+    """``POST /v1/memory/{session}/write``."""
+
+    session: str
+    tokens_written: int = Field(description="tokens this request wrote")
+    session_tokens_written: int = Field(description="tokens the session's memory holds after it")
+
+
+class LayoutInfo(BaseModel):
+    """The memory layout every session's cache has (:class:`~lstmem_peft.MemoryLayout`)."""
+
+    model_config = ConfigDict(extra="allow")
+    layer_indices: list[int] = Field(description="backbone decoder layers that carry memory")
+    num_heads: int
+    head_dim: int
+    state_dtype: str
+    identity: str = Field(description="names the adapter; part of the fingerprint")
+
+
+class LayerStats(BaseModel):
+    """One memory layer of a session: state norms now, gate means of the latest write."""
+
+    layer_index: int
+    cell_norm: float = Field(description="||C|| (Frobenius)")
+    hidden_norm: float = Field(description="||D|| (Frobenius)")
+    out_gate_mean: float | None = Field(description="mean output gate o of the latest write, if any")
+    depth_gate_mean: float | None = Field(description="mean depth gate g of the latest write, if any")
+
+
+class GateMeans(BaseModel):
+    """Mean gates of one write, one value per memory layer."""
+
+    out_gate: list[float]
+    depth_gate: list[float]
+
+
+class StateNorms(BaseModel):
+    """``||C||`` and ``||D||`` per memory layer after a commit (empty lists before any write)."""
+
+    cell: list[float]
+    hidden: list[float]
+
+
+class TurnRecord(BaseModel):
+    """One commit of a session, as its record keeps it (what the page plots)."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: str = Field(description="chat, completion, write or import")
+    input: str = Field(description="the end of what was sent (at most 500 characters)")
+    answer: str = Field(description="the first choice's answer (empty for writes and imports)")
+    written: int = Field(description="tokens this commit wrote")
+    prompt_tokens: int
+    batch: int = Field(description="requests in the batch it ran in")
+    gates: GateMeans | None
+    time: float = Field(description="Unix time of the commit")
+    tokens_written: int = Field(description="tokens the memory holds after the commit")
+    norms: StateNorms
+
+
+class MemoryInfo(BaseModel):
+    """``GET /v1/memory/{session}``: what a session's memory holds and how it got there."""
+
+    session: str
+    exists: bool = Field(description="whether anything was committed")
+    tokens_written: int
+    commit: int = Field(description="commits so far (0: nothing committed)")
+    messages_written: int = Field(description="chat messages in the record")
+    layout: LayoutInfo
+    fingerprint: str = Field(description="of the layout: a memory file must match it to load")
+    adapter_fingerprint: str = Field(description="SHA-256 (16 hex) of the memory layers' weights")
+    state_bytes: int
+    layers: list[LayerStats]
+    turns: list[TurnRecord]
+
+
+class MemoryDeleteResponse(BaseModel):
+    """``DELETE /v1/memory/{session}``."""
+
+    session: str
+    deleted: bool = Field(description="whether the session existed")
+
+
+class MemoryImportResponse(BaseModel):
+    """``PUT /v1/memory/{session}/import``."""
+
+    session: str
+    tokens_written: int = Field(description="tokens the imported memory holds")
+
+
+class SessionSummary(BaseModel):
+    id: str
+    tokens_written: int
+    turns: int = Field(description="commits in the record")
+    commit: int
+
+
+class SessionList(BaseModel):
+    """``GET /v1/sessions``: the caller's committed sessions."""
+
+    object: Literal["list"] = "list"
+    data: list[SessionSummary]
+
+
+class Health(BaseModel):
+    """``GET /health``."""
+
+    status: Literal["ok"] = "ok"
+    model: str
+    queued: int = Field(description="jobs waiting for the worker")

@@ -1,0 +1,255 @@
+"""What the serving classes share: the served model, the scheduler, request checks and replies.
+
+:class:`ServingBase` is what every endpoint family needs (run a job on the worker, check a model
+name or a session name). :class:`ServingGeneration` adds what chat and completions share: the
+checks of ``max_tokens``, ``stream_options`` and sampling parameters, and one way to answer: a JSON
+body, or a stream of server-sent events ending in ``data: [DONE]`` whose subclass-specific chunks
+come from four small hooks (the template the two families fill in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from .generation import Sampling
+from .metrics import Metrics
+from .protocol import MemoryUsage, ServeError, Usage
+from .runtime import LoadedModel
+from .scheduler import Job, Scheduler
+from .store import SessionIdError, check_session_id
+
+SESSION_HEADER = "X-Session-Id"
+
+
+def valid_session(session: str) -> str:
+    """``session`` if it is a session name the store takes; else a 400 error naming the rule."""
+    try:
+        return check_session_id(session)
+    except SessionIdError as err:
+        raise ServeError(400, str(err), code="invalid_session_id", param="session") from None
+
+
+def finite(x: float | None) -> float | None:
+    """JSON has no infinity: a log-probability of -inf (a token the model rules out) is -9999."""
+    return x if x is None or math.isfinite(x) else -9999.0
+
+
+class ServingBase:
+    """The served model, its scheduler and the metrics: what every endpoint family works with.
+
+    Args:
+        loaded: the served model.
+        scheduler: the worker that runs every job touching the model or a session.
+        metrics: the app's metrics.
+    """
+
+    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics) -> None:
+        self.loaded, self.scheduler, self.metrics = loaded, scheduler, metrics
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the served model's id."""
+        if name != self.loaded.name:
+            raise ServeError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.loaded.name!r}",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def run(self, job: Job) -> dict:
+        """Queue ``job``, wait for its result (token deltas are skipped) and return it; a job that
+        failed raises its :class:`~.protocol.ServeError`."""
+        self.scheduler.submit(job)
+        self.metrics.queued.set(self.scheduler.queued)
+        kind, *rest = await job.events.get()
+        while kind == "delta":
+            kind, *rest = await job.events.get()
+        if kind == "error":
+            raise rest[0]
+        return rest[0]
+
+
+@dataclass
+class Reply:
+    """What one chat or completions response carries besides the job results.
+
+    Attributes:
+        ident: the response id (``chatcmpl-...`` or ``cmpl-...``), shared by every chunk of a stream.
+        created: Unix time of the request.
+        session: the request's session, or ``None``.
+        n: choices per prompt.
+        texts: completions: each prompt's text (for ``echo`` and the logprobs' ``text_offset``).
+        echo: completions: the prompt's text opens each choice.
+        include_usage: a stream ends with a chunk holding the usage.
+    """
+
+    ident: str
+    created: int
+    session: str | None
+    n: int
+    texts: list[str] | None = None
+    echo: bool = False
+    include_usage: bool = False
+
+
+class ServingGeneration(ServingBase):
+    """Chat and completions: shared request checks, sampling and answering (a body or a stream).
+
+    A subclass sets :attr:`id_prefix` and fills in :meth:`body` (the JSON answer) and the stream's
+    chunks: :meth:`opening_chunks`, :meth:`delta_chunk`, :meth:`final_chunk`, :meth:`usage_chunk`.
+
+    Args:
+        loaded, scheduler, metrics: see :class:`ServingBase`.
+        window: the context window in tokens: ``max_tokens`` must be below it.
+    """
+
+    id_prefix = ""
+
+    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
+        super().__init__(loaded, scheduler, metrics)
+        self.window = window
+
+    # ------------------------------------------------------------------ request checks
+    def check_max_tokens(self, max_tokens: int) -> None:
+        """400 unless ``max_tokens`` leaves room for a prompt in the context window."""
+        if max_tokens >= self.window:
+            raise ServeError(
+                400,
+                f"max_tokens {max_tokens} does not fit the context window of {self.window} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+
+    @staticmethod
+    def check_stream_options(body) -> None:
+        """``stream_options`` only goes with ``stream``."""
+        if body.stream_options is not None and not body.stream:
+            raise ServeError(400, "stream_options needs stream=true", param="stream_options")
+
+    @staticmethod
+    def check_stream_logprobs(logprobs: bool, stream: bool) -> None:
+        """Log-probabilities come from a scoring forward after the answer: not in a stream."""
+        if logprobs and stream:
+            raise ServeError(
+                400,
+                "logprobs is not available with stream=true",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
+
+    @staticmethod
+    def sampling_of(body, max_tokens: int, logprobs: int | None, echo: bool = False) -> Sampling:
+        """The decoding parameters. Greedy (``temperature`` 0, or ``top_p`` 0: a nucleus of the one
+        most likely token) decoding has no seed to apply, so seeded greedy requests batch."""
+        if body.greedy:
+            return Sampling(max_tokens, 0.0, 1.0, body.n, body.stops(), None, logprobs, echo)
+        return Sampling(
+            max_tokens, body.temperature, body.top_p, body.n, body.stops(), body.seed, logprobs, echo
+        )
+
+    def reply(self, body, session: str | None, texts: list[str] | None = None) -> Reply:
+        """A new response's id and time, and what its body or chunks need from the request."""
+        return Reply(
+            ident=self.id_prefix + uuid.uuid4().hex[:24],
+            created=int(time.time()),
+            session=session,
+            n=body.n,
+            texts=texts,
+            echo=bool(getattr(body, "echo", False)),
+            include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        )
+
+    # ------------------------------------------------------------------ answering
+    async def respond(self, jobs: list[Job], reply: Reply, stream: bool) -> BaseModel | StreamingResponse:
+        """Run the jobs (one per prompt, in choice order) and answer with one body; or, with
+        ``stream`` (one job), start it and answer with its events once the first one arrived (so a
+        request that fails before its first token gets an error status, not a broken stream)."""
+        if not stream:
+            results = await asyncio.gather(*(self.run(job) for job in jobs))
+            for result in results:
+                self.metrics.count_result(result)
+            return self.body(reply, results)
+        (job,) = jobs
+        self.scheduler.submit(job)
+        self.metrics.queued.set(self.scheduler.queued)
+        first = await job.events.get()
+        if first[0] == "error":
+            raise first[1]
+        return StreamingResponse(self._events(job, first, reply), media_type="text/event-stream")
+
+    async def _events(self, job: Job, first: tuple, reply: Reply) -> AsyncIterator[str]:
+        """The server-sent events of a streamed job: the opening chunks, a chunk per text delta, a
+        last chunk per choice (its ``finish_reason``), the usage chunk when asked for, ``[DONE]``.
+        A job that fails sends an :class:`~.protocol.ErrorResponse` event, then ``[DONE]``. A client
+        that goes away before the end cancels the job: its rows stop decoding, nothing is committed."""
+        event = first
+        try:
+            for chunk in self.opening_chunks(reply):
+                yield _sse(chunk)
+            while event[0] == "delta":
+                _, choice, text = event
+                yield _sse(self.delta_chunk(reply, choice, text))
+                event = await job.events.get()
+            if event[0] == "error":
+                yield _sse(event[1].body())
+            else:
+                result = event[1]
+                for choice, answer in enumerate(result["choices"]):
+                    yield _sse(self.final_chunk(reply, choice, answer.finish_reason))
+                self.metrics.count_result(result)
+                if reply.include_usage:
+                    yield _sse(self.usage_chunk(reply, usage([result])))
+            yield "data: [DONE]\n\n"
+        finally:
+            if event[0] not in ("done", "error"):
+                job.cancelled.set()
+
+    # ------------------------------------------------------------------ what a subclass fills in
+    def body(self, reply: Reply, results: list[dict]) -> BaseModel:
+        """The JSON answer from the jobs' results (one per prompt)."""
+        raise NotImplementedError
+
+    def opening_chunks(self, reply: Reply) -> list[BaseModel]:
+        """Chunks sent before the first token."""
+        raise NotImplementedError
+
+    def delta_chunk(self, reply: Reply, choice: int, text: str) -> BaseModel:
+        """The chunk that adds ``text`` to choice ``choice``."""
+        raise NotImplementedError
+
+    def final_chunk(self, reply: Reply, choice: int, finish_reason: str) -> BaseModel:
+        """The chunk that ends choice ``choice``."""
+        raise NotImplementedError
+
+    def usage_chunk(self, reply: Reply, counts: Usage) -> BaseModel:
+        """The chunk that carries the usage (no choices)."""
+        raise NotImplementedError
+
+
+def usage(results: list[dict]) -> Usage:
+    """OpenAI's token counts over the jobs' results (every prompt and every choice)."""
+    prompt = sum(r["prompt_tokens"] for r in results)
+    completion = sum(len(a.token_ids) for r in results for a in r["choices"])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def memory_usage(results: list[dict], session: str | None) -> MemoryUsage:
+    """The ``lstmem`` field: tokens written by the request, held by the session after it, batch size."""
+    return MemoryUsage(
+        session=session,
+        memory_tokens_written=sum(r["written"] for r in results),
+        session_tokens_written=results[-1]["tokens_written"],
+        batch_size=max(r["batch"] for r in results),
+    )
+
+
+def _sse(event: BaseModel) -> str:
+    return f"data: {event.model_dump_json()}\n\n"

@@ -1,0 +1,223 @@
+"""``POST /v1/completions``: text turns, prompt lists, token-id prompts and scoring
+(:class:`ServingCompletions`).
+
+Each prompt is one job: a ``turn`` (the same turn as chat, on text: the part of the prompt the
+session has not written is written by the turn rule of :mod:`.scheduler`), or with ``max_tokens``
+0 and ``echo`` a ``score`` job that reads memory and writes nothing. The answer is a
+:class:`~.protocol.CompletionResponse` (choice ``i * n + c`` for choice ``c`` of prompt ``i``), or
+with ``stream`` (one prompt) a series of :class:`~.protocol.CompletionChunk` events.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from fastapi.responses import StreamingResponse
+
+from .generation import TokenLogprobs
+from .metrics import Metrics
+from .protocol import (
+    MAX_PROMPTS,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ServeError,
+    Usage,
+)
+from .runtime import LoadedModel
+from .scheduler import Job, Scheduler
+from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite, memory_usage, usage
+
+
+class ServingCompletions(ServingGeneration):
+    """The completions endpoint (what lm-eval's ``local-completions`` talks to).
+
+    Args:
+        loaded, scheduler, metrics, window: see :class:`~.serving_base.ServingGeneration`.
+    """
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
+        super().__init__(loaded, scheduler, metrics, window)
+        try:  # the request handlers' own tokenizer (the worker thread uses loaded.tokenizer)
+            self.tokenizer = copy.deepcopy(loaded.tokenizer)
+        except Exception:  # noqa: BLE001  (a tokenizer that cannot be copied is shared)
+            self.tokenizer = loaded.tokenizer
+        try:
+            self.vocab = int(loaded.model.get_input_embeddings().num_embeddings)
+        except Exception:  # noqa: BLE001  (a model without input embeddings: the tokenizer's size)
+            self.vocab = len(loaded.tokenizer)
+
+    async def create(
+        self, body: CompletionRequest, namespace: str, session: str | None
+    ) -> CompletionResponse | StreamingResponse:
+        """Check the request, run one job per prompt on ``session`` (``None``: each on a fresh
+        memory, not stored) and answer."""
+        self.check_model(body.model)
+        self.check_stream_options(body)
+        prompts = body.prompts()
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        self._check_request(body, prompts, max_tokens, session)
+        self._check_token_ids(prompts)
+        texts = [
+            p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
+        ]
+        if body.echo and max_tokens > 0:
+            self._check_echo_fits(prompts, max_tokens)
+        sampling = self.sampling_of(body, max_tokens, body.logprobs, echo=body.echo)
+        jobs = [
+            Job(
+                "score" if max_tokens == 0 else "turn",
+                namespace,
+                session,
+                {"mode": "completion", "prompt": p, "display": text[-500:]},
+                sampling=sampling,
+                stream=body.stream,
+            )
+            for p, text in zip(prompts, texts, strict=True)
+        ]
+        return await self.respond(jobs, self.reply(body, session, texts), body.stream)
+
+    # ------------------------------------------------------------------ request checks
+    def _check_request(
+        self, body: CompletionRequest, prompts: list, max_tokens: int, session: str | None
+    ) -> None:
+        """What this server takes of the OpenAI parameters, and how they combine."""
+        n = body.n
+        if body.best_of is not None and body.best_of != n:
+            raise ServeError(
+                400,
+                f"best_of {body.best_of} with n {n} is not supported: best_of must equal n (every sequence "
+                "decoded is returned; none is picked by log-probability)",
+                param="best_of",
+                code="unsupported_parameter",
+            )
+        if max_tokens == 0 and not body.echo:
+            raise ServeError(
+                400,
+                "max_tokens 0 only scores a prompt: pass echo=true (and logprobs for its tokens' log-probabilities)",
+                param="max_tokens",
+            )
+        self.check_max_tokens(max_tokens)
+        if len(prompts) > 1 and session is not None:
+            raise ServeError(
+                400,
+                f"a request on a session ({SESSION_HEADER}) takes one prompt; send a list of prompts without a session",
+                param="prompt",
+            )
+        if len(prompts) * n > MAX_PROMPTS:
+            raise ServeError(
+                400,
+                f"prompts x n is {len(prompts) * n}; at most {MAX_PROMPTS} choices per request",
+                param="n",
+            )
+        if body.stream and len(prompts) > 1:
+            raise ServeError(
+                400, "stream=true takes one prompt per request", param="stream", code="unsupported_parameter"
+            )
+        self.check_stream_logprobs(body.logprobs is not None, body.stream)
+
+    def _check_token_ids(self, prompts: list) -> None:
+        """Token-id prompts are used as they are: every id must be in the vocabulary."""
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str) and max(p) >= self.vocab:
+                raise ServeError(
+                    400,
+                    f"prompt {i} has token id {max(p)}; the vocabulary has {self.vocab} tokens",
+                    param="prompt",
+                )
+
+    def _check_echo_fits(self, prompts: list, max_tokens: int) -> None:
+        """With ``echo``, the echoed tokens must be the whole prompt, in context: each prompt and
+        ``max_tokens`` must fit the window."""
+        for i, p in enumerate(prompts):
+            count = (
+                len(p)
+                if not isinstance(p, str)
+                else len(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            )
+            if count + max_tokens > self.window:
+                raise ServeError(
+                    400,
+                    f"prompt {i} is {count} tokens; with echo the whole prompt and max_tokens {max_tokens} "
+                    f"must fit the context window of {self.window} tokens",
+                    code="context_length_exceeded",
+                    param="prompt",
+                )
+
+    # ------------------------------------------------------------------ the JSON answer
+    def body(self, reply: Reply, results: list[dict]) -> CompletionResponse:
+        choices = []
+        for p, result in enumerate(results):
+            echo = reply.texts[p] if reply.echo else ""
+            for c, answer in enumerate(result["choices"]):
+                logprobs = None
+                if answer.logprobs is not None:  # offsets count from the choice's text: after the prompt's
+                    logprobs = _logprobs(answer.logprobs, 0 if reply.echo else len(reply.texts[p]))
+                choices.append(
+                    CompletionChoice(
+                        index=p * reply.n + c,
+                        text=echo + answer.text,
+                        finish_reason=answer.finish_reason,
+                        logprobs=logprobs,
+                    )
+                )
+        return CompletionResponse(
+            id=reply.ident,
+            created=reply.created,
+            model=self.loaded.name,
+            choices=choices,
+            usage=usage(results),
+            lstmem=memory_usage(results, reply.session),
+        )
+
+    # ------------------------------------------------------------------ the stream's chunks
+    def _chunk(self, reply: Reply, choices: list[CompletionChunkChoice], counts: Usage | None = None):
+        return CompletionChunk(
+            id=reply.ident, created=reply.created, model=self.loaded.name, choices=choices, usage=counts
+        )
+
+    def opening_chunks(self, reply: Reply) -> list[CompletionChunk]:
+        """With ``echo``, one chunk that opens every choice with the prompt's text; else none."""
+        echo = reply.texts[0] if reply.echo else ""
+        if not echo:
+            return []
+        return [self._chunk(reply, [CompletionChunkChoice(index=c, text=echo) for c in range(reply.n)])]
+
+    def delta_chunk(self, reply: Reply, choice: int, text: str) -> CompletionChunk:
+        return self._chunk(reply, [CompletionChunkChoice(index=choice, text=text)])
+
+    def final_chunk(self, reply: Reply, choice: int, finish_reason: str) -> CompletionChunk:
+        return self._chunk(reply, [CompletionChunkChoice(index=choice, text="", finish_reason=finish_reason)])
+
+    def usage_chunk(self, reply: Reply, counts: Usage) -> CompletionChunk:
+        return self._chunk(reply, [], counts)
+
+
+def _logprobs(lp: TokenLogprobs, offset: int) -> CompletionLogprobs:
+    """OpenAI's completions form: ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per
+    token, ``None`` for a prompt's first token) and ``text_offset`` (characters into the text,
+    starting at ``offset``)."""
+    offsets = []
+    for token in lp.tokens:
+        offsets.append(offset)
+        offset += len(token)
+    tops = []
+    for top in lp.top:
+        if top is None:
+            tops.append(None)
+            continue
+        best: dict[str, float] = {}
+        for x, v in top:  # best first: a text two tokens share keeps its better value
+            best.setdefault(x, finite(v))
+        tops.append(best)
+    return CompletionLogprobs(
+        tokens=lp.tokens,
+        token_logprobs=[finite(x) for x in lp.logprobs],
+        top_logprobs=tops,
+        text_offset=offsets,
+    )

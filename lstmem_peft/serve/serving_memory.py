@@ -1,0 +1,180 @@
+"""The memory routes, this server's own (:class:`ServingMemory`): write text or messages into a
+session, read what it holds, reset, export and import its memory file, list the sessions.
+
+Writes, resets and imports are scheduler jobs (the worker owns every session change, so they
+queue behind the session's turns); reads, exports and the list read the store directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import asdict
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.tuner.history import memory_layers
+
+from .metrics import Metrics
+from .protocol import (
+    LayerStats,
+    LayoutInfo,
+    MemoryDeleteResponse,
+    MemoryImportResponse,
+    MemoryInfo,
+    MemoryWriteRequest,
+    MemoryWriteResponse,
+    ServeError,
+    SessionList,
+    SessionSummary,
+    TurnRecord,
+)
+from .runtime import LoadedModel, state_norms
+from .scheduler import Job, Scheduler
+from .serving_base import ServingBase, valid_session
+from .store import Session, SessionStore
+
+
+class ServingMemory(ServingBase):
+    """The memory endpoints of one store.
+
+    Args:
+        loaded, scheduler, metrics: see :class:`~.serving_base.ServingBase`.
+        store: the sessions.
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, store: SessionStore
+    ) -> None:
+        super().__init__(loaded, scheduler, metrics)
+        self.store = store
+        self.adapter_fingerprint = adapter_fingerprint(loaded)
+
+    async def write(self, namespace: str, session: str, body: MemoryWriteRequest) -> MemoryWriteResponse:
+        """``POST /v1/memory/{session}/write``: text as it is, or messages in the chat format (then
+        recorded as written, so a chat that re-sends them does not write them again)."""
+        valid_session(session)
+        if body.messages is not None:
+            payload = {
+                "messages": [{"role": m.role, "content": m.text()} for m in body.messages],
+                "display": body.messages[-1].text()[-500:],
+            }
+        else:
+            payload = {"text": body.text, "display": body.text[-500:]}
+        result = await self.run(Job("write", namespace, session, payload))
+        self.metrics.tokens.labels(kind="memory").inc(result["written"])
+        return MemoryWriteResponse(
+            session=session, tokens_written=result["written"], session_tokens_written=result["tokens_written"]
+        )
+
+    def info(self, namespace: str, session: str) -> MemoryInfo:
+        """``GET /v1/memory/{session}``: tokens written, layout, fingerprints, per-layer state norms
+        and gate means, the turn history."""
+        valid_session(session)
+        s = self.store.get(namespace, session)
+        layout = self.loaded.layout
+        return MemoryInfo(
+            session=session,
+            exists=s.version > 0,
+            tokens_written=s.tokens_written,
+            commit=s.version,
+            messages_written=len(s.messages),
+            layout=LayoutInfo(**{**asdict(layout), "layer_indices": list(layout.layer_indices)}),
+            fingerprint=layout.fingerprint(),
+            adapter_fingerprint=self.adapter_fingerprint,
+            state_bytes=0 if s.memory is None else s.memory.nbytes,
+            layers=self._layers(s),
+            turns=[TurnRecord.model_validate(turn) for turn in s.turns],
+        )
+
+    def _layers(self, s: Session) -> list[LayerStats]:
+        """Each memory layer's state norms now, and its gate means in the latest write that has them."""
+        norms = state_norms(s.memory) if s.memory is not None else {"cell": [], "hidden": []}
+        gates = next((t["gates"] for t in reversed(s.turns) if t.get("gates")), None)
+        return [
+            LayerStats(
+                layer_index=index,
+                cell_norm=norms["cell"][i] if norms["cell"] else 0.0,
+                hidden_norm=norms["hidden"][i] if norms["hidden"] else 0.0,
+                out_gate_mean=gates["out_gate"][i] if gates else None,
+                depth_gate_mean=gates["depth_gate"][i] if gates else None,
+            )
+            for i, index in enumerate(self.loaded.layout.layer_indices)
+        ]
+
+    async def delete(self, namespace: str, session: str) -> MemoryDeleteResponse:
+        """``DELETE /v1/memory/{session}``: forget the session (memory and record)."""
+        valid_session(session)
+        result = await self.run(Job("reset", namespace, session, {}))
+        return MemoryDeleteResponse(session=session, deleted=result["deleted"])
+
+    def export(self, namespace: str, session: str) -> Response:
+        """``GET /v1/memory/{session}/export``: the bytes of the session's memory file (what
+        ``MemoryCache.save`` wrote)."""
+        valid_session(session)
+        for _ in range(3):  # a commit may replace the file between the lookup and the read
+            path = self.store.memory_path(namespace, session)
+            if path is None:
+                raise ServeError(
+                    404, f"session {session!r} has no memory yet (nothing written)", code="not_found"
+                )
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            return Response(
+                data,
+                media_type="application/octet-stream",
+                headers={"Content-Disposition": f'attachment; filename="{session}.safetensors"'},
+            )
+        raise ServeError(503, "the session kept changing during the export; retry", type="server_error")
+
+    async def import_(self, namespace: str, session: str, request: Request) -> MemoryImportResponse:
+        """``PUT /v1/memory/{session}/import``: replace the session with the memory file in the
+        request's body (an export: one row of this adapter's layout; another layout or adapter is
+        refused with 409)."""
+        valid_session(session)  # before reading the body
+        data = await request.body()
+        if not data:
+            raise ServeError(400, "the body is empty: send the bytes of a MemoryCache file (an export)")
+        memory = self._load(data)
+        if memory.batch_size != 1:
+            raise ServeError(
+                400, f"the file holds {memory.batch_size} sessions; import one session's memory (one row)"
+            )
+        result = await self.run(Job("import", namespace, session, {"memory": memory}))
+        return MemoryImportResponse(session=session, tokens_written=result["tokens_written"])
+
+    def _load(self, data: bytes) -> MemoryCache:
+        """The uploaded bytes as a cache of the served layout; a bad or foreign file is a 400/409
+        error whose message names "the uploaded file", not the temporary path."""
+        fd, tmp = tempfile.mkstemp(suffix=".safetensors")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            try:
+                return MemoryCache.load(tmp, layout=self.loaded.layout)
+            except ValueError as err:
+                message = str(err).replace(tmp, "the uploaded file")
+                raise ServeError(
+                    409 if "was saved for" in message else 400, message, code="incompatible_memory"
+                ) from None
+        finally:
+            os.unlink(tmp)
+
+    def sessions(self, namespace: str) -> SessionList:
+        """``GET /v1/sessions``: the caller's committed sessions."""
+        return SessionList(data=[SessionSummary(**summary) for summary in self.store.list(namespace)])
+
+
+def adapter_fingerprint(loaded: LoadedModel) -> str:
+    """SHA-256 (16 hex) of the memory layers' parameters: changes whenever the adapter's weights do."""
+    digest = hashlib.sha256()
+    for layer in memory_layers(loaded.model):
+        for name, p in sorted(layer.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
