@@ -150,6 +150,12 @@ NEEDS_AN_EXTRA = [
     ("serving", "import lstmem_peft.serve", "serve"),
     ("parquet data", "from lstmem_peft.training.data import read_file\nlist(read_file('x.parquet'))", "eval"),
     ("benchmark plots", "from lstmem_peft.cli import bench\nbench._plot(None, {}, 'x', 'x', None)", "bench"),
+    (
+        "long dataset",
+        "from lstmem_peft.training.long_data import Endpoint, LongDataConfig\n"
+        "Endpoint(LongDataConfig(model='m', tokenizer='t'))",
+        "data",
+    ),
 ]
 
 

@@ -28,6 +28,7 @@ EXTRAS: dict[str, str] = {
     "uvicorn": "serve",
     "prometheus-client": "serve",
     "vllm": "vllm",
+    "openai": "data",
 }
 
 
