@@ -1,4 +1,4 @@
-"""The package's wings import only downward (README "Where things are").
+"""The package's wings import only downward (README "A short tour").
 
 Read from the source (every ``import``, at module level or inside a function), not by importing it::
 

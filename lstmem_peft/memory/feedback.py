@@ -19,7 +19,7 @@ rebuilt shallow to deep with the cached gates. Everything is plain tensor algebr
 synchronisation, no detach), so when gradients are enabled the step stays in the outer training
 graph, as the paper requires.
 
-Choices where the paper is silent (documented in the README):
+Choices where the paper is silent (documented in docs/design-choices.md):
 
 * Rows of a batch are independent sequences: a nonfinite loss, gradient or state aborts the step of
   that sequence only (its states are kept), so a batch gives what each sequence gives alone.
