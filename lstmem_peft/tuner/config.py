@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import inspect
 import math
 import os
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
-from peft import PeftConfig, PeftModel
+from peft import PeftConfig
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
 from lstmem_peft.memory import constants as K
@@ -176,19 +176,18 @@ class LSTMemConfig(PeftConfig):
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
         """Load the config from a folder or Hub repo (PEFT's ``PeftConfig.from_pretrained``).
 
-        A config-only load works from a folder that holds ``adapter_config.json`` alone. When the call
-        comes from ``PeftModel.from_pretrained`` or ``PeftModel.load_adapter`` (which load the config
-        first, then the weights), a local folder without ``adapter_model.safetensors`` or
-        ``adapter_model.bin`` is refused here, naming the folder: PEFT itself would go on to treat the
-        folder as a Hub repo id and fail with an unrelated error.
+        A config-only load works from a folder that holds ``adapter_config.json`` alone, with a
+        warning that names the folder: ``PeftModel.from_pretrained`` and ``load_adapter`` load the
+        config this way first and then the weights, and PEFT, finding no weights file in a local
+        folder, goes on to treat the folder as a Hub repo id and fails with an unrelated error. The
+        warning says what is wrong; the project's own loader
+        (:func:`~lstmem_peft.tuner.loading.load_model_and_adapter`) refuses such a folder outright.
         """
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        frame = inspect.currentframe()
-        caller = frame.f_back.f_code if frame is not None and frame.f_back is not None else None
-        del frame  # a frame held in a local would keep this call's objects alive
-        if caller in _PEFT_ADAPTER_LOADERS:
-            folder = pretrained_model_name_or_path
-            require_adapter_weights(os.path.join(folder, subfolder) if subfolder else folder)
+        folder = pretrained_model_name_or_path
+        folder = os.path.join(folder, subfolder) if subfolder else folder
+        if os.path.isdir(folder) and not has_adapter_weights(folder):
+            warnings.warn(missing_weights_message(folder), UserWarning, stacklevel=2)
         return config
 
     @property
@@ -200,8 +199,20 @@ class LSTMemConfig(PeftConfig):
         return self.target_modules[1]
 
 
-# PEFT's two entry points that load a config and then that adapter's weights from the same place.
-_PEFT_ADAPTER_LOADERS = (PeftModel.from_pretrained.__func__.__code__, PeftModel.load_adapter.__code__)
+def has_adapter_weights(folder: str | os.PathLike) -> bool:
+    """Whether the local folder ``folder`` holds an adapter weights file (safetensors or ``.bin``)."""
+    return any(
+        os.path.isfile(os.path.join(folder, name)) for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)
+    )
+
+
+def missing_weights_message(folder: str | os.PathLike) -> str:
+    return (
+        f"{os.fspath(folder)!r} has an adapter_config.json but no adapter weights: neither "
+        f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it. Loading the adapter from it (PeftModel."
+        "from_pretrained, load_adapter) will fail. Save the adapter with model.save_pretrained(folder) (it "
+        "writes both config and weights); a config alone builds a fresh adapter with get_peft_model."
+    )
 
 
 def require_adapter_weights(folder: str | os.PathLike) -> None:
@@ -209,14 +220,5 @@ def require_adapter_weights(folder: str | os.PathLike) -> None:
 
     A name that is not a local folder (a Hub repo id) is left to PEFT's own download and errors.
     """
-    if not os.path.isdir(folder):
-        return
-    if not any(
-        os.path.isfile(os.path.join(folder, name)) for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)
-    ):
-        raise FileNotFoundError(
-            f"{os.fspath(folder)!r} has an adapter_config.json but no adapter weights: neither "
-            f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it. Save the adapter with "
-            "model.save_pretrained(folder) (it writes both config and weights), or load the config alone "
-            "with LSTMemConfig.from_pretrained(folder) and build a fresh adapter with get_peft_model."
-        )
+    if os.path.isdir(folder) and not has_adapter_weights(folder):
+        raise FileNotFoundError(missing_weights_message(folder))

@@ -320,7 +320,7 @@ class GenerateSession:
         self.position = self.start_position = position
         self.start = _States(self.work)
         if kv is not None:
-            self._bind_kv(kv)
+            self.bind_kv(kv)
 
     def _working_copy(self, layout: MemoryLayout, batch: int, device) -> MemoryCache:
         """A copy of the caller's memory with one row per sequence generate runs, on ``device``."""
@@ -343,8 +343,16 @@ class GenerateSession:
         return work
 
     # ------------------------------------------------------------------ the KV cache's operations
-    def _bind_kv(self, kv) -> None:
-        """For the call, make the KV cache's row operations move memory rows too."""
+    def bind_kv(self, kv) -> None:
+        """For this call, make the KV cache's row operations move the memory's rows too.
+
+        The one place LSTMem sets attributes on an object it does not own, and why: transformers'
+        ``generate`` creates the cache itself and calls its ``reorder_cache`` /
+        ``batch_select_indices`` / ``batch_repeat_interleave`` directly, with no callback, so the
+        memory's rows can only follow through the cache object. The methods are set on this one
+        instance (the class is untouched) and :meth:`unbind` restores it at the end of the call,
+        whether the call succeeded or raised (docs/design-choices.md, "The KV cache's row operations").
+        """
         self.kv = kv
         for name, fn in (
             ("reorder_cache", self._select),

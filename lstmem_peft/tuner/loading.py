@@ -11,6 +11,8 @@ import torch
 
 from lstmem_peft.utils.offline import DEMO_ASSETS, demo_tokenizer
 
+from .config import require_adapter_weights
+
 
 def load_model_and_adapter(
     model: str | None = None, adapter: str | None = None, *, dtype: str = "auto", device: str | None = None
@@ -40,6 +42,7 @@ def load_model_and_adapter(
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     if adapter is not None:
+        require_adapter_weights(adapter)  # before PEFT takes a weightless folder for a Hub id
         loaded = PeftModel.from_pretrained(loaded, adapter)
     own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(adapter if own else model)

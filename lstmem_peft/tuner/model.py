@@ -6,8 +6,10 @@ projection by :class:`~lstmem_peft.tuner.layer.LSTMemOutputLayer`. Injection wri
 configuration and depth index on its query wrappers (PEFT's per-adapter dict idiom) and attaches the
 backbone's one :class:`~lstmem_peft.tuner.hooks.MemoryHooks`, which carries memory through every forward
 whichever door (``PeftModel``, ``inject_adapter_in_model``, transformers' ``load_adapter``) the
-adapter came in by. ``LSTMemModel.generate`` is that controller's ``generate``; nothing of peft or
-transformers is patched. ``unload()`` removes the wrappers and the hooks.
+adapter came in by. ``LSTMemModel.generate`` is that controller's ``generate``; no class of peft or
+transformers is patched (the one instance-level binding, the KV cache's row operations for the
+length of one ``generate`` call, is explained in :meth:`~lstmem_peft.tuner.generation.GenerateSession.bind_kv`).
+``unload()`` removes the wrappers and the hooks.
 """
 
 from __future__ import annotations
