@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from lstmem_peft.cli import demo
-from lstmem_peft.cli.bench import environment
+from lstmem_peft.cli.bench_records import environment
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import long_recall_episodes
 from lstmem_peft.tuner.history import write_history

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lstmem_peft.cli import demo
-from lstmem_peft.cli.bench import environment
+from lstmem_peft.cli.bench_records import environment
 from lstmem_peft.training.data import long_recall_episodes
 
 OUT = Path(__file__).parent / "demo" / "capacity-runs.jsonl"

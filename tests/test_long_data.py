@@ -394,6 +394,37 @@ def test_command_line_reads_the_key_from_the_environment(fake, tokenizers, tmp_p
         L.run(parser.parse_args([*argv, "--answer-tokens", "9", "6"]))
 
 
+def test_lstmem_data_long_builds_through_the_command_and_names_a_missing_key(
+    fake, tokenizers, tmp_path, monkeypatch, capsys
+):
+    """``lstmem data long ...`` end to end through the ``lstmem`` command; what the user got wrong
+    is one line naming the fix (exit status 2), no traceback."""
+    from lstmem_peft.cli.commands import main
+
+    argv = [
+        "data",
+        "long",
+        "--out",
+        str(tmp_path),
+        "--model",
+        "fake-writer",
+        "--tokenizer",
+        tokenizers["char"],
+    ]
+    argv += ["--base-url", fake.url, "--candidates", "2", "--target-tokens", "300", "--chunk-tokens", "200"]
+    argv += ["--api-key-env", "LONG_DATA_TEST_KEY", "--no-progress"]
+    monkeypatch.setenv("LONG_DATA_TEST_KEY", "sk-test")
+    assert main(argv) == 0
+    assert len(load_episodes(str(tmp_path), "long_qa")) == 4
+    monkeypatch.delenv("LONG_DATA_TEST_KEY")
+    capsys.readouterr()
+    assert main([*argv, "--candidates", "3"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("lstmem data long: error: ") and "LONG_DATA_TEST_KEY" in err and "Traceback" not in err
+    )
+
+
 def test_push_to_hub_uploads_a_dataset_repository(fake, tokenizers, tmp_path, monkeypatch):
     out = tmp_path / "built"
     L.build_long_dataset(config(fake, tokenizers["char"]), out, progress=False)

@@ -149,7 +149,11 @@ NEEDS_AN_EXTRA = [
     ("evaluation", "import lstmem_peft.eval", "eval"),
     ("serving", "import lstmem_peft.serve", "serve"),
     ("parquet data", "from lstmem_peft.training.data import read_file\nlist(read_file('x.parquet'))", "eval"),
-    ("benchmark plots", "from lstmem_peft.cli import bench\nbench._plot(None, {}, 'x', 'x', None)", "bench"),
+    (
+        "benchmark plots",
+        "from lstmem_peft.cli.bench_records import _plot\n_plot(None, {}, 'x', 'x', None)",
+        "bench",
+    ),
     (
         "long dataset",
         "from lstmem_peft.training.long_data import Endpoint, LongDataConfig\n"

@@ -3,8 +3,9 @@
 Each benchmark times LSTMem against the plain backbone (the same model with the adapter disabled)
 in one process, alternating their order, after warm-ups, synchronising CUDA around every timed
 region, and records medians and min-max over repetitions in a JSON file with the device, library
-versions and date. ``report`` renders every JSON record under a folder into ``RESULTS.md`` and PNG
-plots. Weights are random: timing needs a model's dimensions, not its training.
+versions and date (:mod:`.bench_records`, whose ``report`` renders every JSON record under a folder
+into ``RESULTS.md`` and PNG plots). Weights are random: timing needs a model's dimensions, not its
+training.
 
     lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
     lstmem bench generate | ops | e2e | write | scan ...
@@ -15,17 +16,18 @@ plots. Weights are random: timing needs a model's dimensions, not its training.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-from lstmem_peft.utils.extras import missing_extra
+from .bench_records import environment, save_record
+
+# ``report`` stays importable from here (lstmem_peft.cli.bench.report), where the records are made
+from .bench_records import report as report
 
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
@@ -73,29 +75,6 @@ DEFAULTS = {
         generate_tokens=256,
     ),
 }
-
-
-def environment(device: torch.device) -> dict:
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (f"CPU ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)")
-    )
-    return dict(
-        device=name,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        triton=triton_version,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
 
 
 def build_model(preset: str, device: torch.device, dtype: torch.dtype, **adapter):
@@ -306,67 +285,9 @@ def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, wa
     return result
 
 
-def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
-    """Operator calls per decode step of ``generate``, with memory and plain, and per memory layer.
-
-    Also counts one plain ``model(...)`` decode step with a KV cache (``forward_*``: what a caller
-    that decodes by hand, or a serving loop, pays). Counts every aten operator the dispatcher runs
-    (views included), between a call of
-    ``new_tokens + 1`` and one of ``1`` generated token, so that prefill and set-up cancel. On a GPU
-    each operator other than views, aliases and allocations (``extra_non_view_per_layer``) is at
-    least one kernel launch, which bounds decode speed at LSTMem's state sizes; the count is
-    deterministic, unlike a timing on a shared machine.
-    """
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from lstmem_peft.memory.cache import MemoryCache
-    from lstmem_peft.tuner.history import memory_layers
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
-    device = next(model.parameters()).device
-    prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens), device=device)
-
-    def count(with_memory: bool, n: int) -> Counter:
-        gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        with torch.no_grad(), Count() as counter:
-            if with_memory:
-                model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)
-            else:
-                with model.disable_adapter():
-                    model.generate(input_ids=prompt, **gen)
-        return counter.calls
-
-    def count_forward(with_memory: bool) -> Counter:
-        """One plain ``model(...)`` decode step after the prompt, with a KV cache (and a memory)."""
-        from transformers import DynamicCache
-
-        kv, cache = DynamicCache(), MemoryCache()
-        kw = {"memory_cache": cache} if with_memory else {}
-        with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
-            model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
-            with Count() as counter:
-                model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw)
-        return counter.calls
-
-    count_forward(True)  # warm-up (derives and caches the layers' weights)
-    forward_extra = count_forward(True) - count_forward(False)
-    per_step = {}
-    for name, memory in (("lstmem", True), ("plain", False)):
-        count(memory, 1)  # warm-up
-        per_step[name] = count(memory, new_tokens + 1) - count(memory, 1)
-    layers = len(memory_layers(model))
-    extra = per_step["lstmem"] - per_step["plain"]
-    views = {
+#: aten operators that launch no kernel on a GPU: views, aliases and allocations.
+NO_KERNEL_OPS = frozenset(
+    {
         "view",
         "_unsafe_view",
         "unsqueeze",
@@ -390,6 +311,76 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
         "alias",
         "detach",
     }
+)
+
+
+def _count_ops(call) -> Counter:
+    """The aten operators the dispatcher runs during ``call()``, by name (views included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count() as counter:
+        call()
+    return counter.calls
+
+
+def _generate_ops(model, prompt: torch.Tensor, with_memory: bool, new_tokens: int) -> Counter:
+    """Operators of one greedy ``generate`` of exactly ``new_tokens`` tokens from an empty memory."""
+    from lstmem_peft.memory.cache import MemoryCache
+
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if with_memory:
+        return _count_ops(lambda: model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen))
+    with model.disable_adapter():
+        return _count_ops(lambda: model.generate(input_ids=prompt, **gen))
+
+
+def _forward_step_ops(model, prompt: torch.Tensor, with_memory: bool) -> Counter:
+    """Operators of one plain ``model(...)`` decode step after the prompt, with a KV cache (and a memory)."""
+    from transformers import DynamicCache
+
+    from lstmem_peft.memory.cache import MemoryCache
+
+    kv, cache = DynamicCache(), MemoryCache()
+    kw = {"memory_cache": cache} if with_memory else {}
+    with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
+        model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
+        return _count_ops(lambda: model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw))
+
+
+def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
+    """Operator calls per decode step of ``generate``, with memory and plain, and per memory layer.
+
+    Also counts one plain ``model(...)`` decode step with a KV cache (``forward_*``: what a caller
+    that decodes by hand, or a serving loop, pays). Counts every aten operator the dispatcher runs
+    (views included), between a call of
+    ``new_tokens + 1`` and one of ``1`` generated token, so that prefill and set-up cancel. On a GPU
+    each operator other than views, aliases and allocations (``extra_non_view_per_layer``) is at
+    least one kernel launch, which bounds decode speed at LSTMem's state sizes; the count is
+    deterministic, unlike a timing on a shared machine.
+    """
+    from lstmem_peft.tuner.history import memory_layers
+
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens), device=device)
+    _forward_step_ops(model, prompt, True)  # warm-up (derives and caches the layers' weights)
+    forward_extra = _forward_step_ops(model, prompt, True) - _forward_step_ops(model, prompt, False)
+    per_step = {}
+    for name, memory in (("lstmem", True), ("plain", False)):
+        _generate_ops(model, prompt, memory, 1)  # warm-up
+        per_step[name] = _generate_ops(model, prompt, memory, new_tokens + 1) - _generate_ops(
+            model, prompt, memory, 1
+        )
+    layers = len(memory_layers(model))
+    extra = per_step["lstmem"] - per_step["plain"]
     return dict(
         prompt_tokens=prompt_tokens,
         new_tokens=new_tokens,
@@ -397,15 +388,13 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
         lstmem_per_step=sum(per_step["lstmem"].values()) / new_tokens,
         plain_per_step=sum(per_step["plain"].values()) / new_tokens,
         extra_per_layer=sum(extra.values()) / new_tokens / layers,
-        extra_non_view_per_layer=sum(v for k, v in extra.items() if k not in views) / new_tokens / layers,
+        extra_non_view_per_layer=sum(v for k, v in extra.items() if k not in NO_KERNEL_OPS)
+        / new_tokens
+        / layers,
         extra_by_op={k: v / new_tokens / layers for k, v in sorted(extra.items(), key=lambda kv: -kv[1])},
-        forward_extra_non_view_per_layer=sum(v for k, v in forward_extra.items() if k not in views) / layers,
+        forward_extra_non_view_per_layer=sum(v for k, v in forward_extra.items() if k not in NO_KERNEL_OPS)
+        / layers,
     )
-
-
-def _num(value) -> str:
-    """A table cell: one decimal, or a dash for a figure an older record does not have."""
-    return "-" if value is None else f"{value:.1f}"
 
 
 def bench_scan(
@@ -481,294 +470,7 @@ def bench_step(batches: list[int], device: torch.device, calls: int = 1000, reps
     return rows
 
 
-# ---------------------------------------------------------------------- records, report and plots
-def save_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = record["date"].replace(":", "").replace("-", "")[:15]
-    path = out / f"{name}-{record['device_kind']}-{stamp}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
-
-
-def _plot(folder: Path, record: dict, name: str, title: str, draw) -> str:
-    """Draw one figure with ``draw(ax)``, save it as PNG in ``folder``; returns the markdown image line."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError as err:
-        raise missing_extra(err, "bench", "Benchmark plots (lstmem bench report)") from err
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    draw(ax)
-    ax.set_title(f"{title}, {record.get('preset') or ''}, {record['device']}", fontsize=9)
-    ax.legend()
-    png = folder / f"{name}-{record['device_kind']}-{record.get('preset') or ''}.png"
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return f"![{title}]({png.name})"
-
-
-RECORD_KEYS = ("benchmark", "device", "device_kind", "date", "torch", "rows")
-
-
-def read_records(out_dir: str | os.PathLike) -> list[dict]:
-    """The JSON records ``lstmem bench`` wrote to ``out_dir``; a folder that is missing or holds none, or a
-    record that is not one, raises :class:`~lstmem_peft.utils.errors.DataFormatError` naming it."""
-    from lstmem_peft.utils.errors import DataFormatError, MissingDataError, describe
-
-    folder = Path(out_dir)
-    expected = "a folder of the JSON records lstmem bench KIND --out FOLDER wrote"
-    fix = "Run lstmem bench decode|generate|ops|e2e|write|scan|gpu --out FOLDER first, then report FOLDER"
-    if not folder.exists():
-        raise MissingDataError(folder, expected, "no such folder", fix)
-    if not folder.is_dir():
-        raise DataFormatError(folder, expected, "a file, not a folder", fix)
-    paths = sorted(folder.glob("*.json"))
-    if not paths:
-        raise MissingDataError(folder, expected, "no .json record in it", fix)
-    records = []
-    for path in paths:
-        record_expected = "a JSON record of lstmem bench (an object with " + ", ".join(RECORD_KEYS) + ")"
-        record_fix = "Remove it from the folder or run that benchmark again"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataFormatError(path, record_expected, "not UTF-8 text", record_fix) from None
-        if not text.strip():
-            raise DataFormatError(path, record_expected, "the file is empty", record_fix)
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as err:
-            got = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
-            raise DataFormatError(path, record_expected, got, record_fix) from None
-        missing = [k for k in RECORD_KEYS if not isinstance(record, dict) or k not in record]
-        if missing or not isinstance(record["rows"], list):
-            got = f"the file holds {describe(record)}"
-            raise DataFormatError(path, record_expected, got, record_fix)
-        records.append(record)
-    return records
-
-
-def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
-    """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
-    records = read_records(out_dir)
-    # records of ``lstmem bench gpu --dry-run``: a test of the suite at tiny sizes on CPU, never figures
-    dry_runs = [r for r in records if r.get("dry_run")]
-    records = [r for r in records if not r.get("dry_run")]
-    md = Path(results_md)
-    lines = [
-        "# Benchmark results",
-        "",
-        "Generated by `lstmem bench report` from the JSON records in "
-        f"`{Path(out_dir).as_posix()}`. Every figure was measured on the device named beside it.",
-        "",
-    ]
-    gpu_seen = any(r["device_kind"] == "cuda" for r in records)
-    if not gpu_seen:
-        lines += [
-            "**GPU: not yet measured.** No GPU was available when these records were made. On a GPU run:",
-            "",
-            "```bash",
-            "lstmem bench gpu --out benchmarks/results   # the paper's decode sweep (HF, vLLM) and the kernels",
-            "lstmem bench decode --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-            "lstmem bench generate --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-            "lstmem bench e2e --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-            "lstmem bench write --preset qwen3-4b --dtype bfloat16 --out benchmarks/results",
-            "lstmem bench scan --out benchmarks/results",
-            "lstmem bench report benchmarks/results",
-            "```",
-            "",
-        ]
-    for r in records:
-        model = f" — {r['preset']}" if r.get("preset") else ""
-        head = f"## {r['benchmark']} — {r['device']}{model} ({r['date']}, torch {r['torch']})"
-        lines += [head, ""]
-        if r["benchmark"].startswith("gpu-"):
-            lines += _gpu_suite_lines(r, md.parent)
-        elif r["benchmark"] == "decode":
-            lines += [
-                "| KV length | LSTMem ms (min-max) | plain ms (min-max) | LSTMem tok/s | plain tok/s | ratio |",
-                "| --- | --- | --- | --- | --- | --- |",
-            ]
-            for row in r["rows"]:
-                lm, pl = row["lstmem"], row["plain"]
-                lines.append(
-                    f"| {row['kv_length']} | {1e3 * lm['median']:.2f} ({1e3 * lm['min']:.2f}-{1e3 * lm['max']:.2f}) | "
-                    f"{1e3 * pl['median']:.2f} ({1e3 * pl['min']:.2f}-{1e3 * pl['max']:.2f}) | "
-                    f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['ratio']:.3f} |"
-                )
-
-            def draw(ax, rows=r["rows"]):
-                ks = [row["kv_length"] for row in rows]
-                ax.plot(ks, [row["lstmem_tok_s"] for row in rows], "o-", label="LSTMem")
-                ax.plot(ks, [row["plain_tok_s"] for row in rows], "s--", label="plain backbone")
-                ax.set_xlabel("KV cache length (tokens)")
-                ax.set_ylabel("equivalent decode speed (tok/s)")
-
-            lines += ["", _plot(md.parent, r, "decode", "decode speed", draw)]
-        elif r["benchmark"] == "ops":
-            lines += [
-                "| aten operators per decode step: LSTMem | plain | extra per memory layer | of which launch kernels |"
-                " same, one `model(...)` step | top extra operators per layer |",
-                "| --- | --- | --- | --- | --- | --- |",
-            ]
-            for row in r["rows"]:
-                top = ", ".join(f"{k} {v:.1f}" for k, v in list(row["extra_by_op"].items())[:6])
-                lines.append(
-                    f"| {row['lstmem_per_step']:.1f} | {row['plain_per_step']:.1f} | {row['extra_per_layer']:.1f} | "
-                    f"{row['extra_non_view_per_layer']:.1f} | {_num(row.get('forward_extra_non_view_per_layer'))} | "
-                    f"{top} |"
-                )
-        elif r["benchmark"] in ("e2e", "write", "generate"):
-            key = {"e2e": "history_tokens", "write": "tokens", "generate": "prompt_tokens"}[r["benchmark"]]
-            extra = " new tokens |" if r["benchmark"] == "generate" else ""
-            lines += [
-                f"| {key.replace('_', ' ')} |{extra} LSTMem s (min-max) | plain s (min-max) | ratio |",
-                "| --- |" + " --- |" * (4 if extra else 3),
-            ]
-            for row in r["rows"]:
-                lm, pl = row["lstmem"], row["plain"]
-                new_tokens = f" {row['new_tokens']} |" if extra else ""
-                label = row[key] if row.get("kv_cache", True) else f"{row[key]}, no KV cache"
-                lines.append(
-                    f"| {label} |{new_tokens} {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
-                    f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |"
-                )
-            if r["benchmark"] == "e2e":
-
-                def draw(ax, rows=r["rows"]):
-                    xs = range(len(rows))
-                    ax.bar(
-                        [x - 0.2 for x in xs], [row["lstmem"]["median"] for row in rows], 0.4, label="LSTMem"
-                    )
-                    ax.bar(
-                        [x + 0.2 for x in xs],
-                        [row["plain"]["median"] for row in rows],
-                        0.4,
-                        label="plain backbone",
-                    )
-                    ax.set_xticks(list(xs), [str(row["history_tokens"]) for row in rows])
-                    ax.set_xlabel("history tokens")
-                    ax.set_ylabel(f"seconds (history + {rows[0]['answer_tokens']}-token answer)")
-
-                lines += ["", _plot(md.parent, r, "e2e", "end to end", draw)]
-        elif r["benchmark"] == "scan":
-            lines += [
-                "| batch | T | backend | mode | median ms (min-max) | x naive |",
-                "| --- | --- | --- | --- | --- | --- |",
-            ]
-            for row in r["rows"]:
-                lines.append(
-                    f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | "
-                    f"{1e3 * row['median']:.2f} ({1e3 * row['min']:.2f}-{1e3 * row['max']:.2f}) | "
-                    f"{row['speedup_vs_naive']:.1f} |"
-                )
-        lines.append("")
-    if dry_runs:
-        lines += [
-            "## Dry runs of `lstmem bench gpu` (not measurements)",
-            "",
-            "Records of `lstmem bench gpu --dry-run`: every step of the GPU suite at tiny sizes on CPU, a "
-            "test of the suite itself. Their timings are not figures and are not shown.",
-            "",
-        ]
-        for r in dry_runs:
-            lines.append(f"- {r['benchmark']}, {r['date']}, {r['device']}: dry run, {len(r['rows'])} rows")
-        lines.append("")
-    md.write_text("\n".join(lines))
-    return md
-
-
-def _ms(stats: dict, per: int = 1) -> str:
-    """``median (min-max)`` in milliseconds, per ``per`` tokens."""
-    return (
-        f"{1e3 * stats['median'] / per:.2f} ({1e3 * stats['min'] / per:.2f}-{1e3 * stats['max'] / per:.2f})"
-    )
-
-
-def _gpu_suite_lines(r: dict, folder: Path) -> list[str]:
-    """The tables of one ``lstmem bench gpu`` record (gpu-hf-decode, gpu-vllm-decode, gpu-kernels)."""
-    git = r.get("git") or {}
-    commit = (git.get("commit") or "unknown")[:12] + (" (with local changes)" if git.get("dirty") else "")
-    lines = [
-        f"CUDA {r.get('cuda')}, driver {r.get('driver')}, transformers {r.get('transformers')}, "
-        f"triton {r.get('triton')}, vllm {r.get('vllm')}, {r.get('dtype')}, commit {commit}.",
-        "",
-    ]
-    if r.get("error"):
-        return lines + [f"Failed: {r['error']}"]
-    if r.get("skipped") and isinstance(r["skipped"], str):
-        return lines + [f"Skipped: {r['skipped']}"]
-    if r.get("failed"):
-        return lines + [f"Failed: {r['failed']}"]
-    if r["benchmark"] == "gpu-hf-decode":
-        lines += [
-            "| KV length | variant | cache | compiled | LSTMem tok/s | plain tok/s | LSTMem / plain speed "
-            "| LSTMem ms/token (min-max) | plain ms/token (min-max) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for row in r["rows"]:
-            n = row["tokens_per_call"]
-            lines.append(
-                f"| {row['kv_length']} | {row['variant']} | {row['cache']} | {'yes' if row['compiled'] else 'no'} | "
-                f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['speed_retained']:.3f} | "
-                f"{_ms(row['lstmem'], n)} | {_ms(row['plain'], n)} |"
-            )
-        for skip in r.get("skipped_runs") or []:
-            lines += ["", f"Skipped: KV {skip['kv_length']}, {skip['variant']}: {skip['reason']}"]
-        if r["rows"]:
-
-            def draw(ax, rows=r["rows"]):
-                for variant in dict.fromkeys(row["variant"] for row in rows):
-                    mine = [row for row in rows if row["variant"] == variant]
-                    ks = [row["kv_length"] for row in mine]
-                    ax.plot(ks, [row["lstmem_tok_s"] for row in mine], "o-", label=f"LSTMem, {variant}")
-                    ax.plot(ks, [row["plain_tok_s"] for row in mine], "s--", label=f"plain, {variant}")
-                ax.set_xscale("log", base=2)
-                ax.set_xlabel("KV cache length (tokens)")
-                ax.set_ylabel("decode speed (tok/s)")
-
-            lines += ["", _plot(folder, r, "gpu-hf-decode", "HF decode sweep", draw)]
-    elif r["benchmark"] == "gpu-vllm-decode":
-        speeds = r["bench_vllm"]["decode_tokens_per_s"]
-        lines += [
-            f"vLLM, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}, {r.get('checkpoint')}.",
-            "",
-            "| KV length | LSTMem tok/s | plain tok/s | LSTMem / plain speed |",
-            "| --- | --- | --- | --- |",
-        ]
-        for length in r["bench_vllm"]["settings"]["kv"]:
-            lm, pl = speeds["lstmem"][str(length)], speeds["plain"][str(length)]
-            lines.append(f"| {length} | {lm:.2f} | {pl:.2f} | {lm / pl:.3f} |")
-    elif r["benchmark"] == "gpu-kernels":
-        lines += [
-            "| batch | T | backend | mode | median ms (min-max) | x naive |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for row in (row for row in r["rows"] if row.get("kind") == "scan"):
-            lines.append(
-                f"| {row['batch']} | {row['T']} | {row['backend']} | {row['mode']} | {_ms(row)} | "
-                f"{row['speedup_vs_naive']:.1f} |"
-            )
-        lines += [
-            "",
-            "| decode step: batch | backend | median us per call (min-max) | x naive |",
-            "| --- | --- | --- | --- |",
-        ]
-        for row in (row for row in r["rows"] if row.get("kind") == "step"):
-            lines.append(
-                f"| {row['batch']} | {row['backend']} | {1e6 * row['median']:.1f} "
-                f"({1e6 * row['min']:.1f}-{1e6 * row['max']:.1f}) | {row['speedup_vs_naive']:.1f} |"
-            )
-        for backend, reason in (r.get("skipped_backends") or {}).items():
-            lines += ["", f"Skipped: {backend}: {reason}"]
-    return lines
-
-
+# ---------------------------------------------------------------------- the command
 def run(
     kind: str,
     preset: str = "cpu-small",

@@ -35,16 +35,15 @@ import collections
 import contextlib
 import datetime
 import gc
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +51,7 @@ import torch
 from lstmem_peft.utils.errors import UsageError
 
 from . import bench
+from .bench_records import REPO, save_record, suite_environment
 
 STEPS = ("hf", "vllm", "kernels")
 VARIANTS = ("forward", "generate", "generate-static-compile")
@@ -59,7 +59,6 @@ BASELINE = (
     "the same model with the adapter disabled (the paper's baseline is delta-Mem, which this package "
     "does not implement)"
 )
-REPO = Path(__file__).resolve().parents[2]
 VLLM_SCRIPT = REPO / "benchmarks" / "bench_vllm.py"
 
 #: The sizes of a run on a GPU (the paper's appendix: batch 1, BF16, 20 timed repetitions after two
@@ -108,62 +107,9 @@ SETTINGS = {
 }
 
 
-# ---------------------------------------------------------------------- environment
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _run_text(*command: str) -> str | None:
-    """One command's stdout, stripped; ``None`` when it is missing or fails."""
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
-
-
-def _driver() -> str | None:
-    """The NVIDIA driver version (``nvidia-smi``), or ``None``."""
-    text = _run_text("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-    return text.splitlines()[0].strip() if text else None
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def git_state() -> dict:
-    """The commit of the checkout this package runs from, and whether its tracked files differ."""
-    if not (REPO / ".git").exists():
-        return dict(commit=None, dirty=None)
-    commit = _run_text("git", "-C", str(REPO), "rev-parse", "HEAD")
-    status = _run_text("git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no")
-    return dict(commit=commit, dirty=None if commit is None else bool(status))
-
-
-def environment(device: torch.device) -> dict:
-    """``bench.environment`` plus CUDA, driver, GPU memory, vllm, peft, Python and git."""
-    env = bench.environment(device)
-    cuda = device.type == "cuda"
-    env.update(
-        device_kind=device.type,
-        cuda=torch.version.cuda,
-        driver=_driver() if cuda else None,
-        gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
-        if cuda
-        else None,
-        compute_capability=".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
-        vllm=_version("vllm"),
-        peft=_version("peft"),
-        lstmem_peft=_version("lstmem-peft"),
-        python=platform.python_version(),
-        git=git_state(),
-    )
-    return env
 
 
 # ---------------------------------------------------------------------- memory
@@ -539,72 +485,12 @@ def run_suite(
     dev = require_gpu(device, dry_run)
     s = settings_for(dry_run, **overrides)
     if dry_run:  # every line says so: none of its timings is a figure
-        say = log
-
-        def log(line: str) -> None:
-            say(f"[dry run] {line}")
-
+        log = partial(_dry_run_line, log)
     if out is None:
         out = tempfile.mkdtemp(prefix="lstmem-gpu-dry-run-") if dry_run else "benchmarks/results"
-    env = environment(dev)
-    suite_run = env["date"]
-    paths, clean = [], True
-
-    def record(name: str, settings: dict, body) -> None:
-        nonlocal clean
-        base = dict(
-            benchmark=name,
-            suite="lstmem bench gpu",
-            suite_run=suite_run,
-            dry_run=dry_run,
-            preset=s["preset"]
-            if name == "gpu-hf-decode" or (name == "gpu-vllm-decode" and not dry_run)
-            else None,
-            dtype=s["dtype"],
-            settings=settings,
-            **{k: v for k, v in env.items() if k != "date"},
-        )
-        start = time.perf_counter()
-        try:
-            result = body()
-        except Exception as err:  # recorded: the other steps still run
-            clean = False
-            result = dict(
-                rows=[],
-                error=f"{type(err).__name__}: {_first_line(err)}",
-                traceback=traceback.format_exc().splitlines()[-30:],
-            )
-            log(f"{name}: failed: {result['error']}")
-        if result.get("failed") or any(skip.get("failed") for skip in result.get("skipped_runs", [])):
-            clean = False
-        result.setdefault("rows", [])
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        full = {**base, **result, "date": date, "seconds": round(time.perf_counter() - start, 1)}
-        paths.append(bench.save_record(out, name, full))
-        log(f"{name}: wrote {paths[-1]}")
-
+    records = _SuiteRecords(out, s, dry_run, suite_environment(dev), log)
     if "hf" in steps:
-        hf_settings = {k: s[k] for k in ("kv_lengths", "reps", "warmup", "new_tokens", "generate_reps")}
-        hf_settings.update(
-            generate_warmup=s["generate_warmup"],
-            compile_warmup=s["compile_warmup"],
-            prefill_block_size=s["block_size"],
-            batch=1,
-            variants=list(VARIANTS),
-            baseline=BASELINE,
-        )
-
-        def hf():
-            model = bench.build_model(s["preset"], dev, getattr(torch, s["dtype"]))
-            attention = model.get_base_model().config._attn_implementation
-            try:
-                rows, skips = hf_decode_sweep(model, s["kv_lengths"], s, dry_run=dry_run, log=log)
-            finally:
-                del model
-                _release(dev)
-            return dict(rows=rows, skipped_runs=skips, attention=attention)
-
-        record("gpu-hf-decode", hf_settings, hf)
+        records.write("gpu-hf-decode", _hf_settings(s), lambda: _hf_step(s, dev, dry_run, log))
     if "vllm" in steps:
         vllm_settings = dict(
             kv_lengths=s["kv_lengths"],
@@ -613,14 +499,95 @@ def run_suite(
             cuda_graphs=not dry_run,
             baseline="the same vLLM on the backbone without the adapter",
         )
-        record("gpu-vllm-decode", vllm_settings, lambda: vllm_sweep(s, dev, dry_run, log=log))
+        records.write("gpu-vllm-decode", vllm_settings, lambda: vllm_sweep(s, dev, dry_run, log=log))
     if "kernels" in steps:
         kernel_settings = {
             k: s[k]
             for k in ("scan_lengths", "scan_batches", "scan_reps", "step_batches", "step_calls", "step_reps")
         }
         kernel_settings.update(heads=4, rank=8)
-        record("gpu-kernels", kernel_settings, lambda: kernels_speed(s, dev, log=log))
+        records.write("gpu-kernels", kernel_settings, lambda: kernels_speed(s, dev, log=log))
     if dry_run:
         log(f"records (not measurements) in {out}")
-    return paths, clean
+    return records.paths, records.clean
+
+
+def _dry_run_line(log, line: str) -> None:
+    log(f"[dry run] {line}")
+
+
+def _hf_settings(s: dict) -> dict:
+    """The settings a ``gpu-hf-decode`` record carries."""
+    settings = {k: s[k] for k in ("kv_lengths", "reps", "warmup", "new_tokens", "generate_reps")}
+    settings.update(
+        generate_warmup=s["generate_warmup"],
+        compile_warmup=s["compile_warmup"],
+        prefill_block_size=s["block_size"],
+        batch=1,
+        variants=list(VARIANTS),
+        baseline=BASELINE,
+    )
+    return settings
+
+
+def _hf_step(s: dict, device: torch.device, dry_run: bool, log) -> dict:
+    """Step a: the preset's random model built, swept (:func:`hf_decode_sweep`), and freed."""
+    model = bench.build_model(s["preset"], device, getattr(torch, s["dtype"]))
+    attention = model.get_base_model().config._attn_implementation
+    try:
+        rows, skips = hf_decode_sweep(model, s["kv_lengths"], s, dry_run=dry_run, log=log)
+    finally:
+        del model
+        _release(device)
+    return dict(rows=rows, skipped_runs=skips, attention=attention)
+
+
+class _SuiteRecords:
+    """The records of one ``lstmem bench gpu`` run: each step's result (or the error that stopped it)
+    written with the suite's fields and environment; ``clean`` turns false when any step failed."""
+
+    def __init__(self, out: str | os.PathLike, s: dict, dry_run: bool, env: dict, log) -> None:
+        self.out, self.s, self.dry_run, self.env, self.log = out, s, dry_run, env, log
+        self.paths: list[Path] = []
+        self.clean = True
+
+    def write(self, name: str, settings: dict, body) -> None:
+        """Run ``body()`` (a step) and write its record; an exception is recorded and the next step runs."""
+        start = time.perf_counter()
+        try:
+            result = body()
+        except Exception as err:  # recorded: the other steps still run
+            self.clean = False
+            result = dict(
+                rows=[],
+                error=f"{type(err).__name__}: {_first_line(err)}",
+                traceback=traceback.format_exc().splitlines()[-30:],
+            )
+            self.log(f"{name}: failed: {result['error']}")
+        if result.get("failed") or any(skip.get("failed") for skip in result.get("skipped_runs", [])):
+            self.clean = False
+        result.setdefault("rows", [])
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        full = {
+            **self._fields(name, settings),
+            **result,
+            "date": date,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        self.paths.append(save_record(self.out, name, full))
+        self.log(f"{name}: wrote {self.paths[-1]}")
+
+    def _fields(self, name: str, settings: dict) -> dict:
+        """What every record of the run carries: the suite, its start, the preset where it applies, the
+        dtype, the step's settings and the environment (less its date: each record has its own)."""
+        with_preset = name == "gpu-hf-decode" or (name == "gpu-vllm-decode" and not self.dry_run)
+        return dict(
+            benchmark=name,
+            suite="lstmem bench gpu",
+            suite_run=self.env["date"],
+            dry_run=self.dry_run,
+            preset=self.s["preset"] if with_preset else None,
+            dtype=self.s["dtype"],
+            settings=settings,
+            **{k: v for k, v in self.env.items() if k != "date"},
+        )

@@ -1,4 +1,5 @@
-"""The ``lstmem`` command.
+"""The ``lstmem`` command: what the user gave is checked, then the subcommand runs (:data:`RUNNERS`;
+their arguments: :mod:`.parser`).
 
 lstmem demo                 # offline recall demo on the embedded backbone and adapters
 lstmem demo --train         # retrain the adapters from scratch first (reports the time)
@@ -11,67 +12,20 @@ lstmem bench report benchmarks/results                                   # RESUL
 lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
 lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
 lstmem serve [--model ID --adapter PATH] [--store DIR] [--port N]   # OpenAI-compatible server with memory
+lstmem data long --out DIR --base-url URL --model NAME --tokenizer ID   # the stage-2 Long dataset
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError, looks_local
 
+from .parser import build_parser
+
 # Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
 BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
-
-
-def _integer(text: str, minimum: int, what: str, bound: str) -> int:
-    """``text`` as an integer of at least ``minimum``, or argparse's usage error: ``expected {what}``
-    when it is not an integer, ``expected {bound}`` when it is below the minimum."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"expected {bound}, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _integer(text, 0, "a whole number", "a whole number >= 0")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _integer(text, 1, "a positive integer", "a positive integer")
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 1-65535."""
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
-    in where the options are listed, with exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     failures (a download, a model that will not load, out of memory); a bug in lstmem keeps its
     traceback. ``--debug`` shows the traceback in every case.
     """
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _dispatch(args)
+        return RUNNERS[args.command](args)
     except KeyboardInterrupt:
         raise
     except UsageError as err:  # a bad file, format or option: one line that says what to do
@@ -119,8 +73,8 @@ def _where(args) -> str:
     """The subcommand as typed: ``eval locomo``, ``bench report``, ``demo``, ``serve``."""
     if args.command == "eval":
         return f"eval {args.benchmark}"
-    if args.command == "bench":
-        return f"bench {args.kind}"
+    if args.command in ("bench", "data"):
+        return f"{args.command} {args.kind}"
     return args.command
 
 
@@ -132,240 +86,6 @@ def _given(args, filename) -> bool:
     given = [getattr(args, name, None) for name in (*options, "api_keys_file")]
     target = os.path.abspath(os.path.expanduser(os.fspath(filename)))
     return any(isinstance(v, str) and os.path.abspath(os.path.expanduser(v)) == target for v in given)
-
-
-def _parser() -> argparse.ArgumentParser:
-    from lstmem_peft.utils.version import __version__
-
-    parser = _Parser(prog="lstmem", description="LSTMem online memory for frozen LMs")
-    parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="offline recall demo: history in context vs in memory vs none")
-    demo.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    demo.add_argument(
-        "--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer"
-    )
-    demo.add_argument(
-        "--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)"
-    )
-    demo.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
-    demo.add_argument(
-        "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
-    )
-    demo.add_argument(
-        "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
-    )
-    demo.add_argument(
-        "--show",
-        type=_count,
-        default=0,
-        metavar="N",
-        help="first print N episodes: history (abridged), question, gold, the answers from memory and without",
-    )
-    demo.add_argument("--facts", type=positive_int, default=8, help="facts per history of --show (default 8)")
-    demo.add_argument(
-        "--sweep",
-        nargs="*",
-        type=positive_int,
-        default=None,
-        metavar="FACTS",
-        help="instead of the table: recall against history length (default 8 16 32 64 128 256 facts, "
-        "--episodes each), the window marked; writes a JSON record and a plot to --out",
-    )
-    demo.add_argument(
-        "--window",
-        type=positive_int,
-        default=64,
-        help="the backbone's context window in tokens (default 64, the embedded backbone's)",
-    )
-    demo.add_argument("--out", default=".", help="where --sweep writes its record and plot (default: here)")
-    bench = sub.add_parser(
-        "bench", help="benchmarks against the plain backbone (JSON records, RESULTS.md, plots)"
-    )
-    bench.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    bench.add_argument("kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "gpu", "report"])
-    bench.add_argument(
-        "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
-    )
-    bench.add_argument(
-        "--preset", default=None, help="model dimensions: cpu-small (default) or qwen3-4b (gpu: qwen3-4b)"
-    )
-    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    bench.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="default float32 (gpu: bfloat16)",
-    )
-    bench.add_argument(
-        "--out",
-        default=None,
-        help="where JSON records go (default benchmarks/results; gpu --dry-run: a temp folder)",
-    )
-    bench.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="gpu: every step at tiny sizes on CPU, records marked dry_run (a test of the suite, no figures)",
-    )
-    bench.add_argument(
-        "--steps",
-        nargs="+",
-        choices=["hf", "vllm", "kernels"],
-        default=None,
-        help="gpu: the steps to run (default all)",
-    )
-    bench.add_argument(
-        "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
-    )
-    bench.add_argument("--reps", type=positive_int, default=None)
-    bench.add_argument(
-        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode, gpu: KV cache lengths"
-    )
-    bench.add_argument("--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths")
-    bench.add_argument(
-        "--answer-tokens", type=positive_int, default=None, help="e2e, generate, gpu: generated tokens"
-    )
-    bench.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
-    bench.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
-    bench.add_argument(
-        "--lengths", type=positive_int, nargs="+", default=None, help="scan, gpu: block lengths"
-    )
-    bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="scan, gpu: batch sizes")
-    ev = sub.add_parser(
-        "eval", help="LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone"
-    )
-    ev.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    ev.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
-    ev.add_argument("data", help="local file/folder in the benchmark's official format, or a Hub dataset id")
-    ev.add_argument("--model", default=None, help="base model: Hub id or local folder (not with --rescore)")
-    ev.add_argument(
-        "--protocol",
-        default="official",
-        choices=["official", "paper"],
-        help="prompts and scoring: the benchmark's released code (official) or the code the paper names",
-    )
-    ev.add_argument(
-        "--rescore",
-        default=None,
-        metavar="PREDICTIONS",
-        help="re-score a run's predictions.jsonl under --protocol without generating (DATA gives the rules)",
-    )
-    ev.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep the answers an interrupted run with the same settings left in OUT.partial",
-    )
-    ev.add_argument("--no-plot", action="store_true", help="do not write scores.png")
-    ev.add_argument(
-        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
-    )
-    ev.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
-    ev.add_argument(
-        "--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)"
-    )
-    ev.add_argument("--memory-only", action="store_true", help="history in memory only, not in the prompt")
-    ev.add_argument("--greedy", action="store_true", help="greedy decoding instead of the paper's sampling")
-    ev.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
-    ev.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
-    ev.add_argument(
-        "--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)"
-    )
-    ev.add_argument(
-        "--max-new-tokens",
-        type=positive_int,
-        default=None,
-        help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)",
-    )
-    ev.add_argument(
-        "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
-    )
-    ev.add_argument(
-        "--families",
-        nargs="+",
-        default=None,
-        choices=["AR", "TTL", "LRU", "SF"],
-        help="mab: families to run (AR TTL LRU SF)",
-    )
-    ev.add_argument(
-        "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
-    )
-    ev.add_argument(
-        "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
-    )
-    ev.add_argument(
-        "--chunk-tokenizer",
-        default="gpt-4o-mini",
-        choices=["gpt-4o-mini", "model"],
-        help="mab, official protocol: count chunk tokens with tiktoken's gpt-4o-mini encoding (the official "
-        "rule; needs tiktoken and its cached encoding) or with the evaluated model's tokenizer",
-    )
-    ev.add_argument(
-        "--max-context-chars",
-        type=int,
-        default=None,
-        metavar="N",
-        help="mab, paper protocol: pre-clip contexts longer than N characters as δ-mem's suite does (its "
-        "first third and last two thirds around a marker; default 120000, the suite's; 0: whole contexts)",
-    )
-    ev.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
-    ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ev.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ev.add_argument(
-        "--no-chat-template",
-        action="store_true",
-        help="plain text prompts even if the tokenizer has a template",
-    )
-    ev.add_argument(
-        "--template-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)",
-    )
-    sv = sub.add_parser(
-        "serve", help="OpenAI-compatible server; every session keeps a persistent LSTMem memory"
-    )
-    sv.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sv.add_argument("--model", default=None, help="backbone: Hub id or local folder (default: embedded demo)")
-    sv.add_argument("--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)")
-    sv.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=port_number, default=8000, help="port to listen on")
-    sv.add_argument("--name", default=None, help="model id served at /v1/models (default: from the adapter)")
-    sv.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
-    sv.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
-    sv.add_argument(
-        "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
-    )
-    sv.add_argument("--max-batch", type=positive_int, default=32, help="most sessions per batched forward")
-    sv.add_argument(
-        "--batch-wait-ms", type=non_negative_float, default=5.0, help="wait for more requests to batch"
-    )
-    sv.add_argument("--no-batching", action="store_true", help="run requests one at a time")
-    sv.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
-    sv.add_argument("--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests")
-    sv.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    sv.add_argument(
-        "--engine",
-        default="hf",
-        choices=["hf", "vllm"],
-        help="what generates the answers: the model's generate (hf) or a vLLM engine (needs the vllm extra)",
-    )
-    sv.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra vllm.LLM argument with --engine vllm, e.g. max_model_len=8192 (VALUE read as JSON when it parses)",
-    )
-    sv.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads (default: torch's; 1 suits tiny models)",
-    )
-    return parser
 
 
 # ---------------------------------------------------------------------- checks before anything loads
@@ -458,21 +178,12 @@ def _key_values(pairs: list[str], option: str) -> dict:
 
 
 # ---------------------------------------------------------------------- subcommands
-def _dispatch(args) -> int:
-    if args.command == "eval":
-        return _eval(args)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "bench":
-        return _bench(args)
-    return _demo(args)
-
-
 def _demo(args) -> int:
     _check_model(args.model)
     if args.sweep is not None:
         _check_output_folder("--out", args.out, "the sweep's record and plot")
-    from .demo import SWEEP_FACTS, run
+    from .demo import run
+    from .demo_sweep import SWEEP_FACTS
 
     run(
         train=args.train,
@@ -507,7 +218,9 @@ def _bench(args) -> int:
                 f"no folder {parent}",
                 "Create the folder first, or pass another path",
             )
-        print(f"wrote {benchmarks.report(folder, results)}")  # reads (and checks) every record first
+        from .bench_records import report
+
+        print(f"wrote {report(folder, results)}")  # reads (and checks) every record first
         return 0
     if args.folder is not None:
         raise UsageError(
@@ -694,6 +407,7 @@ def _eval_options(args) -> dict:
 
 def _eval(args) -> int:
     from lstmem_peft.eval import runner
+    from lstmem_peft.eval.outputs import markdown_table
 
     options = _eval_options(args)
     if args.benchmark == "locomo":
@@ -725,7 +439,7 @@ def _eval(args) -> int:
     benchmark = make(os.path.expanduser(args.data) if looks_local(args.data) else args.data, **options)
     if args.rescore is not None:
         summary = runner.rescore(os.path.expanduser(args.rescore), benchmark, out, plot=not args.no_plot)
-        print(runner.markdown_table(summary))
+        print(markdown_table(summary))
         print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
         return 0
     model, tokenizer = runner.load_model(args.model, args.adapter, args.dtype, args.device)
@@ -750,9 +464,19 @@ def _eval(args) -> int:
         resume=args.resume,
         plot=not args.no_plot,
     )
-    print(runner.markdown_table(summary))
+    print(markdown_table(summary))
     print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
     return 0
+
+
+def _data(args) -> int:
+    from lstmem_peft.training import long_data
+
+    return long_data.run(args)
+
+
+#: What each subcommand of :data:`lstmem_peft.cli.parser.SUBCOMMANDS` runs: ``args`` -> exit status.
+RUNNERS = {"demo": _demo, "bench": _bench, "eval": _eval, "serve": _serve, "data": _data}
 
 
 if __name__ == "__main__":

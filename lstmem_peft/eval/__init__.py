@@ -13,17 +13,10 @@ General capabilities: :mod:`lstmem_peft.eval.lm_eval_model` (lm-evaluation-harne
 from .hotpotqa import HotpotQA
 from .locomo import LoCoMo
 from .mab import MemoryAgentBench
+from .outputs import markdown_table, plot_scores, protocols_table
+from .prompts import PromptBuilder
 from .protocol import Benchmark, History, Question, question_weighted, require_fields
-from .runner import (
-    Decoding,
-    PromptBuilder,
-    evaluate,
-    load_model,
-    markdown_table,
-    plot_scores,
-    protocols_table,
-    rescore,
-)
+from .runner import Decoding, evaluate, load_model, rescore
 from .scorers import PROTOCOLS
 
 __all__ = [

@@ -37,7 +37,7 @@ suffix "Use DATE of CONVERSATION to answer with an approximate date."
 Data: the official ``locomo10.json`` (a list of samples with ``conversation`` and ``qa``), or a Hub
 dataset id with the same fields; anything else is refused with a
 :class:`~lstmem_peft.utils.errors.DataFormatError` that names the file and what it holds. Deviations from
-the released code are listed in the README.
+the released code are listed in docs/evaluation.md ("Deviations from the named code").
 """
 
 from __future__ import annotations

@@ -1,0 +1,366 @@
+"""The ``lstmem`` command line: its argument types and one function per subcommand's arguments.
+
+:data:`SUBCOMMANDS` lists the subcommands in the order ``lstmem --help`` shows them. A new subcommand
+is an entry there (its name, its one-line help and the function that adds its arguments) and its
+runner in :data:`lstmem_peft.cli.commands.RUNNERS`. Every subcommand takes ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+# ---------------------------------------------------------------------- argument types
+def _integer(text: str, minimum: int, what: str, bound: str) -> int:
+    """``text`` as an integer of at least ``minimum``, or argparse's usage error: ``expected {what}``
+    when it is not an integer, ``expected {bound}`` when it is below the minimum."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {bound}, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _integer(text, 0, "a whole number", "a whole number >= 0")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _integer(text, 1, "a positive integer", "a positive integer")
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 1-65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
+    in where the options are listed, with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---------------------------------------------------------------------- the subcommands' arguments
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem demo``: the recall table, or the episodes (``--show``) and the sweep (``--sweep``)."""
+    parser.add_argument(
+        "--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer"
+    )
+    parser.add_argument(
+        "--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)"
+    )
+    parser.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
+    parser.add_argument(
+        "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
+    )
+    parser.add_argument(
+        "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
+    )
+    parser.add_argument(
+        "--show",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="first print N episodes: history (abridged), question, gold, the answers from memory and without",
+    )
+    parser.add_argument(
+        "--facts", type=positive_int, default=8, help="facts per history of --show (default 8)"
+    )
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        type=positive_int,
+        default=None,
+        metavar="FACTS",
+        help="instead of the table: recall against history length (default 8 16 32 64 128 256 facts, "
+        "--episodes each), the window marked; writes a JSON record and a plot to --out",
+    )
+    parser.add_argument(
+        "--window",
+        type=positive_int,
+        default=64,
+        help="the backbone's context window in tokens (default 64, the embedded backbone's)",
+    )
+    parser.add_argument("--out", default=".", help="where --sweep writes its record and plot (default: here)")
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem bench KIND``: one benchmark's sizes and where its records go, or ``report``."""
+    parser.add_argument(
+        "kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "gpu", "report"]
+    )
+    parser.add_argument(
+        "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
+    )
+    parser.add_argument(
+        "--preset", default=None, help="model dimensions: cpu-small (default) or qwen3-4b (gpu: qwen3-4b)"
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default float32 (gpu: bfloat16)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="where JSON records go (default benchmarks/results; gpu --dry-run: a temp folder)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="gpu: every step at tiny sizes on CPU, records marked dry_run (a test of the suite, no figures)",
+    )
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        choices=["hf", "vllm", "kernels"],
+        default=None,
+        help="gpu: the steps to run (default all)",
+    )
+    parser.add_argument(
+        "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
+    )
+    parser.add_argument("--reps", type=positive_int, default=None)
+    parser.add_argument(
+        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode, gpu: KV cache lengths"
+    )
+    parser.add_argument(
+        "--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths"
+    )
+    parser.add_argument(
+        "--answer-tokens", type=positive_int, default=None, help="e2e, generate, gpu: generated tokens"
+    )
+    parser.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
+    parser.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
+    parser.add_argument(
+        "--lengths", type=positive_int, nargs="+", default=None, help="scan, gpu: block lengths"
+    )
+    parser.add_argument(
+        "--batches", type=positive_int, nargs="+", default=None, help="scan, gpu: batch sizes"
+    )
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem eval BENCHMARK DATA``: the run, then each benchmark's own options, then the model."""
+    parser.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
+    parser.add_argument(
+        "data", help="local file/folder in the benchmark's official format, or a Hub dataset id"
+    )
+    parser.add_argument(
+        "--model", default=None, help="base model: Hub id or local folder (not with --rescore)"
+    )
+    parser.add_argument(
+        "--protocol",
+        default="official",
+        choices=["official", "paper"],
+        help="prompts and scoring: the benchmark's released code (official) or the code the paper names",
+    )
+    parser.add_argument(
+        "--rescore",
+        default=None,
+        metavar="PREDICTIONS",
+        help="re-score a run's predictions.jsonl under --protocol without generating (DATA gives the rules)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the answers an interrupted run with the same settings left in OUT.partial",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not write scores.png")
+    parser.add_argument(
+        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
+    )
+    parser.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)"
+    )
+    parser.add_argument(
+        "--memory-only", action="store_true", help="history in memory only, not in the prompt"
+    )
+    parser.add_argument(
+        "--greedy", action="store_true", help="greedy decoding instead of the paper's sampling"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the paper's 42)")
+    parser.add_argument("--no-base", action="store_true", help="skip the plain-backbone run")
+    parser.add_argument(
+        "--block-size", type=positive_int, default=None, help="history block length (default: the adapter's)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)",
+    )
+    _eval_benchmark_arguments(parser)
+    _eval_model_arguments(parser)
+
+
+def _eval_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of one benchmark (``hotpotqa:``, ``mab:`` in their help); :mod:`.commands` refuses them
+    with another benchmark."""
+    parser.add_argument(
+        "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
+    )
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        choices=["AR", "TTL", "LRU", "SF"],
+        help="mab: families to run (AR TTL LRU SF)",
+    )
+    parser.add_argument(
+        "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
+    )
+    parser.add_argument(
+        "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
+    )
+    parser.add_argument(
+        "--chunk-tokenizer",
+        default="gpt-4o-mini",
+        choices=["gpt-4o-mini", "model"],
+        help="mab, official protocol: count chunk tokens with tiktoken's gpt-4o-mini encoding (the official "
+        "rule; needs tiktoken and its cached encoding) or with the evaluated model's tokenizer",
+    )
+    parser.add_argument(
+        "--max-context-chars",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mab, paper protocol: pre-clip contexts longer than N characters as δ-mem's suite does (its "
+        "first third and last two thirds around a marker; default 120000, the suite's; 0: whole contexts)",
+    )
+    parser.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
+
+
+def _eval_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``lstmem eval`` loads the model and writes its prompts."""
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="plain text prompts even if the tokenizer has a template",
+    )
+    parser.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra chat-template argument, e.g. enable_thinking=false (VALUE read as JSON when it parses)",
+    )
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem serve``: the model, the session store, the address, the keys and the batching."""
+    parser.add_argument(
+        "--model", default=None, help="backbone: Hub id or local folder (default: embedded demo)"
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)"
+    )
+    parser.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=port_number, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--name", default=None, help="model id served at /v1/models (default: from the adapter)"
+    )
+    parser.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
+    parser.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    parser.add_argument(
+        "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
+    )
+    parser.add_argument(
+        "--max-batch", type=positive_int, default=32, help="most sessions per batched forward"
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=non_negative_float, default=5.0, help="wait for more requests to batch"
+    )
+    parser.add_argument("--no-batching", action="store_true", help="run requests one at a time")
+    parser.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests"
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--engine",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="what generates the answers: the model's generate (hf) or a vLLM engine (needs the vllm extra)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM argument with --engine vllm, e.g. max_model_len=8192 (VALUE read as JSON when it parses)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 suits tiny models)",
+    )
+
+
+def _data_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem data long``: the stage-2 Long dataset (its options: :mod:`lstmem_peft.training.long_data`)."""
+    from lstmem_peft.training import long_data
+
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    long_data.add_arguments(
+        kinds.add_parser(
+            "long", help="build the paper's stage-2 Long dataset through an OpenAI-compatible endpoint"
+        )
+    )
+
+
+#: Each subcommand (in ``lstmem --help`` order): its one-line help and the function adding its arguments.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "demo": ("offline recall demo: history in context vs in memory vs none", _demo_arguments),
+    "bench": ("benchmarks against the plain backbone (JSON records, RESULTS.md, plots)", _bench_arguments),
+    "eval": ("LoCoMo / HotpotQA / MemoryAgentBench: the adapter beside the plain backbone", _eval_arguments),
+    "serve": ("OpenAI-compatible server; every session keeps a persistent LSTMem memory", _serve_arguments),
+    "data": (
+        "training data: build the stage-2 Long dataset through an OpenAI-compatible endpoint",
+        _data_arguments,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lstmem`` parser: ``--version``, then a subparser per entry of :data:`SUBCOMMANDS`, each
+    taking ``--debug`` before its own arguments."""
+    from lstmem_peft.utils.version import __version__
+
+    parser = _Parser(prog="lstmem", description="LSTMem online memory for frozen LMs")
+    parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (summary, add_arguments) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=summary)
+        command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+        add_arguments(command)
+    return parser
