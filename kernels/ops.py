@@ -152,7 +152,7 @@ def lstmem_step(
         out[1].copy_(hidden)
         cell, hidden = out
     if backend == "triton":
-        return _triton().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
+        return _triton_step().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
     return step_naive(q, k, w, f, o, cell, hidden, depth, valid)
 
 

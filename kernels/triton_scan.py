@@ -1,4 +1,5 @@
-"""Triton kernels for the LSTMem block scan and the single-token decode step.
+"""Triton kernels for the LSTMem block scan, forward and backward (the one-token steps:
+:mod:`triton_step`).
 
 The recurrence (see :mod:`naive`, the specification) is, per sequence ``b``, head ``h`` and
 time ``t``, with ``R x R`` states ``C`` (cell) and ``D`` (hidden) and gates acting row-wise::
@@ -29,13 +30,12 @@ read vector and the new hidden tile. All arithmetic is float32 whatever the stor
   forward pass. What is saved for backward is therefore the inputs, the ``hidden`` output (in the
   input dtype: with bfloat16 inputs the ``q`` gradient sees the rounded ``D_{t-1}``) and the
   float32 cell sequence; ``depth`` itself is not needed. The backward is not differentiable.
-* Decode step (``_step_kernel``): one program per ``(batch, head)`` reads the states, produces the
-  read from the old hidden state and writes the new states back in place, in the states' dtype.
 
 ``triton.language`` has no ``tanh``; it is written inline as ``2 / (1 + exp(-2x)) - 1`` with the
 exponent clamped to 80 (no overflow; absolute error of a few float32 ulps). It is inlined rather
 than a ``@triton.jit`` helper because the interpreter re-patches ``triton.language`` on every
-nested jit call, which would dominate its per-step cost.
+nested jit call, which would dominate its per-step cost. For the same reason, and because one kernel
+is one launch, each kernel's body stays whole, however long.
 
 On a machine without a GPU the kernels run on CPU tensors under the Triton interpreter, which
 must be enabled by setting ``TRITON_INTERPRET=1`` before this module is imported.
@@ -43,15 +43,13 @@ must be enabled by setting ``TRITON_INTERPRET=1`` before this module is imported
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["scan_triton", "step_triton"]
+from .triton_common import contiguous, device_guard, tile_config, validate
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["scan_triton"]
 
 
 @triton.jit
@@ -283,146 +281,6 @@ def _scan_bwd_kernel(
     tl.store(d_d0_ptr + state, dD, mask=tile_mask)
 
 
-@triton.jit
-def _step_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    f_ptr,
-    o_ptr,
-    depth_ptr,
-    valid_ptr,
-    cell_ptr,
-    hidden_ptr,
-    read_ptr,
-    H,
-    R,
-    cell_sb,
-    cell_sh,
-    cell_sr,
-    cell_sc,
-    hidden_sb,
-    hidden_sh,
-    hidden_sr,
-    hidden_sc,
-    HAS_DEPTH: tl.constexpr,
-    HAS_VALID: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """One decode step for one ``(b, h)`` pair.
-
-    ``q, k, w, f, o, read`` are contiguous ``(B, H, R)``, ``depth`` contiguous ``(B, H, R, R)``,
-    ``valid`` ``(B,)`` int8; ``cell`` and ``hidden`` ``(B, H, R, R)`` are addressed through their
-    strides and updated in place.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    h = pid % H
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
-    tile_mask = r_mask[:, None] & r_mask[None, :]
-    vec = pid * R + r
-    cell_tile = cell_ptr + b * cell_sb + h * cell_sh + r[:, None] * cell_sr + r[None, :] * cell_sc
-    hidden_tile = hidden_ptr + b * hidden_sb + h * hidden_sh + r[:, None] * hidden_sr + r[None, :] * hidden_sc
-
-    C = tl.load(cell_tile, mask=tile_mask, other=0.0).to(tl.float32)
-    D = tl.load(hidden_tile, mask=tile_mask, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
-    f = tl.load(f_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
-
-    read = tl.sum(D * q[None, :], axis=1)
-    tl.store(read_ptr + vec, read.to(read_ptr.dtype.element_ty), mask=r_mask)
-
-    C_new = f[:, None] * C + w[:, None] * k[None, :]
-    D_new = o[:, None] * (2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C_new, 80.0))) - 1.0)
-    if HAS_DEPTH:
-        D_new += tl.load(depth_ptr + pid * R * R + r[:, None] * R + r[None, :], mask=tile_mask, other=0.0).to(
-            tl.float32
-        )
-    if HAS_VALID:
-        keep = tl.load(valid_ptr + b) != 0
-        C_new = tl.where(keep, C_new, C)
-        D_new = tl.where(keep, D_new, D)
-    tl.store(cell_tile, C_new.to(cell_ptr.dtype.element_ty), mask=tile_mask)
-    tl.store(hidden_tile, D_new.to(hidden_ptr.dtype.element_ty), mask=tile_mask)
-
-
-_INTERPRETED = not isinstance(_scan_fwd_kernel, triton.JITFunction)
-
-
-def _launch_config(R: int) -> dict:
-    """``BLOCK_R`` and ``num_warps`` for an ``R x R`` register tile."""
-    block_r = triton.next_power_of_2(R)
-    return {"BLOCK_R": block_r, "num_warps": max(1, min(8, block_r * block_r // 256))}
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
-
-
-def _check_runtime(device: torch.device) -> None:
-    if device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"Triton kernels need CUDA tensors, got tensors on {device}; to run on CPU set "
-            "TRITON_INTERPRET=1 before importing triton"
-        )
-
-
-def _check_float(name: str, x: torch.Tensor, dtype: torch.dtype | None) -> None:
-    if dtype is None:
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating point tensor, got {x.dtype}")
-    elif x.dtype != dtype:
-        raise ValueError(f"{name} has dtype {x.dtype}, expected {dtype} (the dtype of q)")
-
-
-def _check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {shape}")
-
-
-def _validate(
-    inputs: dict[str, torch.Tensor | None],
-    vec_shape: tuple[int, ...],
-    mat_shape: tuple[int, ...],
-    state_shape: tuple[int, ...],
-    valid_shape: tuple[int, ...],
-    state_names: tuple[str, ...],
-) -> None:
-    """Check shapes, dtypes and devices of the scan / step inputs, raising ``ValueError``."""
-    q = inputs["q"]
-    if q.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
-    if q.shape[-1] < 1:
-        raise ValueError("the state rank R (last dimension of q) must be at least 1")
-    _check_runtime(q.device)
-    for name, x in inputs.items():
-        if x is None:
-            continue
-        _check_device(name, x, q.device)
-        if name in ("k", "w", "f", "o"):
-            _check_shape(name, x, vec_shape)
-            _check_float(name, x, q.dtype)
-        elif name == "depth":
-            _check_shape(name, x, mat_shape)
-            _check_float(name, x, q.dtype)
-        elif name == "valid":
-            _check_shape(name, x, valid_shape)
-            if x.dtype != torch.bool:
-                raise ValueError(f"valid must be a bool tensor, got {x.dtype}")
-        elif name in state_names:
-            _check_shape(name, x, state_shape)
-            _check_float(name, x, None)
-
-
 def _scan_forward(q, k, w, f, o, depth, valid, initial_cell, initial_hidden, save_cells):
     """Launch the forward kernel on contiguous inputs; ``valid`` is int8 or ``None``.
 
@@ -436,7 +294,7 @@ def _scan_forward(q, k, w, f, o, depth, valid, initial_cell, initial_hidden, sav
     final_hidden = q.new_empty(B, H, R, R)
     cells = q.new_empty(B, T, H, R, R, dtype=torch.float32) if save_cells else None
     if B * H > 0:
-        with _device_guard(q.device):
+        with device_guard(q.device):
             _scan_fwd_kernel[(B * H,)](
                 q,
                 k,
@@ -460,13 +318,9 @@ def _scan_forward(q, k, w, f, o, depth, valid, initial_cell, initial_hidden, sav
                 HAS_C0=initial_cell is not None,
                 HAS_D0=initial_hidden is not None,
                 SAVE_CELLS=save_cells,
-                **_launch_config(R),
+                **tile_config(R),
             )
     return read, hidden, final_cell, final_hidden, cells
-
-
-def _contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.contiguous()
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -475,7 +329,7 @@ class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, w, f, o, depth, valid, initial_cell, initial_hidden):
         q, k, w, f, o, depth, initial_cell, initial_hidden = map(
-            _contiguous, (q, k, w, f, o, depth, initial_cell, initial_hidden)
+            contiguous, (q, k, w, f, o, depth, initial_cell, initial_hidden)
         )
         valid_i8 = None if valid is None else valid.to(torch.int8).contiguous()
         read, hidden, final_cell, final_hidden, cells = _scan_forward(
@@ -498,10 +352,10 @@ class _ScanFunction(torch.autograd.Function):
         d_c0 = q.new_empty(B, H, R, R, dtype=torch.float32)
         d_d0 = q.new_empty(B, H, R, R, dtype=torch.float32)
         g_read, g_hidden, g_final_cell, g_final_hidden = map(
-            _contiguous, (g_read, g_hidden, g_final_cell, g_final_hidden)
+            contiguous, (g_read, g_hidden, g_final_cell, g_final_hidden)
         )
         if B * H > 0:
-            with _device_guard(q.device):
+            with device_guard(q.device):
                 _scan_bwd_kernel[(B * H,)](
                     q,
                     k,
@@ -536,7 +390,7 @@ class _ScanFunction(torch.autograd.Function):
                     HAS_G_FINAL_CELL=g_final_cell is not None,
                     HAS_G_FINAL_HIDDEN=g_final_hidden is not None,
                     WRITE_D_DEPTH=write_d_depth,
-                    **_launch_config(R),
+                    **tile_config(R),
                 )
         need = ctx.needs_input_grad
         grad_c0 = d_c0.to(initial_cell.dtype) if need[7] else None
@@ -583,7 +437,7 @@ def scan_triton(
     if q.dim() != 4:
         raise ValueError(f"q must have shape (B, T, H, R), got {tuple(q.shape)}")
     B, T, H, R = q.shape
-    _validate(
+    validate(
         {
             "q": q,
             "k": k,
@@ -610,92 +464,10 @@ def scan_triton(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in differentiable):
         return _ScanFunction.apply(q, k, w, f, o, depth, valid, initial_cell, initial_hidden)
     read, hidden, final_cell, final_hidden, _ = _scan_forward(
-        *map(_contiguous, (q, k, w, f, o, depth)),
+        *map(contiguous, (q, k, w, f, o, depth)),
         None if valid is None else valid.to(torch.int8).contiguous(),
-        _contiguous(initial_cell),
-        _contiguous(initial_hidden),
+        contiguous(initial_cell),
+        contiguous(initial_hidden),
         save_cells=False,
     )
     return read, hidden, final_cell, final_hidden
-
-
-def step_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    f: torch.Tensor,
-    o: torch.Tensor,
-    cell: torch.Tensor,
-    hidden: torch.Tensor,
-    depth: torch.Tensor | None = None,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One decode step (a single kernel launch), updating ``cell`` and ``hidden`` **in place**.
-
-    Same semantics as :func:`naive.step_naive`; not differentiable.
-
-    Args:
-        q, k, w, f, o: ``(B, H, R)`` per-token inputs, one dtype among float32, bfloat16, float16.
-        cell, hidden: ``(B, H, R, R)`` states of any floating dtype and any strides, overwritten
-            with ``C_t`` and ``D_t`` (computed in float32, stored in their own dtype).
-        depth: ``(B, H, R, R)`` depth term (dtype of ``q``) or ``None``.
-        valid: ``(B,)`` bool or ``None``; where ``False`` the states are left unchanged.
-
-    Returns:
-        ``read`` ``(B, H, R)`` in ``q.dtype``: ``D_{t-1} q_t`` from the state before the update.
-
-    Raises:
-        ValueError: on inconsistent shapes, dtypes or devices.
-        RuntimeError: if grad mode is enabled and an input requires grad.
-    """
-    if q.dim() != 3:
-        raise ValueError(f"q must have shape (B, H, R), got {tuple(q.shape)}")
-    B, H, R = q.shape
-    inputs = {
-        "q": q,
-        "k": k,
-        "w": w,
-        "f": f,
-        "o": o,
-        "depth": depth,
-        "valid": valid,
-        "cell": cell,
-        "hidden": hidden,
-    }
-    _validate(
-        inputs,
-        vec_shape=(B, H, R),
-        mat_shape=(B, H, R, R),
-        state_shape=(B, H, R, R),
-        valid_shape=(B,),
-        state_names=("cell", "hidden"),
-    )
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs.values()):
-        raise RuntimeError(
-            "step_triton is not differentiable and updates its states in place; call it under "
-            "torch.no_grad() or with inputs that do not require grad"
-        )
-    q, k, w, f, o, depth = map(_contiguous, (q, k, w, f, o, depth))
-    read = torch.empty_like(q)
-    if B * H > 0:
-        with _device_guard(q.device):
-            _step_kernel[(B * H,)](
-                q,
-                k,
-                w,
-                f,
-                o,
-                depth,
-                None if valid is None else valid.to(torch.int8).contiguous(),
-                cell,
-                hidden,
-                read,
-                H,
-                R,
-                *cell.stride(),
-                *hidden.stride(),
-                HAS_DEPTH=depth is not None,
-                HAS_VALID=valid is not None,
-                **_launch_config(R),
-            )
-    return read

@@ -1,4 +1,8 @@
-"""A Triton kernel for the whole decode step of one memory layer: one launch per layer and token.
+"""Triton kernels for one token: the whole decode step of one memory layer (one launch per layer and
+token, :func:`decode_step_triton`), and the recurrence's step alone (:func:`step_triton`: one
+program per ``(batch, head)`` reads the states, produces the read from the old hidden state and
+writes the new states back in place, in the states' dtype). As in :mod:`triton_scan`, each kernel's
+body stays whole: one kernel is one launch.
 
 For one token per sequence, a memory layer (``LSTMemLayer.forward`` in ``lstmem_peft``) projects its
 input row, normalises the query and key per head, reads the depth input, forms the write residual,
@@ -62,11 +66,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_scan import _check_runtime, _device_guard
+from .triton_common import FLOAT_DTYPES, check_runtime, contiguous, device_guard, tile_config, validate
 
-__all__ = ["decode_step_triton"]
+__all__ = ["decode_step_triton", "step_triton"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: target number of elements of one weight tile (one program's registers on a GPU)
 _TILE = 8192
 
@@ -238,7 +241,7 @@ def _decode_step_kernel(
     tl.store(u_ptr + b * DS + h2 * R + r2, u.to(u_ptr.dtype.element_ty), mask=m2)
 
 
-def _launch_config(d: int, H: int, R: int) -> dict:
+def _fused_config(d: int, H: int, R: int) -> dict:
     """Block sizes and ``num_warps`` for one program's tiles: the projection loads two
     ``BLOCK_D x 2 d_s`` weight tiles per chunk, about ``_TILE`` elements together; a warp per 1,024
     elements of the largest tile, 16 at most (``r = 32``, ``d_s = 256``: 16,384-element ``eau`` and
@@ -264,6 +267,7 @@ def _check(name: str, x: torch.Tensor, device: torch.device, dtypes: tuple[torch
         raise ValueError(f"{name} has dtype {x.dtype}; the Triton decode step takes {names}")
 
 
+# Long for its checks and the launch's argument list (every tensor is passed with its strides).
 def decode_step_triton(
     x: torch.Tensor,
     w_in: torch.Tensor,
@@ -300,10 +304,10 @@ def decode_step_triton(
             "the Triton decode step computes in float32 and takes float32, bfloat16 or float16 inputs and "
             "weights, got float64; a float64 adapter decodes in PyTorch (the layer's forward with backend 'torch')"
         )
-    _check_runtime(device)
-    floats = (torch.float64, *_FLOAT_DTYPES)
-    _check("x", x, device, _FLOAT_DTYPES)
-    if wdtype not in _FLOAT_DTYPES:
+    check_runtime(device)
+    floats = (torch.float64, *FLOAT_DTYPES)
+    _check("x", x, device, FLOAT_DTYPES)
+    if wdtype not in FLOAT_DTYPES:
         raise ValueError(f"w_in has dtype {wdtype}; the weights must be float32, bfloat16 or float16")
     for name, t in (("b_in", b_in), ("eau", eau), ("b_eau", b_eau), ("read", read)):
         if t.dtype != wdtype:
@@ -315,7 +319,7 @@ def decode_step_triton(
     for name, t in (("cell", cell), ("hidden", hidden), ("cell_out", out[0]), ("hidden_out", out[1])):
         _check(name, t, device, floats)
     if depth is not None:
-        _check("depth", depth, device, _FLOAT_DTYPES)
+        _check("depth", depth, device, FLOAT_DTYPES)
     if valid is not None:
         _check("valid", valid, device, (torch.bool,))
 
@@ -329,7 +333,7 @@ def decode_step_triton(
     cell_out, hidden_out = out
     # strides of an absent depth input are never read (HAS_DEPTH is false)
     depth_strides = depth.stride() if depth is not None else (0, 0, 0, 0)
-    with _device_guard(device):
+    with device_guard(device):
         _decode_step_kernel[(B,)](
             x,
             w_in,
@@ -361,6 +365,156 @@ def decode_step_triton(
             norm_eps,
             HAS_DEPTH=depth is not None,
             HAS_VALID=valid is not None,
-            **_launch_config(d, H, R),
+            **_fused_config(d, H, R),
         )
     return u
+
+
+# ---------------------------------------------------------------------- the recurrence's step alone
+@triton.jit
+def _step_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    f_ptr,
+    o_ptr,
+    depth_ptr,
+    valid_ptr,
+    cell_ptr,
+    hidden_ptr,
+    read_ptr,
+    H,
+    R,
+    cell_sb,
+    cell_sh,
+    cell_sr,
+    cell_sc,
+    hidden_sb,
+    hidden_sh,
+    hidden_sr,
+    hidden_sc,
+    HAS_DEPTH: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One decode step for one ``(b, h)`` pair.
+
+    ``q, k, w, f, o, read`` are contiguous ``(B, H, R)``, ``depth`` contiguous ``(B, H, R, R)``,
+    ``valid`` ``(B,)`` int8; ``cell`` and ``hidden`` ``(B, H, R, R)`` are addressed through their
+    strides and updated in place.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // H
+    h = pid % H
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    tile_mask = r_mask[:, None] & r_mask[None, :]
+    vec = pid * R + r
+    cell_tile = cell_ptr + b * cell_sb + h * cell_sh + r[:, None] * cell_sr + r[None, :] * cell_sc
+    hidden_tile = hidden_ptr + b * hidden_sb + h * hidden_sh + r[:, None] * hidden_sr + r[None, :] * hidden_sc
+
+    C = tl.load(cell_tile, mask=tile_mask, other=0.0).to(tl.float32)
+    D = tl.load(hidden_tile, mask=tile_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + vec, mask=r_mask, other=0.0).to(tl.float32)
+
+    read = tl.sum(D * q[None, :], axis=1)
+    tl.store(read_ptr + vec, read.to(read_ptr.dtype.element_ty), mask=r_mask)
+
+    C_new = f[:, None] * C + w[:, None] * k[None, :]
+    D_new = o[:, None] * (2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * C_new, 80.0))) - 1.0)
+    if HAS_DEPTH:
+        D_new += tl.load(depth_ptr + pid * R * R + r[:, None] * R + r[None, :], mask=tile_mask, other=0.0).to(
+            tl.float32
+        )
+    if HAS_VALID:
+        keep = tl.load(valid_ptr + b) != 0
+        C_new = tl.where(keep, C_new, C)
+        D_new = tl.where(keep, D_new, D)
+    tl.store(cell_tile, C_new.to(cell_ptr.dtype.element_ty), mask=tile_mask)
+    tl.store(hidden_tile, D_new.to(hidden_ptr.dtype.element_ty), mask=tile_mask)
+
+
+def step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    f: torch.Tensor,
+    o: torch.Tensor,
+    cell: torch.Tensor,
+    hidden: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step (a single kernel launch), updating ``cell`` and ``hidden`` **in place**.
+
+    Same semantics as :func:`naive.step_naive`; not differentiable.
+
+    Args:
+        q, k, w, f, o: ``(B, H, R)`` per-token inputs, one dtype among float32, bfloat16, float16.
+        cell, hidden: ``(B, H, R, R)`` states of any floating dtype and any strides, overwritten
+            with ``C_t`` and ``D_t`` (computed in float32, stored in their own dtype).
+        depth: ``(B, H, R, R)`` depth term (dtype of ``q``) or ``None``.
+        valid: ``(B,)`` bool or ``None``; where ``False`` the states are left unchanged.
+
+    Returns:
+        ``read`` ``(B, H, R)`` in ``q.dtype``: ``D_{t-1} q_t`` from the state before the update.
+
+    Raises:
+        ValueError: on inconsistent shapes, dtypes or devices.
+        RuntimeError: if grad mode is enabled and an input requires grad.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape (B, H, R), got {tuple(q.shape)}")
+    B, H, R = q.shape
+    inputs = {
+        "q": q,
+        "k": k,
+        "w": w,
+        "f": f,
+        "o": o,
+        "depth": depth,
+        "valid": valid,
+        "cell": cell,
+        "hidden": hidden,
+    }
+    validate(
+        inputs,
+        vec_shape=(B, H, R),
+        mat_shape=(B, H, R, R),
+        state_shape=(B, H, R, R),
+        valid_shape=(B,),
+        state_names=("cell", "hidden"),
+    )
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs.values()):
+        raise RuntimeError(
+            "step_triton is not differentiable and updates its states in place; call it under "
+            "torch.no_grad() or with inputs that do not require grad"
+        )
+    q, k, w, f, o, depth = map(contiguous, (q, k, w, f, o, depth))
+    read = torch.empty_like(q)
+    if B * H > 0:
+        with device_guard(q.device):
+            _step_kernel[(B * H,)](
+                q,
+                k,
+                w,
+                f,
+                o,
+                depth,
+                None if valid is None else valid.to(torch.int8).contiguous(),
+                cell,
+                hidden,
+                read,
+                H,
+                R,
+                *cell.stride(),
+                *hidden.stride(),
+                HAS_DEPTH=depth is not None,
+                HAS_VALID=valid is not None,
+                **tile_config(R),
+            )
+    return read

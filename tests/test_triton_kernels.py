@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from lstmem_kernels.naive import scan_naive, step_naive  # noqa: E402
-from lstmem_kernels.triton_scan import scan_triton, step_triton  # noqa: E402
+from lstmem_kernels.triton_scan import scan_triton  # noqa: E402
+from lstmem_kernels.triton_step import step_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOAT_NAMES = ("q", "k", "w", "f", "o", "depth", "initial_cell", "initial_hidden")

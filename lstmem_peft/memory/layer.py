@@ -393,6 +393,8 @@ class LSTMemLayer(nn.Module):
             corr_o=(self.scale * self.w_do).t(),
         )
 
+    # Long on purpose: the paper's equations in their order, one body for every token count (see the
+    # module docstring); the read-only pass and the one-token steps are the helpers below.
     def forward(
         self,
         x: torch.Tensor,
