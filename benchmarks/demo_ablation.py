@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft.cli import demo
+from lstmem_peft.cli import demo, demo_recall
 from lstmem_peft.cli.bench_records import environment
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import long_recall_episodes
@@ -61,17 +61,17 @@ def score(model, tok, num: int = 512) -> dict:
     out = {}
     for name, facts in (("one_block_8", 8), ("facts_16", 16), ("facts_32", 32)):
         episodes = long_recall_episodes(num, facts, seed=EVAL_SEED + facts)
-        histories, reads, n_ans = demo._rows(tok, episodes)
-        cache = demo._write(model, tok, histories)
-        out[name] = demo._correct(model, tok, reads, n_ans, cache).float().mean().item()
+        histories, reads, n_ans = demo_recall.episode_rows(tok, episodes)
+        cache = demo_recall.write_histories(model, tok, histories)
+        out[name] = demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item()
     # 8 facts in 4 turns of 2: feedback after every 2 facts
     episodes = long_recall_episodes(num, 8, seed=EVAL_SEED + 8)
     cache = MemoryCache()
     for t in range(4):
         texts = [" ".join(e["history"].split(" ")[6 * t : 6 * t + 6]) for e in episodes]
         write_history(model, turn_ids(tok, texts, first=t == 0), cache, progress=False)
-    histories, reads, n_ans = demo._rows(tok, episodes)
-    out["turns_4x2"] = demo._correct(model, tok, reads, n_ans, cache).float().mean().item()
+    histories, reads, n_ans = demo_recall.episode_rows(tok, episodes)
+    out["turns_4x2"] = demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item()
     # updates: the newest value wins (lstmem_peft.cli.demo.evaluate_updates)
     updates = demo.evaluate_updates(model, tok, num_episodes=num, seed=EVAL_SEED)
     out.update({k: v for k, v in updates.items() if k.startswith("update_")})

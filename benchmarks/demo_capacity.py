@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft.cli import demo
+from lstmem_peft.cli import demo, demo_recall
 from lstmem_peft.cli.bench_records import environment
 from lstmem_peft.training.data import long_recall_episodes
 
@@ -39,9 +39,9 @@ def memory_recall(model, tok, facts=FACTS, num: int = 512) -> dict:
     out = {}
     for n in facts:
         episodes = long_recall_episodes(num, n, seed=EVAL_SEED + n)
-        histories, reads, n_ans = demo._rows(tok, episodes)
-        cache = demo._write(model, tok, histories)
-        out[str(n)] = round(demo._correct(model, tok, reads, n_ans, cache).float().mean().item(), 4)
+        histories, reads, n_ans = demo_recall.episode_rows(tok, episodes)
+        cache = demo_recall.write_histories(model, tok, histories)
+        out[str(n)] = round(demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item(), 4)
     return out
 
 

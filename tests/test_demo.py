@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lstmem_peft.cli import demo
+from lstmem_peft.cli import demo, demo_recall, demo_sweep
 
 
 def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -126,7 +126,7 @@ def test_the_window_keeps_the_question_and_the_latest_history():
 
 
 def test_a_scaled_down_sweep_marks_the_window_and_plots(shipped, tmp_path):
-    record = demo.sweep(shipped, facts=(8, 32), num_episodes=24)
+    record = demo_sweep.sweep(shipped, facts=(8, 32), num_episodes=24)
     short, long = record["rows"]
     assert record["window_tokens"] == demo.WINDOW and record["window_facts"] == 20
     assert short["fits_window"] and not long["fits_window"]
@@ -145,8 +145,8 @@ def test_a_scaled_down_sweep_marks_the_window_and_plots(shipped, tmp_path):
     assert short["recall"]["window"] == short["recall"]["in_context"]  # 8 facts fit in the window
     assert sum(b["episodes"] for b in long["by_age"]) == 24
     assert record["adapters"]["full"]["cell_numbers_total"] == 2 * 4 * 8 * 8
-    assert "window: 64 tokens" in demo.format_sweep(record)
-    png = demo.plot_sweep({**record, "device": "CPU", "date": "2026-11-25"}, tmp_path / "sweep.png")
+    assert "window: 64 tokens" in demo_sweep.format_sweep(record)
+    png = demo_sweep.plot_sweep({**record, "device": "CPU", "date": "2026-11-25"}, tmp_path / "sweep.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -234,7 +234,7 @@ def test_the_capacity_benchmark_scores_memory_recall_by_history_length(shipped):
 
 
 def test_update_episodes_supersede_some_keys_and_keep_others():
-    for e in demo.update_episodes(30, seed=3):
+    for e in demo_recall.update_episodes(30, seed=3):
         first = dict(f.split() for f in e["turns"][0].split(" ;") if f.strip())
         later = dict(f.split() for f in e["turns"][1].split(" ;") if f.strip())
         asked, kept = e["prompt"].split()[1], e["kept_prompt"].split()[1]

@@ -9,7 +9,7 @@ and the question ``<s> ? k07``, answered ``v19``. The model answers three ways:
 
 This module is the ``lstmem demo`` command (:func:`run`): it loads (or trains) the adapters, prints
 the 8-fact table and the update table, :func:`show_episodes` (``--show``: episodes a person can
-read) or the sweep (``--sweep``). The parts live beside it, each importable from here as well:
+read) or the sweep (``--sweep``). The parts live beside it:
 
 * :mod:`.demo_recall`: the task, the adapters and the measurements (:func:`evaluate`,
   :func:`evaluate_updates`: a later turn gives some keys new values; the newest wins);
@@ -31,28 +31,23 @@ import torch
 from lstmem_peft.training.data import left_pad, long_recall_episodes
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer
 
-# The demo's parts, importable from here too (lstmem_peft.cli.demo.X: tests, benchmarks/, the docs).
+# The demo's parts this command runs.
 from .demo_recall import (
     ADAPTERS,
     NUM_PAIRS,
     WINDOW,
     _pad_id,
-    _rows,
-    _write,
     adapter_config,
+    episode_rows,
     evaluate,
     evaluate_updates,
     feedback_off,
     in_context_row,
     memory_state_size,
     window_row,
+    write_histories,
 )
-from .demo_recall import _correct as _correct
-from .demo_recall import update_episodes as update_episodes
-from .demo_sweep import format_sweep as format_sweep
-from .demo_sweep import plot_sweep as plot_sweep
 from .demo_sweep import run_sweep
-from .demo_sweep import sweep as sweep
 from .demo_training import build, load_backbone, publish, train_adapter
 
 
@@ -115,8 +110,8 @@ def show_episodes(
     with no history and (when the history is longer than the window) from the cut window."""
     tok = tokenizer or demo_tokenizer()
     episodes = long_recall_episodes(num, num_facts, NUM_KEYS, NUM_VALUES, seed=seed)
-    histories, reads, n_ans = _rows(tok, episodes)
-    cache = _write(model, tok, histories)
+    histories, reads, n_ans = episode_rows(tok, episodes)
+    cache = write_histories(model, tok, histories)
     pad = _pad_id(tok)
     block = memory_state_size(model)["block_size"]
 

@@ -69,7 +69,7 @@ def memory_state_size(model) -> dict:
 
 
 # ---------------------------------------------------------------------- episodes as token rows
-def _rows(tok, episodes: list[dict]) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def episode_rows(tok, episodes: list[dict]) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """``(histories, reads, answer lengths)``; a read is the question followed by its answer."""
     rows = [tokenize_episode(tok, e, history_max_tokens=1 << 30, add_eos=False) for e in episodes]
     n_ans = [sum(1 for y in r["labels"] if y != -100) for r in rows]
@@ -114,7 +114,7 @@ def _answers_correct(
     return correct
 
 
-def _correct(model, tok, rows, n_ans, cache=None, batch_tokens: int = 1 << 14) -> torch.Tensor:
+def answers_correct(model, tok, rows, n_ans, cache=None, batch_tokens: int = 1 << 14) -> torch.Tensor:
     """Per row: is the answer right (exact match, teacher-forced argmax)? Rows batched by length."""
     width = max(len(r) for r in rows)
     step = max(1, batch_tokens // width)
@@ -128,7 +128,7 @@ def _correct(model, tok, rows, n_ans, cache=None, batch_tokens: int = 1 << 14) -
     return torch.cat(out)
 
 
-def _write(model, tok, histories: list[list[int]]) -> MemoryCache:
+def write_histories(model, tok, histories: list[list[int]]) -> MemoryCache:
     """A fresh memory holding each history (one row each, left-padded; blocks and feedback)."""
     cache = MemoryCache()
     ids, mask = left_pad(histories, _pad_id(tok))
@@ -255,7 +255,7 @@ def evaluate_updates(model, tokenizer=None, num_episodes: int = 512, seed: int =
             for e in episodes
         ]
         n_ans = [sum(1 for y in r["labels"] if y != -100) for r in rows]
-        return _correct(model, tok, [r["input_ids"] for r in rows], n_ans, cache).float().mean().item()
+        return answers_correct(model, tok, [r["input_ids"] for r in rows], n_ans, cache).float().mean().item()
 
     return {
         "update_newest": recall("prompt", "newest"),

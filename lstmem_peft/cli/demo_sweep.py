@@ -19,7 +19,15 @@ from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import long_recall_episodes
 from lstmem_peft.utils.offline import NUM_KEYS, NUM_VALUES, demo_tokenizer
 
-from .demo_recall import WINDOW, _correct, _rows, _write, in_context_row, memory_state_size, window_row
+from .demo_recall import (
+    WINDOW,
+    answers_correct,
+    episode_rows,
+    in_context_row,
+    memory_state_size,
+    window_row,
+    write_histories,
+)
 
 #: History lengths of the sweep, in facts: one block (8 facts, 25 tokens) to 13 (256 facts, 769 tokens).
 SWEEP_FACTS = (8, 16, 32, 64, 128, 256)
@@ -59,7 +67,7 @@ def recall_conditions(
     backbone with the whole history in context, window or not. ``no_history``: the question alone.
     ``cells``: if given, receives ``(rows, cell_statistics)`` of the full adapter's memory per batch.
     """
-    histories, reads, n_ans = _rows(tok, episodes)
+    histories, reads, n_ans = episode_rows(tok, episodes)
     windowed = [window_row(tok, h, r, n, window) for h, r, n in zip(histories, reads, n_ans, strict=True)]
     whole = [in_context_row(tok, h, r) for h, r in zip(histories, reads, strict=True)]
     plain = next(iter(models.values()))
@@ -71,16 +79,16 @@ def recall_conditions(
     for i in range(0, len(episodes), batch_size):
         chunk = slice(i, i + batch_size)
         for name, model in models.items():
-            cache = _write(model, tok, histories[chunk])
-            add(f"memory/{name}", _correct(model, tok, reads[chunk], n_ans[chunk], cache))
+            cache = write_histories(model, tok, histories[chunk])
+            add(f"memory/{name}", answers_correct(model, tok, reads[chunk], n_ans[chunk], cache))
             if name == "full":
-                add("memory+window", _correct(model, tok, windowed[chunk], n_ans[chunk], cache))
+                add("memory+window", answers_correct(model, tok, windowed[chunk], n_ans[chunk], cache))
                 if cells is not None:
                     cells.append((len(histories[chunk]), cell_statistics(cache)))
         with plain.disable_adapter():
-            add("window", _correct(plain, tok, windowed[chunk], n_ans[chunk]))
-            add("in_context", _correct(plain, tok, whole[chunk], n_ans[chunk]))
-            add("no_history", _correct(plain, tok, reads[chunk], n_ans[chunk]))
+            add("window", answers_correct(plain, tok, windowed[chunk], n_ans[chunk]))
+            add("in_context", answers_correct(plain, tok, whole[chunk], n_ans[chunk]))
+            add("no_history", answers_correct(plain, tok, reads[chunk], n_ans[chunk]))
     return {k: torch.cat(v) for k, v in hits.items()}
 
 
@@ -127,8 +135,8 @@ def sweep(
 
 def _window_facts(tok, window: int) -> int:
     """How many whole facts fit in ``window`` tokens beside the question."""
-    one, two = (_rows(tok, long_recall_episodes(1, n))[0][0] for n in (1, 2))
-    _, reads, n_ans = _rows(tok, long_recall_episodes(1, 1))
+    one, two = (episode_rows(tok, long_recall_episodes(1, n))[0][0] for n in (1, 2))
+    _, reads, n_ans = episode_rows(tok, long_recall_episodes(1, 1))
     question = len(reads[0]) - n_ans[0]
     return (window - question) // (len(two) - len(one))
 
@@ -136,7 +144,7 @@ def _window_facts(tok, window: int) -> int:
 def _sweep_row(models: dict, tok, episodes: list[dict], facts: int, window: int, block: int, edges) -> dict:
     """One history length of :func:`sweep`: its sizes, recall per condition overall and by the asked
     fact's age (buckets between ``edges``), and the full adapter's cells after writing."""
-    histories, reads, n_ans = _rows(tok, episodes)
+    histories, reads, n_ans = episode_rows(tok, episodes)
     cells: list = []
     hits = recall_conditions(models, tok, episodes, window, cells=cells)
     longest = max(len(h) for h in histories)
