@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lstmem_peft.cli import bench
+from lstmem_peft.cli import bench, bench_records
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_records_carry_device_versions_date_and_every_figure(records):
 
 def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_path):
     out, _ = records
-    md = bench.report(out, tmp_path / "RESULTS.md")
+    md = bench_records.report(out, tmp_path / "RESULTS.md")
     text = md.read_text()
     assert "GPU: not yet measured" in text
     for heading in ("## decode", "## generate", "## write", "## e2e", "## scan", "## ops"):
@@ -146,7 +146,7 @@ def test_gpu_dry_run_records_every_step_with_environment_settings_and_skip_reaso
 
 def test_report_never_shows_dry_run_records_as_figures(gpu_dry_run, tmp_path):
     out, _, _ = gpu_dry_run
-    text = bench.report(out, tmp_path / "RESULTS.md").read_text()
+    text = bench_records.report(out, tmp_path / "RESULTS.md").read_text()
     assert "GPU: not yet measured" in text and "lstmem bench gpu" in text
     assert "Dry runs of `lstmem bench gpu` (not measurements)" in text
     assert "## gpu-" not in text and "tok/s" not in text  # no table, no figure
@@ -168,7 +168,7 @@ def test_report_renders_the_gpu_suite_tables(gpu_dry_run, tmp_path):
         "decode_tokens_per_s": {"plain": {"16": 2.0}, "lstmem": {"16": 1.0}},
     }
     (folder / "gpu-vllm-decode.json").write_text(json.dumps(vllm))
-    text = bench.report(folder, tmp_path / "RESULTS.md").read_text()
+    text = bench_records.report(folder, tmp_path / "RESULTS.md").read_text()
     assert "GPU: not yet measured" not in text and "Dry runs" not in text
     assert "| 16 | generate-static-compile | StaticCache | yes |" in text
     assert "Skipped: KV 64, forward: does not fit" in text

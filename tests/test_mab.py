@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from eval_fixtures import ENTITIES, ROWS, mab_row, write_snapshot
 
-from lstmem_peft.eval import mab
+from lstmem_peft.eval import mab, mab_templates
 from lstmem_peft.eval.mab import MemoryAgentBench
 
 
@@ -184,7 +184,7 @@ def digits(n):
 
 
 def test_paper_clip_constants_are_delta_mems():
-    assert mab.CLIP_MARKER == MARKER and len(MARKER) == 31
+    assert mab_templates.CLIP_MARKER == MARKER and len(MARKER) == 31
     assert mab.PAPER_MAX_CONTEXT_CHARS == 120_000
 
 

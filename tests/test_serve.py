@@ -1615,8 +1615,8 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
 def test_the_store_refuses_session_ids_that_are_not_plain_names(name):
     """One rule for names that become files (the store's and vLLM's session directory): the whole id
     must match, so a trailing newline (which ``$`` would let through) is refused too."""
+    from lstmem_peft.integrations.vllm import SessionIdError, check_session_id
     from lstmem_peft.integrations.vllm import check_session_id as vllm_check
-    from lstmem_peft.serve.store import SessionIdError, check_session_id
 
     assert check_session_id is vllm_check
     with pytest.raises(SessionIdError, match="invalid session id"):

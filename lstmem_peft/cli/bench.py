@@ -26,9 +26,6 @@ import torch
 
 from .bench_records import environment, save_record
 
-# ``report`` stays importable from here (lstmem_peft.cli.bench.report), where the records are made
-from .bench_records import report as report
-
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
     "tiny": dict(

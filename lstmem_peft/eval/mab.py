@@ -58,7 +58,6 @@ from .mab_templates import (
     paper_clip,
     sentence_chunks,
 )
-from .mab_templates import CLIP_MARKER as CLIP_MARKER
 from .protocol import Benchmark, DataSpec, History, Question, hub_folder, question_weighted, read_rows
 
 FAMILIES = ("AR", "TTL", "LRU", "SF")

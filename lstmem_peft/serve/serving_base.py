@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from lstmem_peft.integrations.vllm import SessionIdError, check_session_id
+
 from .generation import Sampling
 from .metrics import Metrics
 from .protocol import MemoryUsage, ServeError, Usage
 from .runtime import LoadedModel
 from .scheduler import Job, Scheduler
-from .store import SessionIdError, check_session_id
 
 SESSION_HEADER = "X-Session-Id"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session directory)
-from lstmem_peft.integrations.vllm import SESSION_ID, SessionIdError, check_session_id  # noqa: F401 (re-exported)
+from lstmem_peft.integrations.vllm import SESSION_ID, check_session_id
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 RECORD = "record.json"
