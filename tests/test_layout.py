@@ -150,3 +150,23 @@ def test_every_module_stands_in_a_wing_the_wheel_ships():
     assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
     for module in MODULES:
         _wing(module)
+
+
+def test_no_module_hands_on_names_it_does_not_use():
+    """Moved names are moved, not re-exported: outside a package's ``__init__.py`` (the public
+    faces), no ``from x import name as name`` and no module-level import kept only for others
+    (``noqa: F401``; an import inside a function that only checks a package is installed is fine)."""
+    offenders = []
+    for path in MODULES.values():
+        if path.name == "__init__.py":
+            continue
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.parse(source).body:  # module level only
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            text = " ".join(lines[node.lineno - 1 : node.end_lineno])
+            same = [a.name for a in node.names if a.asname == a.name]
+            if "noqa: F401" in text or same:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text.strip()}")
+    assert not offenders, "re-exports (import the name where it is defined instead):\n" + "\n".join(offenders)
