@@ -28,11 +28,11 @@ def load(model_id: str | None):
 
         tokenizer = char_tokenizer()
         return tiny_qwen3(vocab_size=len(tokenizer)), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from lstmem_peft.tuner.loading import load_model_and_adapter
 
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    model, tokenizer = load_model_and_adapter(model_id)  # the checkpoint's dtype, on cuda when there is one
     tokenizer.padding_side = "left"
-    return AutoModelForCausalLM.from_pretrained(model_id, dtype="auto").eval(), tokenizer
+    return model, tokenizer
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from lstmem_peft.training.data import left_pad, long_recall_episodes
+from lstmem_peft.tuner.loading import load_model_and_adapter
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer
 
 # The demo's parts this command runs.
@@ -206,10 +207,10 @@ def _load_models(names, train, model_id, train_steps, seed):
     ones on ``model_id``. Returns ``(models, tokenizer or None for the demo's, timings)``."""
     timings, models, tokenizer = {}, {}, None
     if model_id is not None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_id)
-        load = lambda: AutoModelForCausalLM.from_pretrained(model_id).eval()  # noqa: E731
+        load = lambda: load_model_and_adapter(model_id, dtype="float32", device="cpu")[0]  # noqa: E731
         if not train:
             print("no trained adapter ships for this model: pass --train to train one first")
     else:
@@ -223,9 +224,7 @@ def _load_models(names, train, model_id, train_steps, seed):
             timings[f"train_{name}_s"] = round(time.perf_counter() - start, 1)
             print(f"trained adapter '{name}' in {timings[f'train_{name}_s']} s")
         elif model_id is None:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(load(), DEMO_ASSETS / f"adapter_{name}").eval()
+            model = load_model_and_adapter(adapter=DEMO_ASSETS / f"adapter_{name}", device="cpu")[0]
         else:
             from peft import get_peft_model
 

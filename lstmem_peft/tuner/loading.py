@@ -20,9 +20,10 @@ def load_model_and_adapter(
     """Load a backbone and, when given, the LSTMem adapter trained on it, in eval mode.
 
     Args:
-        model: the backbone, a Hub id or a local folder; ``None`` with ``adapter=None``: the embedded
-            demo (its backbone, its ``full`` adapter and its word-level tokenizer).
-        adapter: the LSTMem adapter, a Hub id or a local folder (``None``: the plain backbone).
+        model: the backbone, a Hub id or a local folder; ``None``: the embedded demo's backbone (and
+            its word-level tokenizer).
+        adapter: the LSTMem adapter, a Hub id or a local folder; ``None``: the plain backbone, or
+            with ``model=None`` the demo's ``full`` adapter.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
         device: ``cpu`` or ``cuda`` (default: cuda when available).
 
@@ -35,9 +36,9 @@ def load_model_and_adapter(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model is None:
-        if adapter is not None:
-            raise ValueError("an adapter needs the backbone it was trained on: pass the model too")
-        demo = PeftModel.from_pretrained(load_demo_backbone(), DEMO_ASSETS / "adapter_full")
+        adapter = DEMO_ASSETS / "adapter_full" if adapter is None else adapter
+        require_adapter_weights(adapter)
+        demo = PeftModel.from_pretrained(load_demo_backbone(), adapter)
         return demo.to(device).eval(), demo_tokenizer()
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
