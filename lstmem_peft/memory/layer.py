@@ -18,7 +18,7 @@ and feeds them zero-padded inputs, so ``P_time`` and ``G_time`` only ever multip
 This layer registers exactly the effective maps, ``w_pred = W~_pred = P_dep`` (only in a layer that
 receives a depth input: elsewhere ``p^dep`` is zero and ``W~_pred`` could never get a gradient) and
 ``w_gate = W~_gate = [G_z | G_dep | G_e]``: the same function, and every registered parameter can
-learn. Adapter files that carry the full matrices still load (``_from_full_matrices``).
+learn. Adapter files that carry the full matrices still load (:mod:`.adapter_files`).
 
 :meth:`LSTMemLayer.forward` is the one body of this math, in the paper's order, for every token
 count, with or without a depth input, writing or read-only, with or without gradients. Its affine
@@ -44,6 +44,7 @@ from torch import nn
 from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step, lstmem_scan, lstmem_step
 
 from . import constants as K
+from .adapter_files import from_full_matrices, refuse_nonfinite_weights
 
 
 def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -205,8 +206,8 @@ class LSTMemLayer(nn.Module):
         #: ``LSTMemConfig.scan_backend``
         self.backend = "auto"
         self.reset_parameters()
-        self._register_load_state_dict_pre_hook(_from_full_matrices, with_module=True)
-        self.register_load_state_dict_post_hook(_refuse_nonfinite_weights)
+        self._register_load_state_dict_pre_hook(from_full_matrices, with_module=True)
+        self.register_load_state_dict_post_hook(refuse_nonfinite_weights)
 
     @property
     def state_size(self) -> int:
@@ -547,46 +548,6 @@ class LSTMemLayer(nn.Module):
             q, k, i_e, f, o, cell, hidden, depth_term, valid, backend=self.backend, out=(new_cell, new_hidden)
         )
         return r_time, new_cell, new_hidden
-
-
-#: Adapter files written before the layer stored the effective maps carry the paper's full matrices
-#: under these names: ``w_pred_full = [P_time | P_dep]`` ``(d_s, 2 d_s)`` and ``w_gate_full = [G_z |
-#: G_time | G_dep | G_e]`` ``(4 d_s, 4 d_s)``.
-FULL_MATRICES = {"w_pred_full": "w_pred", "w_gate_full": "w_gate"}
-
-
-def effective_from_full(name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """The parameter name and value a full matrix of an older adapter file becomes: ``P_dep`` of
-    ``w_pred_full``, ``[G_z | G_dep | G_e]`` of ``w_gate_full``. ``P_time`` and ``G_time`` only ever
-    multiplied zeros (App. C.2), so the layer computes the same function."""
-    if name == "w_pred_full":
-        ds = full.shape[0]
-        return "w_pred", full[:, ds:]
-    ds = full.shape[0] // 4
-    return "w_gate", torch.cat([full[:, :ds], full[:, 2 * ds :]], dim=1)
-
-
-def _from_full_matrices(layer: LSTMemLayer, state_dict: dict, prefix: str, *args) -> None:
-    """Before a state dict is loaded into ``layer``: the full matrices of an older file become the
-    effective maps (:func:`effective_from_full`); ``w_pred`` is dropped in a layer without depth input."""
-    for old in FULL_MATRICES:
-        full = state_dict.pop(prefix + old, None)
-        if full is None:
-            continue
-        name, value = effective_from_full(old, full)
-        if name == "w_pred" and layer.w_pred is None:
-            continue
-        state_dict.setdefault(prefix + name, value)
-
-
-def _refuse_nonfinite_weights(layer: LSTMemLayer, incompatible_keys) -> None:
-    """After a state dict is loaded into ``layer`` (an adapter file, a checkpoint): every weight finite."""
-    bad = [name for name, p in layer.named_parameters() if not bool(torch.isfinite(p).all())]
-    if bad:
-        raise ValueError(
-            f"the LSTMem weights loaded for decoder layer {layer.layer_idx} hold NaN or inf in {bad}: the adapter "
-            "file is damaged or was saved from a diverged run; load another checkpoint"
-        )
 
 
 def _unit_heads(x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
+from lstmem_peft.memory.adapter_files import FULL_MATRICES, effective_from_full
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
-from lstmem_peft.memory.layer import FULL_MATRICES, effective_from_full
 
 from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
 from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
