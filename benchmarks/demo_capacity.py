@@ -41,7 +41,9 @@ def memory_recall(model, tok, facts=FACTS, num: int = 512) -> dict:
         episodes = long_recall_episodes(num, n, seed=EVAL_SEED + n)
         histories, reads, n_ans = demo_recall.episode_rows(tok, episodes)
         cache = demo_recall.write_histories(model, tok, histories)
-        out[str(n)] = round(demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item(), 4)
+        out[str(n)] = round(
+            demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item(), 4
+        )
     return out
 
 

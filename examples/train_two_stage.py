@@ -10,9 +10,22 @@ global batch 32, AdamW, cosine decay with 10% warm-up, bf16, seed 42.
         --model Qwen/Qwen3-4B-Instruct-2507 --qasper allenai/qasper --long data/long.jsonl \\
         --output-dir runs/lstmem-qwen3-4b --push-to-hub user/lstmem-qwen3-4b
 
-    # a CPU smoke test on the offline tiny model and local fixtures
+    # how much memory each GPU needs (only the model's config is read), and fitting it to 24 GB
+    python examples/train_two_stage.py --model Qwen/Qwen3-4B-Instruct-2507 --memory-table \\
+        --plan-dtype bfloat16 --plan-processes 8 --deepspeed examples/deepspeed_zero2.json
+    accelerate launch ... examples/train_two_stage.py ... --fit-memory 24GB
+
+    # a CPU smoke test on the offline tiny model and local fixtures, one process or two (ZeRO-2)
     python examples/train_two_stage.py --tiny --qasper qasper.json --long long.jsonl --output-dir /tmp/run \\
         --stage1-steps 2 --stage2-steps 2 --global-batch 2
+    accelerate launch --config_file examples/accelerate_zero2_cpu.yaml examples/train_two_stage.py --tiny ...
+
+``--memory-table`` prints the memory one process needs (backbone, adapter, gradients, AdamW state,
+activations per history length with and without gradient checkpointing, for the launch's processes
+and micro-batch; lstmem_peft/training/memory_plan.py says how it is computed and how close it came
+to measurements). ``--fit-memory SIZE`` turns gradient checkpointing on for a stage whose estimate
+does not fit SIZE per process without it, and stops before training when even checkpointing does
+not fit, naming the history cap or micro-batch that would.
 """
 
 from __future__ import annotations
@@ -22,14 +35,21 @@ import json
 import os
 
 import torch
-from datasets import Dataset
-from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
 from lstmem_peft.memory import constants as K
-from lstmem_peft.training.card import push_to_hub, record_training, write_model_card
-from lstmem_peft.training.data import load_episodes, tokenize_episode
-from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
+from lstmem_peft.training.memory_plan import (
+    AdapterDims,
+    ModelDims,
+    Setting,
+    choose_checkpointing,
+    memory_table,
+    parse_size,
+)
+
+
+def adapter_config() -> LSTMemConfig:
+    return LSTMemConfig()  # n_h 4, r 8, alpha 16, all layers, feedback on
 
 
 def load_model(args):
@@ -47,7 +67,43 @@ def load_model(args):
     return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype), tok
 
 
-def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap):
+def model_config(args):
+    """The backbone's config alone (no weights): for the memory plan."""
+    if args.tiny:
+        from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
+
+        return tiny_qwen3(len(char_tokenizer())).config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model)
+
+
+def plan_setting(args, stage: str) -> Setting:
+    """The memory plan's view of one stage: this launch's processes, ZeRO-2 and dtypes, or the ones
+    ``--plan-processes`` / ``--plan-dtype`` name (to plan GPUs from another machine)."""
+    world = args.plan_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    deepspeed = bool(args.deepspeed) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    dtype = args.plan_dtype
+    if dtype == "auto":  # what load_model and LSTMemTrainingConfig choose on this machine
+        cuda = torch.cuda.is_available()
+        dtype = "bfloat16" if cuda and torch.cuda.is_bf16_supported() else "float32"
+    return Setting(
+        stage=stage,
+        history_tokens=args.stage1_history_cap if stage == "stage1" else K.STAGE2_HISTORY_CAP,
+        micro_batch=args.micro_batch,
+        backbone_dtype=dtype,
+        activation_dtype=dtype,
+        processes=world,
+        zero2=deepspeed,
+    )
+
+
+def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap, checkpointing):
+    from datasets import Dataset
+
+    from lstmem_peft.training.data import tokenize_episode
+    from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = args.micro_batch
     accumulation = max(1, args.global_batch // (world * micro))
@@ -64,6 +120,7 @@ def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap):
         max_steps=steps,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=checkpointing,
         lr_scheduler_type="cosine",
         warmup_steps=0.1,  # a float below 1 is a fraction of the run
         optim="adamw_torch",
@@ -78,30 +135,79 @@ def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap):
     return trainer
 
 
+def checkpointing_for(args, dims: ModelDims, adapter: AdapterDims, name: str) -> bool:
+    """Gradient checkpointing for one stage: ``--gradient-checkpointing``, or what ``--fit-memory``
+    needs (stops the run, naming the fix, when nothing fits)."""
+    if args.fit_memory is None:
+        return args.gradient_checkpointing
+    setting = plan_setting(args, name)
+    try:
+        needed = choose_checkpointing(dims, adapter, setting, parse_size(args.fit_memory))
+    except ValueError as err:
+        raise SystemExit(f"--fit-memory {args.fit_memory}: {err}") from err
+    on = needed or args.gradient_checkpointing
+    why = "needed to fit" if needed else "not needed to fit"
+    print(f"{name}: gradient checkpointing {'on' if on else 'off'} ({why} {args.fit_memory} per process)")
+    return on
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507")
     ap.add_argument("--tiny", action="store_true", help="use the offline tiny model (smoke test)")
-    ap.add_argument("--qasper", required=True, help="QASPER file or Hub id")
-    ap.add_argument("--long", required=True, help="long-document QA JSONL (context + qas)")
-    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--qasper", help="QASPER file or Hub id (required to train)")
+    ap.add_argument("--long", help="long-document QA JSONL, context + qas (required to train)")
+    ap.add_argument("--output-dir", help="where the stages and the adapter go (required to train)")
     ap.add_argument("--stage1-steps", type=int, default=70)
     ap.add_argument("--stage2-steps", type=int, default=26)
+    ap.add_argument("--stage1-history-cap", type=int, default=K.STAGE1_HISTORY_CAP)
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--deepspeed", default=None, help="DeepSpeed config (examples/deepspeed_zero2.json)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="checkpoint the decoder layers")
+    ap.add_argument("--memory-table", action="store_true", help="print the memory plan and exit")
+    ap.add_argument(
+        "--fit-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory per process, e.g. 24GB: checkpoint if needed",
+    )
+    ap.add_argument("--plan-dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    ap.add_argument(
+        "--plan-processes", type=int, default=None, help="plan for N processes (default: this launch)"
+    )
     ap.add_argument("--report-to", nargs="*", default=[])
     ap.add_argument("--push-to-hub", default=None, help="publish the adapter as this repo id")
     args = ap.parse_args()
 
+    dims = ModelDims.from_config(model_config(args))
+    adapter = AdapterDims.from_config(adapter_config(), dims.num_layers)
+    if args.memory_table:
+        print(memory_table(dims, adapter, plan_setting(args, "stage1")))
+        return
+    missing = [
+        f"--{n.replace('_', '-')}" for n in ("qasper", "long", "output_dir") if getattr(args, n) is None
+    ]
+    if missing:
+        ap.error(f"training needs {', '.join(missing)}")
+    ckpt1 = checkpointing_for(args, dims, adapter, "stage1")
+    ckpt2 = checkpointing_for(args, dims, adapter, "stage2")
+
+    from peft import get_peft_model
+
+    from lstmem_peft.training.card import push_to_hub, record_training, write_model_card
+    from lstmem_peft.training.data import load_episodes
+
     base, tok = load_model(args)
-    model = get_peft_model(base, LSTMemConfig())  # n_h 4, r 8, alpha 16, all layers, feedback on
+    model = get_peft_model(base, adapter_config())
     model.print_trainable_parameters()
     qasper = load_episodes(args.qasper, "qasper")
     long_docs = load_episodes(args.long, "long_qa")
-    stage(model, tok, qasper, args, "stage1", "stage1", 2e-4, args.stage1_steps, K.STAGE1_HISTORY_CAP)
+    first = stage(
+        model, tok, qasper, args, "stage1", "stage1", 2e-4, args.stage1_steps, args.stage1_history_cap, ckpt1
+    )
     trainer = stage(
-        model, tok, long_docs, args, "stage2", "stage2", 5e-5, args.stage2_steps, K.STAGE2_HISTORY_CAP
+        model, tok, long_docs, args, "stage2", "stage2", 5e-5, args.stage2_steps, K.STAGE2_HISTORY_CAP, ckpt2
     )
     record_training(
         model,
@@ -112,9 +218,15 @@ def main() -> None:
         ),
         updates=f"{args.stage1_steps} at 2e-4, then {args.stage2_steps} at 5e-5",
     )
+    if not trainer.is_world_process_zero():
+        return  # every process holds the same adapter; the first one writes it
     final = os.path.join(args.output_dir, "adapter")
     model.save_pretrained(final)
     write_model_card(model, final)  # settings, the training facts above, the citation
+
+    def losses(t):
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
     with open(os.path.join(final, "training.json"), "w") as fh:
         json.dump(
             {
@@ -124,11 +236,16 @@ def main() -> None:
                 "stage1_updates": args.stage1_steps,
                 "stage2_updates": args.stage2_steps,
                 "global_batch": args.global_batch,
+                "processes": trainer.accelerator.num_processes,
+                "distributed_type": str(trainer.accelerator.distributed_type.value),
+                "gradient_checkpointing": {"stage1": ckpt1, "stage2": ckpt2},
+                "stage1_losses": losses(first),
+                "stage2_losses": losses(trainer),
             },
             fh,
             indent=2,
         )
-    if args.push_to_hub and trainer.is_world_process_zero():
+    if args.push_to_hub:
         push_to_hub(model, args.push_to_hub)  # the adapter with its LSTMem card
 
 

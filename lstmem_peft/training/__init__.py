@@ -1,2 +1,3 @@
-"""Training: episodes and their formats (:mod:`.data`), the TRL trainer (:mod:`.trainer`) and the
-adapter's model card (:mod:`.card`). Imports ``tuner``, ``memory`` and ``utils``."""
+"""Training: episodes and their formats (:mod:`.data`), the TRL trainer (:mod:`.trainer`), the
+memory a training setting needs (:mod:`.memory_plan`), the adapter's model card (:mod:`.card`) and the
+stage-2 Long dataset (:mod:`.long_data`). Imports ``tuner``, ``memory`` and ``utils``."""
