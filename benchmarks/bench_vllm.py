@@ -7,9 +7,10 @@ Run in the vLLM environment (``.ci/run-vllm`` builds one; ``pip install "lstmem-
         --kv 8192 16384 32768 65536 131072 --dtype bfloat16   # GPU: decode speed against KV length
 
 ``throughput``: ``--requests`` greedy requests (``--prompt`` random tokens each, ``--new`` tokens
-generated, EOS ignored) through one ``LLM.generate`` call, first on the plain backbone, then on its
-LSTMem model (an adapter attached to the same random checkpoint, memory on every layer); reported:
-generated tokens/s over the wall time of the call (prefill included) and the ratio.
+generated, EOS ignored) through one ``LLM.generate`` call, on the plain backbone and on its LSTMem
+model (an adapter attached to the same random checkpoint, memory on every layer): both engines are
+started first, then ``--repeats`` rounds alternate between them; reported: generated tokens/s over
+the median wall time of the call (prefill included), the min-max, and the ratio.
 
 ``sweep``: for each KV length ``L``, one request with an ``L``-token prompt, timed with 1 and with
 ``1 + --new`` generated tokens; decode tokens/s = ``--new`` / the difference. Plain and LSTMem.
@@ -127,18 +128,28 @@ def throughput(args) -> dict:
             if args.model
             else random_checkpoint(Path(tmp), args.hidden, args.layers)
         )
-        rows = {}
-        for name, which in (("plain", None), ("lstmem", adapter)):
-            llm, started = make_llm(model, which, args)
-            timed_generate(llm, prompts[:2], 4)  # warm-up
-            runs = [timed_generate(llm, prompts, args.new) for _ in range(args.repeats)]
-            seconds = sorted(t for t, _ in runs)[len(runs) // 2]
-            rows[name] = dict(
-                engine_start_s=round(started, 1),
-                seconds=round(seconds, 3),
-                generated_tokens_per_s=round(runs[0][1] / seconds, 1),
+        engines, rows, runs = {}, {}, {"plain": [], "lstmem": []}
+        try:
+            for name, which in (("plain", None), ("lstmem", adapter)):
+                engines[name], started = make_llm(model, which, args)
+                timed_generate(engines[name], prompts[:2], 4)  # warm-up
+                rows[name] = dict(engine_start_s=round(started, 1))
+            # rounds alternate between the two engines, so that a change in the machine's load
+            # (other processes on shared cores) falls on both
+            for _ in range(args.repeats):
+                for name in ("plain", "lstmem"):
+                    runs[name].append(timed_generate(engines[name], prompts, args.new))
+        finally:
+            for llm in engines.values():
+                close(llm)
+        for name, timed in runs.items():
+            seconds = sorted(t for t, _ in timed)
+            tokens = timed[0][1]
+            rows[name].update(
+                seconds_median=round(seconds[len(seconds) // 2], 3),
+                seconds_min_max=[round(seconds[0], 3), round(seconds[-1], 3)],
+                generated_tokens_per_s=round(tokens / seconds[len(seconds) // 2], 1),
             )
-            close(llm)
             print(name, rows[name], flush=True)
     ratio = rows["lstmem"]["generated_tokens_per_s"] / rows["plain"]["generated_tokens_per_s"]
     return dict(
@@ -153,6 +164,8 @@ def throughput(args) -> dict:
             compile=args.compile,
             repeats=args.repeats,
             model=args.model or "random Qwen3",
+            rounds="alternating (plain, lstmem) x repeats, both engines started first",
+            note=args.note,
         ),
         results=rows,
         lstmem_over_plain=round(ratio, 3),
@@ -213,6 +226,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=None, help="vLLM's kv_cache_memory_bytes (CPU: e.g. 1073741824)"
     )
+    parser.add_argument("--note", default="", help="free text kept in the record (what code was measured)")
     parser.add_argument("--out", default="benchmarks/vllm")
     args = parser.parse_args(argv)
     if args.mode == "sweep":

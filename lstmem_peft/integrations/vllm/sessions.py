@@ -36,10 +36,10 @@ request's own error, HTTP 400 on vLLM's server, and the engine goes on):
 In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker`):
 
 * before each step, every request that starts (new, or resumed from scratch after a preemption)
-  marks its state slot read-only or writing for the memory layers (``EngineMemory.read_only``), and
-  if it names an in-session has that memory staged for its state slot (read once per request; a
-  restarted request starts again from the memory it first read); each memory layer takes its
-  ``(C, D)`` when it runs the request's first chunk (else the request starts from zeros);
+  marks its state slot read-only or writing for the memory layers
+  (``EngineMemory.set_read_only``) and has its starting memory written into its state slot, every
+  memory layer's ``(C, D)``: its in-session's memory (read once per request; a restarted request
+  starts again from the memory it first read), else zeros;
 * after each step, before its outputs go back to the scheduler, every request that sampled its
   last token in that step (vLLM's own stop rule, :func:`finishes`) and names an out-session has its
   slot's states written there: to a temporary file of the session directory, then renamed over the
@@ -48,6 +48,8 @@ In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.integrations.vl
   the prompt and every generated token but the last, as ``generate(memory_cache=...)`` leaves it;
   ``tokens_written`` is the starting memory's count plus the tokens the model ran for the request.
   A request that does not finish (aborted, a client that went away) leaves its session as it was.
+  With tensor parallelism every rank reads in-sessions (each holds the whole memory) and rank 0
+  writes out-sessions.
 
 Nothing a request carries can stop the engine: the worker checks names again, and a file that
 fails there (removed or replaced by someone else after admission, a full disk) is logged and
@@ -64,6 +66,7 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
@@ -329,6 +332,8 @@ class Sessions:
         self.directory = directory
         self.states = model.memory_states()
         self.shared = model.lstmem_shared
+        # every tensor-parallel rank holds the whole memory (replicated states): rank 0 saves
+        self.writer = get_tensor_model_parallel_rank() == 0
         self.layout = model.lstmem_layout
         name = self.states[0].prefix
         self.group = next(
@@ -336,7 +341,7 @@ class Sessions:
         )
         self.start_tokens: dict[str, int] = {}  # request id -> tokens_written of its starting memory
         self.ran: dict[str, int] = {}  # request id -> tokens the model ran for it since it (re)started
-        self.staged: dict[str, int] = {}  # request id -> slot whose start is staged
+        self.read_only: set[str] = set()  # ids of read-only requests
         self.memories: dict[str, MemoryCache] = {}  # request id -> the memory it started from (read once)
         self.outputs: dict[str, tuple[str, str]] = {}  # request id -> (out-session name, its file)
         self.failed: set[str] = set()  # requests whose in-session could not be read here
@@ -360,6 +365,9 @@ class Sessions:
                     self.start(request_id, request.sampling_params, cached.new_block_ids[i])
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             self.ran[request_id] = self.ran.get(request_id, 0) + count
+        self.shared.step_has_read_only = any(
+            request_id in self.read_only for request_id in scheduler_output.num_scheduled_tokens
+        )
 
     def after_step(self, output) -> None:
         """Save the out-session of every request that ended in the step of ``output`` (a
@@ -375,20 +383,27 @@ class Sessions:
                 self.save(request_id, request)
 
     def start(self, request_id: str, params, block_ids) -> None:
+        """Set up the state slot of a request that starts (or restarts from scratch): its mode, and its
+        starting memory in every memory layer (the in-session's, else zeros; vLLM does not clear a
+        slot it hands out)."""
         slot = int(block_ids[self.group][0])
         extra = getattr(params, "extra_args", None)
-        # the slot is this request's now: a memory staged there for a request that was preempted or
-        # aborted before its first chunk ran is stale, and so is the mode of the slot's last request
-        self.shared.starts.pop(slot, None)
         read_only = is_read_only(extra)
+        self.shared.set_read_only(slot, read_only)
         if read_only:
-            self.shared.read_only.add(slot)
+            self.read_only.add(request_id)
         else:
-            self.shared.read_only.discard(slot)
+            self.read_only.discard(request_id)
         self.start_tokens[request_id] = 0
         self.ran[request_id] = 0
+        self.write_start(slot, self.starting_memory(request_id, extra, read_only))
+
+    def starting_memory(self, request_id: str, extra, read_only: bool) -> MemoryCache | None:
+        """The memory of the request's in-session (read once per request), or ``None``: zeros. Records
+        its out-session (on the writing rank). Never raises: a session that cannot be used is logged
+        and counted, and the request runs from an empty memory without saving."""
         if self.directory is None or request_id in self.failed:
-            return
+            return None
         try:
             name_in, name_out = request_sessions(extra)
             if name_out is not None and read_only:  # refused at admission; a read-only request writes nothing
@@ -401,10 +416,10 @@ class Sessions:
                 )
                 self.counts["failed"] += 1
                 name_out = None
-            if name_out is not None:
+            if name_out is not None and self.writer:
                 self.outputs[request_id] = (name_out, session_file(self.directory, name_out))
             if name_in is None:
-                return
+                return None
             cache = self.memories.get(request_id)
             if cache is None:
                 cache = load_session(session_file(self.directory, name_in), self.layout)
@@ -420,10 +435,20 @@ class Sessions:
             self.counts["failed"] += 1
             self.failed.add(request_id)
             self.outputs.pop(request_id, None)
-            return
-        self.shared.starts[slot] = [(layer.cell[0], layer.hidden[0]) for layer in cache.layers]
+            return None
         self.start_tokens[request_id] = int(cache.tokens_written[0])
-        self.staged[request_id] = slot
+        return cache
+
+    def write_start(self, slot: int, cache: MemoryCache | None) -> None:
+        """Write ``cache``'s one row (``None``: zeros) into state slot ``slot`` of every memory layer."""
+        for depth, state in enumerate(self.states):
+            cells, hiddens = state.kv_cache
+            if cache is None:
+                cells[slot].zero_()
+                hiddens[slot].zero_()
+            else:
+                cells[slot].copy_(cache.layers[depth].cell[0])
+                hiddens[slot].copy_(cache.layers[depth].hidden[0])
 
     def save(self, request_id: str, request) -> None:
         """Write the memory in ``request``'s state slot to its out-session (atomically)."""
@@ -448,10 +473,7 @@ class Sessions:
 
     def finish(self, request_id: str) -> None:
         """Forget a request vLLM has finished (its out-session was written at its last step)."""
-        slot = self.staged.pop(request_id, None)
-        request = self.runner.requests.get(request_id)
-        if slot is not None and (request is None or request.num_computed_tokens == 0):
-            self.shared.starts.pop(slot, None)  # never ran (aborted): its staged memory goes
+        self.read_only.discard(request_id)
         self.start_tokens.pop(request_id, None)
         self.ran.pop(request_id, None)
         self.memories.pop(request_id, None)

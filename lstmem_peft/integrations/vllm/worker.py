@@ -3,13 +3,15 @@
 Selected by :func:`lstmem_peft.integrations.vllm.engine_args` (``worker_cls``), or for ``vllm serve`` with
 ``--worker-cls lstmem_peft.integrations.vllm.worker.LSTMemWorker``. When the model is loaded it sets up
 the session directory (``LSTMEM_SESSION_DIR``; :func:`~.sessions.prepare_session_directory`). Before
-each step it runs, it stages the memories of starting requests; after the step, before the step's
+each step it runs, it writes the starting memory of every request that starts into its state slot
+(:meth:`~.sessions.Sessions.before_step`; the model needs this worker); after the step, before the step's
 output goes back to the scheduler (and so to the client), it saves the memories of the requests
 that ended in it (:class:`~.sessions.Sessions`). The step itself is the platform worker's, unchanged.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm.platforms import current_platform
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.outputs import ModelRunnerOutput
@@ -46,7 +48,8 @@ class LSTMemWorker(resolve_obj_by_qualname(PLATFORM_WORKERS[current_platform.dev
     def execute_model(self, scheduler_output, *args, **kwargs):
         if self._lstmem_sessions is None:  # the model and its state cache exist by the first step
             self._lstmem_sessions = Sessions(self.model_runner, self._lstmem_directory)
-        self._lstmem_sessions.before_step(scheduler_output)
+        with torch.inference_mode():  # it writes states and flags that vLLM made in inference mode
+            self._lstmem_sessions.before_step(scheduler_output)
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if isinstance(output, ModelRunnerOutput):  # a step that sampled nothing returns its output here
             self._lstmem_sessions.after_step(output)
