@@ -67,6 +67,18 @@ def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_pa
     ).stat().st_size > 0
 
 
+def test_a_new_report_keeps_the_hand_written_history_of_results_md(records, tmp_path):
+    out, _ = records
+    md = tmp_path / "RESULTS.md"
+    history = "## History of re-measurements\n\n- generate 1.08x (2026-11-24)\n"
+    md.write_text("old tables\n\n" + bench_records.HAND_WRITTEN + "\n\n" + history)
+    for _ in range(2):  # regenerated twice: the history stays, once, after the new tables
+        text = bench_records.report(out, md).read_text()
+        assert "old tables" not in text and "## decode" in text
+        assert text.count(bench_records.HAND_WRITTEN) == 1 and text.endswith(history)
+        assert text.index("## decode") < text.index(bench_records.HAND_WRITTEN)
+
+
 def test_unknown_preset_and_kind_are_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown preset"):
         bench.run("decode", preset="gpt5", out=str(tmp_path))

@@ -177,8 +177,17 @@ NOT_MEASURED_ON_GPU = [
 ]
 
 
+#: In RESULTS.md, what follows this line is written by hand (the history of re-measurements): a
+#: report keeps it.
+HAND_WRITTEN = (
+    "<!-- Everything below this line is written by hand, not by `lstmem bench report`: "
+    "keep it when regenerating. -->"
+)
+
+
 def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
-    """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it."""
+    """Render every record under ``out_dir`` into ``results_md`` (tables) and PNG plots beside it;
+    the hand-written part of an existing ``results_md`` (from :data:`HAND_WRITTEN` on) is kept."""
     records = read_records(out_dir)
     # records of ``lstmem bench gpu --dry-run``: a test of the suite at tiny sizes on CPU, never figures
     dry_runs = [r for r in records if r.get("dry_run")]
@@ -200,7 +209,10 @@ def report(out_dir: str | os.PathLike, results_md: str | os.PathLike) -> Path:
         lines.append("")
     if dry_runs:
         lines += _dry_run_lines(dry_runs)
-    md.write_text("\n".join(lines))
+    kept = md.read_text().partition(HAND_WRITTEN) if md.exists() else ("", "", "")
+    if kept[1]:
+        lines += ["", kept[1] + kept[2].rstrip("\n")]
+    md.write_text("\n".join(lines) + ("\n" if kept[1] else ""))
     return md
 
 
