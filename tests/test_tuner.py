@@ -531,3 +531,19 @@ def test_memory_grads_in_training_mode_reach_every_memory_parameter():
     assert all(layer.w_in.grad is not None and layer.w_in.grad.abs().sum() > 0 for layer in layers)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=x, memory_cache=MemoryCache()).logits, out.logits)
+
+
+def test_which_layers_get_memory_is_defined_once_on_the_config():
+    """The tuner and the vLLM plugin ask the config which layers carry memory and which receive a
+    depth input; a layer the model does not have is an error naming it."""
+    from lstmem_peft import LSTMemConfig
+
+    every, some = LSTMemConfig(), LSTMemConfig(layers_to_transform=[3, 1])
+    assert every.memory_layer_indices(4) == [0, 1, 2, 3] and some.memory_layer_indices(4) == [1, 3]
+    assert some.carries_memory(3) and not some.carries_memory(2)
+    assert [every.receives_depth(d) for d in range(3)] == [False, True, True]
+    assert not LSTMemConfig(depth_coupling=False).receives_depth(2)
+    with pytest.raises(
+        ValueError, match=r"decoder layers \[3\] that the model does not have \(it has 2 layers\)"
+    ):
+        some.memory_layer_indices(2)

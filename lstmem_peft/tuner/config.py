@@ -198,6 +198,28 @@ class LSTMemConfig(PeftConfig):
     def output_module(self) -> str:
         return self.target_modules[1]
 
+    # ------------------------------------------------------------------ which layers get memory
+    def carries_memory(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` gets a memory layer (all of them unless
+        ``layers_to_transform`` names some)."""
+        return self.layers_to_transform is None or layer_idx in self.layers_to_transform
+
+    def memory_layer_indices(self, num_layers: int) -> list[int]:
+        """The decoder layers of a ``num_layers``-layer model that get memory, in depth order; an
+        index the model does not have is an error."""
+        absent = sorted({i for i in self.layers_to_transform or () if i >= num_layers})
+        if absent:
+            raise ValueError(
+                f"layers_to_transform names decoder layers {absent} that the model does not have "
+                f"(it has {num_layers} layers)"
+            )
+        return [i for i in range(num_layers) if self.carries_memory(i)]
+
+    def receives_depth(self, depth: int) -> bool:
+        """Whether the memory layer at depth index ``depth`` (0: the lowest) gets a depth input
+        ``D^(l-1)``: every one but the first, with depth coupling."""
+        return self.depth_coupling and depth > 0
+
 
 def has_adapter_weights(folder: str | os.PathLike) -> bool:
     """Whether the local folder ``folder`` holds an adapter weights file (safetensors or ``.bin``)."""

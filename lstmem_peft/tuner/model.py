@@ -111,7 +111,7 @@ class LSTMemModel(BaseTuner):
         idx = LSTMemModel._layer_index(key)
         if idx is None:
             return False
-        return peft_config.layers_to_transform is None or idx in peft_config.layers_to_transform
+        return peft_config.carries_memory(idx)
 
     def _create_and_replace(
         self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None
@@ -189,16 +189,17 @@ class LSTMemModel(BaseTuner):
             raise ValueError(
                 f"decoder layers {missing} have a query projection but no {config.output_module!r}"
             )
-        if config.layers_to_transform is not None:
-            absent = sorted(set(config.layers_to_transform) - {q.layer_idx for q in queries})
-            if absent:
-                raise ValueError(
-                    f"layers_to_transform names decoder layers {absent} that the model does not have "
-                    f"(it has {self._num_layers(model)} layers)"
-                )
+        if self._num_layers(model) is not None:
+            config.memory_layer_indices(self._num_layers(model))  # refuses layers the model does not have
+        absent = sorted(set(config.layers_to_transform or ()) - {q.layer_idx for q in queries})
+        if absent:
+            raise ValueError(
+                f"layers_to_transform names decoder layers {absent} that have no {config.query_module!r} / "
+                f"{config.output_module!r} projections"
+            )
         for depth, query in enumerate(queries):
             query.lstmem_depth[adapter_name] = depth
-            query.lstmem_memory[adapter_name].set_depth_input(config.depth_coupling and depth > 0)
+            query.lstmem_memory[adapter_name].set_depth_input(config.receives_depth(depth))
         MemoryHooks.attach(model)
 
     @staticmethod

@@ -80,8 +80,8 @@ from vllm.v1.attention.backends.linear_attn import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from lstmem_peft.memory.cache import STATE_DTYPES, MemoryLayout
-from lstmem_peft.memory.layer import LSTMemLayer
 from lstmem_peft.tuner.config import LSTMemConfig
+from lstmem_peft.tuner.layer import memory_layer
 
 from . import MEMORY_BACKEND, WORKER, register_memory_backend
 
@@ -104,12 +104,6 @@ def load_adapter(name: str) -> tuple[LSTMemConfig, str]:
 
         weights = hf_hub_download(name, ADAPTER_WEIGHTS)
     return config, weights
-
-
-def memory_layer_indices(config: LSTMemConfig, num_layers: int) -> list[int]:
-    """The decoder layers that carry memory, in depth order."""
-    chosen = range(num_layers) if config.layers_to_transform is None else config.layers_to_transform
-    return sorted(chosen)
 
 
 def _adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
@@ -296,17 +290,8 @@ class LSTMemState(nn.Module, MambaBase):
         nn.Module.__init__(self)
         # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise); W_dq
         # holds this rank's rows of the query projection
-        self.memory = LSTMemLayer(
-            hidden_size,
-            query_size,
-            num_heads=config.num_heads,
-            head_dim=config.r,
-            alpha=config.alpha,
-            layer_idx=layer_idx,
-            dtype=torch.float32,
-        )
-        self.memory.set_depth_input(config.depth_coupling and depth > 0)
-        self.memory.backend = config.scan_backend
+        self.memory = memory_layer(config, hidden_size, query_size, layer_idx, dtype=torch.float32)
+        self.memory.set_depth_input(config.receives_depth(depth))
         self.depth = depth
         self.prefix = prefix
         self.state_dtype = STATE_DTYPES[config.state_dtype]
@@ -447,7 +432,7 @@ class _MemoryDecoderLayer:
     def _attach_memory(self, config, prefix: str) -> None:
         adapter, _ = _adapter_of(config)
         layer_idx = extract_layer_index(prefix)
-        chosen = memory_layer_indices(adapter, config.num_hidden_layers)
+        chosen = adapter.memory_layer_indices(config.num_hidden_layers)
         self.lstmem = (
             LSTMemState(
                 config.hidden_size,
@@ -500,7 +485,7 @@ class _MemoryModel:
         for state in self.memory_states():
             state.shared = self.lstmem_shared
         self.lstmem_layout = MemoryLayout.of_adapter(
-            self.lstmem_adapter, memory_layer_indices(self.lstmem_adapter, config.num_hidden_layers), config
+            self.lstmem_adapter, self.lstmem_adapter.memory_layer_indices(config.num_hidden_layers), config
         )
 
     def memory_states(self) -> list[LSTMemState]:
