@@ -15,6 +15,7 @@ import _thread
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
 import threading
@@ -508,3 +509,48 @@ def test_answer_length_counts_target_tokens_and_bad_questions_can_be_dropped():
     assert R.judge(c, settings, skip=["answer_length"]).accepted
     with pytest.raises(ValueError, match="unknown rule"):
         R.judge(c, settings, skip=["no_such_rule"])
+
+
+@pytest.mark.slow
+def test_the_two_stage_recipe_trains_from_a_built_long_dataset(fake, tokenizers, tmp_path):
+    """From raw sources to a trained adapter: the Long dataset built through an endpoint is what
+    examples/train_two_stage.py reads for stage 2 (the offline tiny model; QASPER from its fixture)."""
+    import subprocess
+    from pathlib import Path
+
+    from eval_fixtures import QASPER_OFFICIAL
+
+    root = Path(__file__).resolve().parents[1]
+    L.build_long_dataset(config(fake, tokenizers["char"]), tmp_path / "long", progress=False)
+    (tmp_path / "qasper.json").write_text(json.dumps(QASPER_OFFICIAL))
+    argv = [
+        sys.executable,
+        str(root / "examples" / "train_two_stage.py"),
+        "--tiny",
+        "--qasper",
+        "qasper.json",
+    ]
+    argv += [
+        "--long",
+        "long",
+        "--output-dir",
+        "run",
+        "--stage1-steps",
+        "1",
+        "--stage2-steps",
+        "2",
+        "--global-batch",
+        "2",
+    ]
+    result = subprocess.run(
+        argv,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+    record = json.loads((tmp_path / "run" / "adapter" / "training.json").read_text())
+    assert record["long"] == "long" and record["stage2_updates"] == 2
