@@ -58,13 +58,14 @@ def load_model(args):
 
         tok = char_tokenizer()
         return tiny_qwen3(len(tok)), tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from lstmem_peft.tuner.loading import load_model_and_adapter
 
-    tok = AutoTokenizer.from_pretrained(args.model)
+    # on the CPU: the trainer places it on each process's device
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    model, tok = load_model_and_adapter(args.model, dtype=dtype, device="cpu")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype), tok
+    return model, tok
 
 
 def model_config(args):
