@@ -201,9 +201,15 @@ def train_adapter(
     progress: bool = True,
     tokenizer=None,
     max_facts: int = NUM_PAIRS,
+    rows: list[dict] | None = None,
+    model=None,
 ):
-    """Train a fresh adapter on the frozen backbone with :class:`LSTMemTrainer`; returns the PEFT
-    model. Histories hold 1 to ``max_facts`` facts (the shipped adapters: 1 to 8)."""
+    """Train a fresh adapter on the frozen backbone with :class:`LSTMemTrainer`; returns
+    ``(model, trainer)``. Histories hold 1 to ``max_facts`` facts (the shipped adapters: 1 to 8).
+
+    ``rows``: tokenized training rows (:func:`~lstmem_peft.training.data.tokenize_episode`) to train
+    on instead (``benchmarks/demo_window.py``: histories past the window); ``model``: a PEFT model on
+    ``backbone`` to train further instead of a fresh adapter."""
     from peft import get_peft_model
 
     from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
@@ -216,17 +222,20 @@ def train_adapter(
 
     tok = tokenizer or demo_tokenizer()
     torch.manual_seed(seed)
-    model = get_peft_model(backbone, adapter_config(**(overrides or {})))
-    # 1 to 8 facts per history: the easy histories bootstrap the key-value binding that 8-fact
-    # histories need (with 8 facts only, training sat at the 1/num_pairs plateau); evaluation
-    # always uses 8 facts.
-    per_count = max_steps * batch_size // max_facts + 1
-    episodes = [
-        e
-        for n in range(1, max_facts + 1)
-        for e in synthetic_recall_episodes(per_count, n, NUM_KEYS, NUM_VALUES, seed=seed + n)
-    ]
-    data = Dataset.from_list([tokenize_episode(tok, e) for e in episodes])
+    if model is None:
+        model = get_peft_model(backbone, adapter_config(**(overrides or {})))
+    if rows is None:
+        # 1 to 8 facts per history: the easy histories bootstrap the key-value binding that 8-fact
+        # histories need (with 8 facts only, training sat at the 1/num_pairs plateau); evaluation
+        # always uses 8 facts.
+        per_count = max_steps * batch_size // max_facts + 1
+        episodes = [
+            e
+            for n in range(1, max_facts + 1)
+            for e in synthetic_recall_episodes(per_count, n, NUM_KEYS, NUM_VALUES, seed=seed + n)
+        ]
+        rows = [tokenize_episode(tok, e) for e in episodes]
+    data = Dataset.from_list(rows)
     args = LSTMemTrainingConfig(
         output_dir=output_dir or tempfile.mkdtemp(prefix="lstmem-demo-"),
         max_steps=max_steps,
