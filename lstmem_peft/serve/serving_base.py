@@ -104,8 +104,9 @@ class Reply:
 class ServingGeneration(ServingBase):
     """Chat and completions: shared request checks, sampling and answering (a body or a stream).
 
-    A subclass sets :attr:`id_prefix` and fills in :meth:`body` (the JSON answer) and the stream's
-    chunks: :meth:`opening_chunks`, :meth:`delta_chunk`, :meth:`final_chunk`, :meth:`usage_chunk`.
+    A subclass sets :attr:`id_prefix`, :attr:`response_class` and :attr:`chunk_class`, and fills in
+    :meth:`body` (the JSON answer's choices) and the stream's chunks: :meth:`opening_chunks`,
+    :meth:`delta_chunk`, :meth:`final_chunk`.
 
     Args:
         loaded, scheduler, metrics: see :class:`ServingBase`.
@@ -113,6 +114,9 @@ class ServingGeneration(ServingBase):
     """
 
     id_prefix = ""
+    #: the pydantic models of the JSON answer and of one stream chunk
+    response_class: type[BaseModel]
+    chunk_class: type[BaseModel]
 
     def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
         super().__init__(loaded, scheduler, metrics)
@@ -230,9 +234,26 @@ class ServingGeneration(ServingBase):
         """The chunk that ends choice ``choice``."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ the envelope both share
+    def response(self, reply: Reply, choices: list, results: list[dict]) -> BaseModel:
+        """The JSON answer around ``choices``: id, time, model, token counts and the memory's record."""
+        return self.response_class(
+            id=reply.ident,
+            created=reply.created,
+            model=self.loaded.name,
+            choices=choices,
+            usage=usage(results),
+            lstmem=memory_usage(results, reply.session),
+        )
+
+    def _chunk(self, reply: Reply, choices: list, counts: Usage | None = None) -> BaseModel:
+        return self.chunk_class(
+            id=reply.ident, created=reply.created, model=self.loaded.name, choices=choices, usage=counts
+        )
+
     def usage_chunk(self, reply: Reply, counts: Usage) -> BaseModel:
         """The chunk that carries the usage (no choices)."""
-        raise NotImplementedError
+        return self._chunk(reply, [], counts)
 
 
 def usage(results: list[dict]) -> Usage:

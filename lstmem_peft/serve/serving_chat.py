@@ -24,11 +24,10 @@ from .protocol import (
     ChatTokenLogprob,
     ServeError,
     TopLogprob,
-    Usage,
 )
 from .runtime import LoadedModel
 from .scheduler import Job, Scheduler
-from .serving_base import Reply, ServingGeneration, finite, memory_usage, usage
+from .serving_base import Reply, ServingGeneration, finite
 
 
 class ServingChat(ServingGeneration):
@@ -39,6 +38,8 @@ class ServingChat(ServingGeneration):
         default_max_tokens: ``max_tokens`` of requests that give neither it nor ``max_completion_tokens``.
     """
 
+    response_class = ChatCompletionResponse
+    chunk_class = ChatCompletionChunk
     id_prefix = "chatcmpl-"
 
     def __init__(
@@ -88,21 +89,9 @@ class ServingChat(ServingGeneration):
             for i, result in enumerate(results)  # one result: a chat request is one turn
             for c, answer in enumerate(result["choices"])
         ]
-        return ChatCompletionResponse(
-            id=reply.ident,
-            created=reply.created,
-            model=self.loaded.name,
-            choices=choices,
-            usage=usage(results),
-            lstmem=memory_usage(results, reply.session),
-        )
+        return self.response(reply, choices, results)
 
     # ------------------------------------------------------------------ the stream's chunks
-    def _chunk(self, reply: Reply, choices: list[ChatChunkChoice], counts: Usage | None = None):
-        return ChatCompletionChunk(
-            id=reply.ident, created=reply.created, model=self.loaded.name, choices=choices, usage=counts
-        )
-
     def opening_chunks(self, reply: Reply) -> list[ChatCompletionChunk]:
         """One chunk that opens every choice's message: ``{"role": "assistant", "content": ""}``."""
         opening = ChatDelta(role="assistant", content="")
@@ -114,9 +103,6 @@ class ServingChat(ServingGeneration):
     def final_chunk(self, reply: Reply, choice: int, finish_reason: str) -> ChatCompletionChunk:
         ending = ChatChunkChoice(index=choice, delta=ChatDelta(), finish_reason=finish_reason)
         return self._chunk(reply, [ending])
-
-    def usage_chunk(self, reply: Reply, counts: Usage) -> ChatCompletionChunk:
-        return self._chunk(reply, [], counts)
 
 
 def _logprobs(answer: Answer) -> ChatLogprobs:

@@ -25,11 +25,10 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     ServeError,
-    Usage,
 )
 from .runtime import LoadedModel
 from .scheduler import Job, Scheduler
-from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite, memory_usage, usage
+from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite
 
 
 class ServingCompletions(ServingGeneration):
@@ -39,6 +38,8 @@ class ServingCompletions(ServingGeneration):
         loaded, scheduler, metrics, window: see :class:`~.serving_base.ServingGeneration`.
     """
 
+    response_class = CompletionResponse
+    chunk_class = CompletionChunk
     id_prefix = "cmpl-"
 
     def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
@@ -166,21 +167,9 @@ class ServingCompletions(ServingGeneration):
                         logprobs=logprobs,
                     )
                 )
-        return CompletionResponse(
-            id=reply.ident,
-            created=reply.created,
-            model=self.loaded.name,
-            choices=choices,
-            usage=usage(results),
-            lstmem=memory_usage(results, reply.session),
-        )
+        return self.response(reply, choices, results)
 
     # ------------------------------------------------------------------ the stream's chunks
-    def _chunk(self, reply: Reply, choices: list[CompletionChunkChoice], counts: Usage | None = None):
-        return CompletionChunk(
-            id=reply.ident, created=reply.created, model=self.loaded.name, choices=choices, usage=counts
-        )
-
     def opening_chunks(self, reply: Reply) -> list[CompletionChunk]:
         """With ``echo``, one chunk that opens every choice with the prompt's text; else none."""
         echo = reply.texts[0] if reply.echo else ""
@@ -193,9 +182,6 @@ class ServingCompletions(ServingGeneration):
 
     def final_chunk(self, reply: Reply, choice: int, finish_reason: str) -> CompletionChunk:
         return self._chunk(reply, [CompletionChunkChoice(index=choice, text="", finish_reason=finish_reason)])
-
-    def usage_chunk(self, reply: Reply, counts: Usage) -> CompletionChunk:
-        return self._chunk(reply, [], counts)
 
 
 def _logprobs(lp: TokenLogprobs, offset: int) -> CompletionLogprobs:
