@@ -180,7 +180,7 @@ def lstmem_decode_step(
     out: tuple[torch.Tensor, torch.Tensor],
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
+    norm_eps: float,
 ) -> torch.Tensor:
     """The whole decode step of one memory layer for one token per sequence, from the layer input to
     the read ``u`` and the new states, in one Triton kernel launch.

@@ -24,6 +24,7 @@ from launch_count import count_launches_and_ops
 
 from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step
 from lstmem_peft import LSTMemLayer
+from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.reference import memory_layer_ref
 
 triton = pytest.importorskip("triton")
@@ -109,6 +110,7 @@ def run_op(wts, inputs, num_heads, out_dtype=torch.float32, to=None):
             depth=inputs["depth"],
             valid=inputs["valid"],
             out=out,
+            norm_eps=K.NORM_EPS,
         )
     return u, out[0], out[1]
 
@@ -201,7 +203,7 @@ def float32_error_bound(wts, inputs, num_heads, u_store=0.0):
     t = torch.tanh(pre_qk)
     e_t = tanh_slope(pre_qk, e_pre_qk) * e_pre_qk + TANH_ERR
     norm, e_norm = t.norm(dim=-1, keepdim=True), e_t.norm(dim=-1, keepdim=True)
-    qk = t / norm.clamp_min(1e-6)
+    qk = t / norm.clamp_min(K.NORM_EPS)
     e_qk = 2 * e_norm / (norm - e_norm).clamp_min(1e-300) + gamma(R + 3) * a(qk)
     s, e_s = proj[:, 2 * ds :], e_proj[:, 2 * ds :]
     if dep is None:
@@ -376,7 +378,7 @@ def test_one_triton_launch_and_no_other_compute(depth):
         torch.empty_like(inputs["hidden"], dtype=torch.float32),
     )
     args = (inputs["x"], *wts.values(), inputs["cell"], inputs["hidden"])
-    kw = dict(num_heads=H, depth=inputs["depth"], valid=inputs["valid"], out=out)
+    kw = dict(num_heads=H, depth=inputs["depth"], valid=inputs["valid"], out=out, norm_eps=K.NORM_EPS)
     with torch.no_grad():
         with count_launches_and_ops() as counts:
             lstmem_decode_step(*args, **kw)
@@ -400,6 +402,7 @@ def _args(depth=True, dtype=torch.float32):
         "depth": inputs["depth"],
         "valid": inputs["valid"],
         "out": out,
+        "norm_eps": K.NORM_EPS,
     }
 
 
