@@ -74,6 +74,7 @@ __all__ = ["decode_step_triton", "step_triton"]
 _TILE = 8192
 
 
+# Long on purpose: one kernel is one launch, and its body stays whole (module docstring).
 @triton.jit
 def _decode_step_kernel(
     x_ptr,

@@ -170,3 +170,22 @@ def test_no_module_hands_on_names_it_does_not_use():
             if "noqa: F401" in text or same:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text.strip()}")
     assert not offenders, "re-exports (import the name where it is defined instead):\n" + "\n".join(offenders)
+
+
+def test_a_function_over_80_lines_says_why_beside_it():
+    """No function over ~80 lines without a reason written beside it: a comment on the line above
+    its ``def`` (or its decorators)."""
+    silent = []
+    for path in MODULES.values():
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.end_lineno - node.lineno >= 80
+            ):
+                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                if not lines[first - 2].strip().startswith("#"):
+                    length = node.end_lineno - node.lineno + 1
+                    silent.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not silent, "split these, or say beside them why they are long:\n" + "\n".join(silent)
