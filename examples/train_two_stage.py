@@ -196,7 +196,7 @@ def main() -> None:
 
     from peft import get_peft_model
 
-    from lstmem_peft.training.card import push_to_hub, record_training, write_model_card
+    from lstmem_peft.training.card import record_training
     from lstmem_peft.training.data import load_episodes
 
     base, tok = load_model(args)
@@ -219,8 +219,19 @@ def main() -> None:
         ),
         updates=f"{args.stage1_steps} at 2e-4, then {args.stage2_steps} at 5e-5",
     )
-    if not trainer.is_world_process_zero():
-        return  # every process holds the same adapter; the first one writes it
+    if trainer.is_world_process_zero():  # every process holds the same adapter; the first one writes it
+        write_adapter(model, trainer, first, args, ckpt1, ckpt2)
+    # No process leaves while another may still be talking to it (a peer that exits mid-collective
+    # makes gloo abort the others), and the process group is taken down by all of them together.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+
+
+def write_adapter(model, trainer, first, args, ckpt1: bool, ckpt2: bool) -> None:
+    """The trained adapter, its model card and ``training.json`` under ``<output-dir>/adapter``;
+    pushed to the Hub with ``--push-to-hub``."""
+    from lstmem_peft.training.card import push_to_hub, write_model_card
+
     final = os.path.join(args.output_dir, "adapter")
     model.save_pretrained(final)
     write_model_card(model, final)  # settings, the training facts above, the citation

@@ -106,7 +106,14 @@ def accelerate_launch(config: str, *args: str) -> list[str]:
 
 
 def check(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-6000:])
+    """A launch ended well; if not, the report leads with each process's own error lines (a peer's
+    abort at the end of a log hides the process that failed first)."""
+    if result.returncode == 0:
+        return
+    signs = ("Error", "error:", "terminate called", "what():", "Traceback", "Signal", "Exception")
+    errors = [line for line in result.stderr.splitlines() if any(s in line for s in signs)]
+    report = "\n".join(errors[:60]) + "\n--- stderr, last part ---\n" + result.stderr[-4000:]
+    pytest.fail(f"launch exited with {result.returncode}:\n{report}\n--- stdout ---\n{result.stdout[-1500:]}")
 
 
 def weight_bound(record: dict, weights: dict[str, torch.Tensor]) -> float:

@@ -96,6 +96,7 @@ def train(out, backend, history_mode, steps, global_batch, micro_batch, deepspee
         json.dump(record, fh)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lstmem_memory" in n}
     torch.save(weights, os.path.join(out, f"rank{rank}.pt"))
+    trainer.accelerator.wait_for_everyone()  # no process leaves while a peer may still talk to it
 
 
 def main() -> None:
@@ -119,6 +120,8 @@ def main() -> None:
     if a.half_batch_too:
         half = a.global_batch // 2
         train(os.path.join(a.out, "half"), a.backend, a.history_mode, a.steps, half, half, a.deepspeed)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # by every process together, after the last run
 
 
 if __name__ == "__main__":
