@@ -12,6 +12,7 @@ from lstmem_peft.memory.feedback import block_feedback, feedback_gradients, samp
 from lstmem_peft.memory.layer import LSTMemLayer
 from lstmem_peft.training.card import push_to_hub, write_model_card
 from lstmem_peft.tuner.config import LSTMemConfig, LSTMemPeftType
+from lstmem_peft.tuner.context import traceable_memory
 from lstmem_peft.tuner.history import find_memory, generate, memory_layers, memory_layout, write_history
 from lstmem_peft.tuner.layer import LSTMemOutputLayer, LSTMemQueryLayer
 from lstmem_peft.tuner.model import LSTMemModel
@@ -47,6 +48,7 @@ __all__ = [
     "memory_layout",
     "push_to_hub",
     "sample_feedback_positions",
+    "traceable_memory",
     "write_history",
     "write_model_card",
 ]

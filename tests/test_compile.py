@@ -14,7 +14,7 @@ import torch._dynamo as dynamo
 from tiny_models import make
 from transformers import DynamicCache
 
-from lstmem_peft import MemoryCache
+from lstmem_peft import MemoryCache, traceable_memory
 
 CONFIG = dict(r=4, num_heads=2)
 
@@ -207,3 +207,116 @@ def test_compiled_static_cache_generate_gives_the_eager_tokens_and_memory():
     for a, b in zip(compiled_cache.layers, eager_cache.layers, strict=True):
         torch.testing.assert_close(a.cell, b.cell, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(a.hidden, b.hidden, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- traceable_memory: whole graphs
+def _traceable_decode(compile_step, prompt, steps, warmup=None):
+    """Prefill and one-token steps through ``compile_step(step)`` inside ``traceable_memory()``;
+    logits of every forward and the memory. After ``warmup`` steps any recompilation raises."""
+    cache, kv, logits = MemoryCache(), DynamicCache(), []
+    with torch.no_grad(), traceable_memory():
+        model_step = compile_step(
+            lambda ids: MODEL[0](input_ids=ids, memory_cache=cache, past_key_values=kv, use_cache=True).logits
+        )
+        logits.append(model_step(prompt))
+        for t in range(steps.shape[1]):
+            if t == warmup:
+                torch.compiler.set_stance("fail_on_recompile")
+            logits.append(model_step(steps[:, t : t + 1]))
+    torch.compiler.set_stance("default")
+    return logits, cache
+
+
+MODEL = []  # the model _traceable_decode runs (set by each test)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_decode_step_inside_traceable_memory_is_one_graph_without_a_break(layers):
+    """The pass, the memory's math and the commit are traced: zero graph breaks, one graph, whatever
+    the number of memory layers (what ``fullgraph=True`` and a CUDA graph need)."""
+    model = make("qwen3", layers_to_transform=list(range(layers)), **CONFIG)
+    prompt, steps = inputs(1)
+    cache, kv = MemoryCache(), DynamicCache()
+    with torch.no_grad(), traceable_memory():
+        model(input_ids=prompt, memory_cache=cache, past_key_values=kv, use_cache=True)
+
+        def step(ids):
+            return model(input_ids=ids, memory_cache=cache, past_key_values=kv, use_cache=True).logits
+
+        explained = dynamo.explain(step)(steps[:, :1])
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    # the memory runs inside the graph, not in an opaque operation
+    ops = [str(op) for graph in explained.ops_per_graph for op in graph]
+    assert not any("lstmem." in op for op in ops), ops
+    assert torch.equal(cache.tokens_written, torch.full((2,), 9))  # the prompt (8), then the step once
+
+
+def test_fullgraph_compiled_decoding_inside_traceable_memory_equals_eager():
+    """``torch.compile(step, fullgraph=True)`` of prefill and decode steps: the eager logits and
+    memory (the "eager" backend runs the traced graph op by op: the same operations in the same
+    order), no recompilation after the first steps; the default mode (graph breaks allowed) too."""
+    MODEL[:] = [make("qwen3", **CONFIG)]
+    prompt, steps = inputs()
+    expected, expected_cache = _traceable_decode(lambda f: f, prompt, steps)
+    for fullgraph in (True, False):
+        dynamo.reset()
+        got, cache = _traceable_decode(
+            lambda f, fg=fullgraph: torch.compile(f, fullgraph=fg, backend="eager"), prompt, steps, warmup=3
+        )
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        assert torch.equal(cache.tokens_written, expected_cache.tokens_written)
+        for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
+            assert torch.equal(ours.cell, theirs.cell) and torch.equal(ours.hidden, theirs.hidden)
+
+
+@pytest.mark.slow
+def test_inductor_fullgraph_decoding_inside_traceable_memory_matches_eager():
+    """Inductor fuses the memory's elementwise math with the backbone's: the eager logits and memory
+    up to float32 rounding (a few ulps of these magnitudes)."""
+    MODEL[:] = [make("qwen3", **CONFIG)]
+    prompt, steps = inputs(2)
+    expected, expected_cache = _traceable_decode(lambda f: f, prompt, steps[:, :4])
+    got, cache = _traceable_decode(lambda f: torch.compile(f, fullgraph=True), prompt, steps[:, :4], warmup=2)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
+        torch.testing.assert_close(ours.cell, theirs.cell, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.hidden, theirs.hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_traceable_memory_refuses_what_it_cannot_do():
+    """One memory context per process while it is on: a forward in another thread is refused, not
+    mixed with this thread's pass; compiled generate() (host positions would recompile every step)
+    is refused with the alternative named; entering it inside a forward is refused."""
+    import threading
+
+    from transformers import CompileConfig
+
+    model = make("qwen3", **CONFIG)
+    prompt, _ = inputs()
+    errors = []
+
+    def other_thread():
+        try:
+            with torch.no_grad():
+                model(input_ids=prompt, memory_cache=MemoryCache())
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    with torch.no_grad(), traceable_memory():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(timeout=120)
+        assert errors and "another thread while traceable_memory() is on" in errors[0]
+        for kw in (dict(cache_implementation="static"), dict(compile_config=CompileConfig())):
+            with pytest.raises(NotImplementedError, match="compile your own model"):
+                model.generate(input_ids=prompt, memory_cache=MemoryCache(), max_new_tokens=2, **kw)
+        # eager generate inside it is the eager call
+        cache = MemoryCache()
+        out = model.generate(input_ids=prompt, memory_cache=cache, max_new_tokens=3, do_sample=False)
+    reference = MemoryCache()
+    with torch.no_grad():
+        expected = model.generate(input_ids=prompt, memory_cache=reference, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, expected)
+    assert torch.equal(cache.layers[0].cell, reference.layers[0].cell)

@@ -178,7 +178,9 @@ class MemoryPass:
             staged = list(zip(result.cells, result.hiddens, strict=True))
             self.feedback_result = result
             self._terminals = []
-        if self._length > 1 or self.feedback:  # block ends; one-token steps: at the next block end or save
+        # block ends (one-token steps: at the next block end or save); a graph torch.compile traces
+        # cannot read values on the host, so there too the check waits for the next eager block end
+        if (self._length > 1 or self.feedback) and not torch.compiler.is_compiling():
             rows = nonfinite_rows(staged)
             if rows:
                 raise FloatingPointError(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -58,7 +59,95 @@ class Active(NamedTuple):
     session: GenerateSession | None
 
 
-ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar("lstmem_active", default=None)
+class ActiveSlot:
+    """Where the running call's :class:`Active` lives, with the interface of a context variable
+    (:meth:`get`; :meth:`set` returns a token; :meth:`reset` puts back what was there before).
+
+    By default a ``contextvars.ContextVar``: one value per thread and asyncio task.
+    ``torch.compile`` cannot trace one, so a compiled forward breaks its graph once, where the pass
+    opens, and each projection wrapper hands its memory to an opaque operation (:mod:`.layer`).
+
+    Inside :func:`traceable_memory` the value is a plain attribute, which ``torch.compile`` traces:
+    the pass opens, runs and commits inside the captured graph, so a decode step compiles with
+    ``fullgraph=True``, and the memory's math is in the graph (states in, new states out) where a
+    compiler can fuse it and a CUDA graph can hold it. One value then serves the whole process, so
+    while it is on, the model runs in the thread that turned it on (eager forwards of another thread
+    are refused).
+    """
+
+    def __init__(self) -> None:
+        self._var: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
+            "lstmem_active", default=None
+        )
+        self.shared = False  # inside traceable_memory()
+        self.value: Active | None = None  # the value while shared
+        self.thread: int | None = None  # the thread that turned sharing on
+
+    def get(self) -> Active | None:
+        if self.shared:
+            return self.value
+        return self._var.get()
+
+    def set(self, value: Active | None):
+        """Store ``value``; returns the token for :meth:`reset`."""
+        if not self.shared:
+            return self._var.set(value)
+        if not torch.compiler.is_compiling() and threading.get_ident() != self.thread:
+            raise RuntimeError(
+                "an LSTMem forward ran in another thread while traceable_memory() is on: the traceable "
+                "memory context is one per process. Run the model in the thread that entered "
+                "traceable_memory(), or leave it to run forwards in several threads"
+            )
+        previous, self.value = self.value, value
+        return _SharedToken(previous)
+
+    def reset(self, token) -> None:
+        """Undo the :meth:`set` that returned ``token``."""
+        if isinstance(token, _SharedToken):
+            self.value = token.previous
+        else:
+            self._var.reset(token)
+
+
+class _SharedToken(NamedTuple):
+    previous: Active | None
+
+
+#: the memory context of the running call (see :class:`ActiveSlot`)
+ACTIVE = ActiveSlot()
+
+
+@contextlib.contextmanager
+def traceable_memory():
+    """Let ``torch.compile`` trace LSTMem's memory pass, for graphs without a break.
+
+    Inside it, a forward with memory (``model(input_ids, memory_cache=cache, past_key_values=kv)``,
+    one decode step or a block) compiles with ``torch.compile(..., fullgraph=True)``: the pass that
+    carries memory through the forward is read from a plain attribute that the compiler traces
+    instead of a context variable it cannot (:class:`ActiveSlot`), so the memory's math is part of
+    the graph. The model must run in the thread that entered it.
+
+    Example::
+
+        with lstmem_peft.traceable_memory():
+            step = torch.compile(lambda ids: model(input_ids=ids, memory_cache=cache,
+                                                   past_key_values=kv, use_cache=True).logits,
+                                 fullgraph=True)
+            for ids in tokens:
+                logits = step(ids)
+    """
+    if ACTIVE.shared:
+        if threading.get_ident() != ACTIVE.thread:
+            raise RuntimeError("traceable_memory() is already on in another thread")
+        yield
+        return
+    if ACTIVE._var.get() is not None:
+        raise RuntimeError("traceable_memory() must be entered outside a forward or generate() call")
+    ACTIVE.shared, ACTIVE.value, ACTIVE.thread = True, None, threading.get_ident()
+    try:
+        yield
+    finally:
+        ACTIVE.shared, ACTIVE.value, ACTIVE.thread = False, None, None
 
 
 class MemoryWritten(Exception):  # noqa: N818 (a signal, not an error)
@@ -156,7 +245,7 @@ class ModelPass:
         self.draft = draft
         self.stop = MemoryWritten() if memory_only else None
         self.length = 0  # tokens of the forward (set by the opener)
-        self.token: contextvars.Token | None = None  # restores ACTIVE when the pass closes
+        self.token = None  # restores ACTIVE when the pass closes
         self._outputs: dict[int, LayerOutput] = {}
         self._replay: CheckpointReplay | None = None  # the checkpointed decoder layer running now
 

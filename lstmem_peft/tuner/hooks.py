@@ -51,8 +51,8 @@ def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Te
     Returns:
         ``(B, length)`` bool, or ``None`` when every token is valid. On CPU tensors the "every
         token" check is a cheap host read; on accelerators it would synchronise the device on every
-        forward, so the mask is returned as it is (padding is applied with ``torch.where``, which
-        is exact for an all-valid mask too).
+        forward, and a ``torch.compile`` graph cannot depend on it, so there the mask is returned as
+        it is (padding is applied with ``torch.where``, which is exact for an all-valid mask too).
     """
     if isinstance(mask, dict):
         mask = next((m for m in mask.values() if m is not None), None)
@@ -60,7 +60,7 @@ def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Te
         return None
     if mask.dim() == 2:
         valid = mask[:, -length:]
-        host = valid.shape == (batch, length) and valid.device.type == "cpu" and not valid.is_floating_point()
+        host = valid.shape == (batch, length) and _host_readable(valid) and not valid.is_floating_point()
         if host and valid.numpy().all():  # the common case, read on the host: no tensor ops
             return None
         if valid.dtype != torch.bool:
@@ -80,9 +80,15 @@ def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Te
         raise ValueError(
             f"attention mask gives validity {tuple(valid.shape)} for inputs of shape {(batch, length)}"
         )
-    if valid.device.type != "cpu":
+    if not _host_readable(valid):
         return valid  # no host synchronisation on an accelerator: an all-True mask costs a few selects
     return None if valid.numpy().all() else valid  # read on the host, as above: no tensor op
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether a value of ``t`` may be read on the host: a CPU tensor outside a ``torch.compile``
+    trace (a graph must not depend on it, and an accelerator would synchronise)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 ADAPTER_NAMES_REFUSED = (
@@ -485,6 +491,14 @@ class MemoryHooks:
         adapter = self.active_adapter()
         config = resolve_generation_config(self.model, kwargs)
         refuse_inexact_modes(self.model, config, kwargs)
+        compiles = config.compile_config is not None or config.cache_implementation == "static"
+        if compiles and ACTIVE.shared:
+            raise NotImplementedError(
+                "generate() with a static cache or a compile_config inside traceable_memory() is not supported: "
+                "transformers compiles each decoding step, and the generate session's positions (host integers) "
+                "would recompile it at every token. Leave traceable_memory() for generate() (its compiled steps "
+                "then call LSTMem's opaque operations), or compile your own model(...) decode loop inside it"
+            )
         cache = MemoryCache() if memory_cache is None else memory_cache
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")

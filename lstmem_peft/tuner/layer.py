@@ -8,7 +8,8 @@ q-norm and RoPE, which the backbone applies next) and leaves ``Δo`` with the pa
 ``LSTMemOutputLayer`` adds that ``Δo`` to the output projection's output. Outside a memory pass, or
 with adapters disabled, both are the plain base layers. In an inference graph that ``torch.compile``
 captures, each wrapper calls one opaque operation (``lstmem::query_correction`` /
-``lstmem::output_correction``) that does the same, so the graph does not break per layer.
+``lstmem::output_correction``) that does the same, so the graph does not break per layer; inside
+:func:`~lstmem_peft.tuner.context.traceable_memory` the compiler traces the memory itself.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from lstmem_peft.memory.layer import LSTMemLayer
 from . import context
 from .quant import dense_weight
 
-# the context variable's getter without a Python frame: the wrappers ask it in every projection call
+# the slot's getter, bound once: the wrappers ask it in every projection call
 _active = context.ACTIVE.get
 
 
 # ---------------------------------------------------------------------- compiled graphs
-# torch.compile cannot trace the context variable that carries the memory pass, so in a graph it
-# captures (inference: no gradients) each wrapper calls one opaque operation instead: the memory of
-# its decoder layer runs inside it, eagerly, against this thread's pass, exactly as in eager mode.
-# Outside a pass (adapters disabled, plain forwards) the correction is zeros.
+# torch.compile cannot trace the context variable that carries the memory pass (outside
+# traceable_memory()), so in a graph it captures (inference: no gradients) each wrapper calls one
+# opaque operation instead: the memory of its decoder layer runs inside it, eagerly, against this
+# thread's pass, exactly as in eager mode. Outside a pass (adapters disabled, plain forwards) the
+# correction is zeros.
 def _current_pass():
     active = _active()
     return None if active is None else active.model_pass
@@ -89,8 +91,9 @@ def memory_layer(
 
 def _in_captured_graph() -> bool:
     """Inside a graph torch.compile captures for inference (training keeps the eager wrappers,
-    whose memory has gradients)."""
-    return torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    whose memory has gradients), unless :func:`~lstmem_peft.tuner.context.traceable_memory` lets
+    the compiler trace the memory itself."""
+    return torch.compiler.is_compiling() and not torch.is_grad_enabled() and not context.ACTIVE.shared
 
 
 class LSTMemTunerLayer(BaseTunerLayer):
