@@ -24,10 +24,10 @@ import time
 import torch
 import torch._dynamo as dynamo
 import transformers
-from peft import get_peft_model
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+from bench_decode import random_model
+from transformers import DynamicCache
 
-from lstmem_peft import LSTMemConfig, MemoryCache, traceable_memory
+from lstmem_peft import MemoryCache, traceable_memory
 
 
 def main() -> None:
@@ -40,17 +40,8 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=32000,
-        hidden_size=args.hidden,
-        intermediate_size=int(2.75 * args.hidden),
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 128,
-        head_dim=64,
-    )
-    model = get_peft_model(Qwen3ForCausalLM(config).eval(), LSTMemConfig()).eval()
+    model = random_model(args.hidden, args.layers)  # the model bench_decode.py times
+    config = model.get_base_model().config
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt))
     tokens = torch.randint(0, config.vocab_size, (1, args.steps))
     state = {}

@@ -29,6 +29,22 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from lstmem_peft import LSTMemConfig, MemoryCache
 
 
+def random_model(hidden: int, layers: int):
+    """A random-init Qwen3 of width ``hidden`` (heads of 64, 2 queries per KV head, MLP 2.75x) with
+    an LSTMem adapter (memory on every layer, n_h 4, r 8), in eval mode, seed 0."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(2.75 * hidden),
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        head_dim=64,
+    )
+    return get_peft_model(Qwen3ForCausalLM(config).eval(), LSTMemConfig()).eval()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -38,17 +54,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=32000,
-        hidden_size=args.hidden,
-        intermediate_size=int(2.75 * args.hidden),
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 128,
-        head_dim=64,
-    )
-    model = get_peft_model(Qwen3ForCausalLM(config).eval(), LSTMemConfig()).eval()
+    model = random_model(args.hidden, args.layers)
+    config = model.get_base_model().config
     prompt = torch.randint(0, config.vocab_size, (1, args.prompt))
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
 
