@@ -3,6 +3,11 @@ inside ``traceable_memory()`` vs the plain backbone (adapter disabled), in one p
 
     python benchmarks/bench_compiled_step.py                       # hidden 1024, 8 layers, fp32
     python benchmarks/bench_compiled_step.py --out benchmarks/results/compiled_step_cpu.json
+    python benchmarks/bench_compiled_step.py --generate --out benchmarks/results/compiled_generate_cpu.json
+
+``--generate`` times ``generate(cache_implementation="static", compile_config=CompileConfig(
+fullgraph=True))`` instead: per decoding step, ``(t(steps + 1 tokens) - t(1 token)) / steps`` so that
+the eager prefill cancels.
 
 Each round prefills ``--prompt`` tokens eagerly (not timed) into a fresh KV cache and memory, then
 times ``--steps`` compiled one-token steps; rounds alternate between the two models after one
@@ -25,7 +30,7 @@ import torch
 import torch._dynamo as dynamo
 import transformers
 from bench_decode import random_model
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache
 
 from lstmem_peft import MemoryCache, traceable_memory
 
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--generate", action="store_true", help="time compiled static-cache generate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = random_model(args.hidden, args.layers)  # the model bench_decode.py times
@@ -56,7 +62,7 @@ def main() -> None:
         state["kv"], state["cache"] = DynamicCache(), MemoryCache() if with_memory else None
         step(prompt)  # eager prefill
 
-    def one_round(with_memory: bool) -> float:
+    def step_round(with_memory: bool) -> float:
         """Median seconds per compiled step over one round."""
         with torch.no_grad():
             fresh(with_memory)
@@ -66,6 +72,25 @@ def main() -> None:
                 compiled(tokens[:, t : t + 1])
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
+
+    gen_config = CompileConfig(fullgraph=True, backend=args.backend)
+    gen_config._compile_all_devices = True  # transformers compiles on CUDA only unless told otherwise
+
+    def generate(with_memory: bool, new: int) -> float:
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
+        kw["compile_config"] = gen_config
+        if with_memory:
+            kw["memory_cache"] = MemoryCache()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=prompt, **kw)
+        return time.perf_counter() - start
+
+    def generate_round(with_memory: bool) -> float:
+        """Seconds per compiled decoding step of one generate call."""
+        return (generate(with_memory, args.steps + 1) - generate(with_memory, 1)) / args.steps
+
+    one_round = generate_round if args.generate else step_round
 
     def breaks(with_memory: bool) -> int:
         with torch.no_grad():
@@ -90,7 +115,7 @@ def main() -> None:
                     results[name].append(one_round(True))
     ratios = [a / b for a, b in zip(results["lstmem"], results["plain"], strict=True)]
     record = {
-        "benchmark": "compiled_step",
+        "benchmark": "compiled_generate" if args.generate else "compiled_step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,

@@ -125,7 +125,9 @@ def traceable_memory():
     one decode step or a block) compiles with ``torch.compile(..., fullgraph=True)``: the pass that
     carries memory through the forward is read from a plain attribute that the compiler traces
     instead of a context variable it cannot (:class:`ActiveSlot`), so the memory's math is part of
-    the graph. The model must run in the thread that entered it.
+    the graph. ``generate(cache_implementation="static", compile_config=...)`` compiles its decoding
+    steps the same way (their positions are the static cache's device count). The model must run in
+    the thread that entered it.
 
     Example::
 

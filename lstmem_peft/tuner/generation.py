@@ -220,6 +220,10 @@ class GenerateSession:
         self.kv = None
         self._kv_methods: dict[str, object] = {}
         self.position = 0  # KV position the working memory corresponds to
+        #: whether compiled decoding steps ran: they leave ``position`` behind (the static cache's
+        #: count is the position then; :meth:`commit` reads it once)
+        self.compiled_steps = False
+        self._compiled_start: torch.Tensor | None = None
         self.start: _States | None = None
         self.start_position = 0
         self.last: _LastForward | None = None
@@ -253,6 +257,13 @@ class GenerateSession:
     def memory_for(self, layout: MemoryLayout, kwargs: dict, batch: int, length: int, device) -> MemoryCache:
         """The working memory for a forward of ``length`` tokens starting at the KV cache's position."""
         kv = kwargs.get("past_key_values")
+        if torch.compiler.is_compiling() and self.work is not None and kv is not None and kv is self.kv:
+            # a decoding step transformers compiled (inside traceable_memory()): its static cache is
+            # never cropped within the call, and the position it starts at is the cache's own device
+            # count, so no host integer enters the graph (it would recompile the step at every token)
+            self._compiled_start = kv.get_seq_length()
+            self.compiled_steps = True
+            return self.work
         position = self._kv_position(kv)
         if self.work is None:
             self._begin(layout, kv, position, batch, device, kwargs)
@@ -268,9 +279,10 @@ class GenerateSession:
         return self.work
 
     @property
-    def forward_position(self) -> int:
-        """The KV position the running forward starts at (set by :meth:`memory_for`)."""
-        return self._forward_start
+    def forward_position(self) -> int | torch.Tensor:
+        """The KV position the running forward starts at (set by :meth:`memory_for`); in a compiled
+        decoding step, the static cache's 0-d device count."""
+        return self._compiled_start if torch.compiler.is_compiling() else self._forward_start
 
     def _kv_position(self, kv) -> int:
         """How many tokens the KV cache holds. A static cache keeps that count on its device, where
@@ -303,13 +315,16 @@ class GenerateSession:
         """``(B, length)`` bool: ``False`` where a finished row must not write; ``None`` when all may."""
         if self.stop_at is None:
             return None
-        pos = torch.arange(self._forward_start, self._forward_start + length, device=device)
+        pos = self.forward_position + torch.arange(length, device=device)
         return pos[None, :] < self.stop_at.to(device)[:, None]
 
     def forward_done(
         self, length: int, inputs: list[torch.Tensor] | None, valid: torch.Tensor | None
     ) -> None:
         """The forward completed and its pass committed to the working memory."""
+        if torch.compiler.is_compiling():  # positions stay on the device (memory_for); no rollback
+            self.last = None
+            return
         self.position = self._forward_start + length
         self.last = (
             None if inputs is None else _LastForward(self._forward_start, self._forward_before, inputs, valid)
@@ -458,6 +473,8 @@ class GenerateSession:
         if self.kv is not None:
             length = self.kv.get_seq_length()
             final = int(length)
+            if self.compiled_steps:  # memory followed the static cache on the device, step by step
+                self.position = final
             if final != self.position:
                 if isinstance(length, torch.Tensor):
                     raise RuntimeError(

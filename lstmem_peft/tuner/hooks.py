@@ -69,7 +69,10 @@ def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Te
         past = past() if callable(past) else past
         S = mask.shape[-1]
         t = torch.arange(length, device=mask.device)
-        own = past + t if S >= past + length else S - length + t
+        if isinstance(past, torch.Tensor):  # a device count (compiled steps): no branch on its value
+            own = torch.where(S >= past + length, past + t, S - length + t)
+        else:
+            own = past + t if S >= past + length else S - length + t
         diag = mask[:, 0, -length:, :][:, t, own]
         valid = diag if diag.dtype == torch.bool else diag == 0
         if valid.shape[0] == 1 and batch > 1:
@@ -491,14 +494,6 @@ class MemoryHooks:
         adapter = self.active_adapter()
         config = resolve_generation_config(self.model, kwargs)
         refuse_inexact_modes(self.model, config, kwargs)
-        compiles = config.compile_config is not None or config.cache_implementation == "static"
-        if compiles and ACTIVE.shared:
-            raise NotImplementedError(
-                "generate() with a static cache or a compile_config inside traceable_memory() is not supported: "
-                "transformers compiles each decoding step, and the generate session's positions (host integers) "
-                "would recompile it at every token. Leave traceable_memory() for generate() (its compiled steps "
-                "then call LSTMem's opaque operations), or compile your own model(...) decode loop inside it"
-            )
         cache = MemoryCache() if memory_cache is None else memory_cache
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
