@@ -166,6 +166,7 @@ def fused_decode_step_applies(backend: str, x: torch.Tensor, weight_dtype: torch
     return backend == "triton" or (backend == "auto" and x.is_cuda and triton_available())
 
 
+# Long for its docstring: the op's whole contract (the math, every argument's shape, the slots).
 def lstmem_decode_step(
     x: torch.Tensor,
     w_in: torch.Tensor,
@@ -181,6 +182,8 @@ def lstmem_decode_step(
     depth: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     norm_eps: float,
+    slots: torch.Tensor | None = None,
+    hidden_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole decode step of one memory layer for one token per sequence, from the layer input to
     the read ``u`` and the new states, in one Triton kernel launch.
@@ -216,13 +219,23 @@ def lstmem_decode_step(
         depth: ``(B, n_h, r, r)`` ``D^(l-1)_t``, the new hidden state of the memory layer below at this
             token (un-gated), or ``None`` for the first memory layer or without depth coupling.
         valid: ``(B,)`` bool, ``False`` at padding, or ``None``.
+        slots: ``(B,)`` int64 (or int32), or ``None``. Given, ``cell``, ``hidden`` and the two ``out``
+            tensors are state tables ``(S, n_h, r, r)`` (a serving engine's per-request slots) and
+            row ``b`` steps the states in row ``slots[b]`` of them, so ``out`` may be ``(cell,
+            hidden)`` themselves: the step updates the slots **in place**, with no copy out and none
+            back (rows where ``valid`` is ``False`` keep theirs). The slots of one call must differ
+            (one row of each table per sequence; not checked, it would read the device).
+        hidden_seq: ``(B, n_h, r, r)`` float tensor that also receives ``D_t`` of each row (the depth
+            input of the memory layer above), or ``None``.
     Returns:
         ``u`` ``(B, d_s)`` in the weights' dtype: the read ``u_dep + W_read^time r^time`` that the
         layer's corrections are made from (``Δq = u corr_q``, ``Δo = u corr_o``).
 
     Not differentiable (a decode step): under autograd run the layer's forward, which scans the token.
     """
-    _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid)
+    _check_decode_inputs(
+        x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, slots, hidden_seq
+    )
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_in, b_in, eau, b_eau, read, cell, hidden, depth)
     ):
@@ -231,11 +244,27 @@ def lstmem_decode_step(
             "the memory layer's forward (which scans the token with lstmem_scan)"
         )
     return _triton_step().decode_step_triton(
-        x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, depth, valid, out, norm_eps
+        x,
+        w_in,
+        b_in,
+        eau,
+        b_eau,
+        read,
+        cell,
+        hidden,
+        num_heads,
+        depth,
+        valid,
+        out,
+        norm_eps,
+        slots,
+        hidden_seq,
     )
 
 
-def _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid) -> None:
+def _check_decode_inputs(
+    x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, slots=None, hidden_seq=None
+) -> None:
     """Shapes of :func:`lstmem_decode_step`'s inputs, with ``ValueError`` saying what was expected."""
     if x.dim() != 2:
         raise ValueError(
@@ -251,7 +280,9 @@ def _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_head
         )
     B, d = x.shape
     H, R = num_heads, ds // num_heads
-    state = (B, H, R, R)
+    per_row = (B, H, R, R)
+    # with slots the states are tables of any number of rows
+    state = per_row if slots is None else (cell.shape[0], H, R, R)
     eau_rows = (4 * ds,) if depth is not None else (2 * ds, 4 * ds)
     expected = [
         ("w_in", w_in, (d, 4 * ds)),
@@ -259,8 +290,10 @@ def _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_head
         ("b_eau", b_eau, (6 * ds,)),
         ("cell", cell, state),
         ("hidden", hidden, state),
-        ("depth", depth, state),
+        ("depth", depth, per_row),
         ("valid", valid, (B,)),
+        ("slots", slots, (B,)),
+        ("hidden_seq", hidden_seq, per_row),
     ]
     for name, t, shape in expected:
         if t is not None and tuple(t.shape) != shape:
@@ -275,22 +308,38 @@ def _check_decode_inputs(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_head
         )
     if valid is not None and valid.dtype != torch.bool:
         raise ValueError(f"valid must be a bool tensor, got {valid.dtype}")
+    if slots is not None and slots.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slots must be an int64 or int32 tensor of state rows, got {slots.dtype}")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise ValueError(
             "out must be a pair (cell_out, hidden_out) of (B, n_h, r, r) tensors for C_t and D_t"
         )
-    inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth}
-    for name, t in zip(("cell_out", "hidden_out"), out, strict=True):
+    inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth, "hidden_seq": hidden_seq}
+    for name, t, own in zip(("cell_out", "hidden_out"), out, (cell, hidden), strict=True):
         if tuple(t.shape) != state or not t.is_floating_point():
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected a float tensor of shape {state}"
             )
         for other, u in inputs.items():
-            if u is not None and _overlap(t, u):
+            # with slots each row reads its own slot before it writes it: a table may be its own output
+            in_place = slots is not None and u is own and _same_view(t, own)
+            if u is not None and not in_place and _overlap(t, u):
                 raise ValueError(
                     f"{name} overlaps the memory of {other}: the step reads its inputs while it writes, so "
-                    "write the new states into separate tensors (e.g. torch.empty_like(cell, dtype=torch.float32))"
+                    "write the new states into separate tensors (e.g. torch.empty_like(cell, dtype=torch.float32)); "
+                    "only with slots= may a state table be its own output"
                 )
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in the same layout (one tensor, or views of it)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -90,6 +90,8 @@ def _decode_step_kernel(
     cell_out_ptr,
     hidden_out_ptr,
     u_ptr,
+    slots_ptr,
+    seq_ptr,
     d,
     H,
     R,
@@ -123,9 +125,15 @@ def _decode_step_kernel(
     sho_h,
     sho_r,
     sho_c,
+    ss_b,
+    ss_h,
+    ss_r,
+    ss_c,
     eps,
     HAS_DEPTH: tl.constexpr,
     HAS_VALID: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -133,9 +141,15 @@ def _decode_step_kernel(
     """The decode step of one batch row (see the module docstring for the math and the tiles).
 
     Every tensor is addressed through its strides (``s<name>_<axis>``); ``valid`` is ``(B,)`` uint8;
-    ``u`` is a contiguous ``(B, d_s)`` output.
+    ``u`` is a contiguous ``(B, d_s)`` output. With ``HAS_SLOTS`` row ``b``'s states are row
+    ``slots[b]`` of the state tables (read, then written: in place when the outputs are the tables);
+    with ``HAS_SEQ`` ``D_t`` also goes to row ``b`` of ``seq``.
     """
     b = tl.program_id(0).to(tl.int64)
+    if HAS_SLOTS:
+        row = tl.load(slots_ptr + b).to(tl.int64)
+    else:
+        row = b
     DS = H * R
     # (head, lane) index tiles, alone and under a leading piece axis of 2 or 8
     h2 = tl.arange(0, BLOCK_H)[:, None]
@@ -212,8 +226,10 @@ def _decode_step_kernel(
     f = tl.sum(tl.where(o3 == 2, gates, 0.0), axis=0)
     o = tl.sum(tl.where(o3 == 3, gates, 0.0), axis=0)
     u = tl.sum(tl.where(o3 == 5, eau, 0.0), axis=0)
-    C_old = tl.load(cell_ptr + b * sc_b + st_h * sc_h + st_r * sc_r + st_c * sc_c, mask=st_mask, other=0.0)
-    D_old = tl.load(hidden_ptr + b * sh_b + st_h * sh_h + st_r * sh_r + st_c * sh_c, mask=st_mask, other=0.0)
+    C_old = tl.load(cell_ptr + row * sc_b + st_h * sc_h + st_r * sc_r + st_c * sc_c, mask=st_mask, other=0.0)
+    D_old = tl.load(
+        hidden_ptr + row * sh_b + st_h * sh_h + st_r * sh_r + st_c * sh_c, mask=st_mask, other=0.0
+    )
     C = C_old.to(tl.float32)
     D = D_old.to(tl.float32)
     r_time = tl.sum(D * q[:, None, :], axis=2)
@@ -228,8 +244,14 @@ def _decode_step_kernel(
         keep = tl.load(valid_ptr + b) != 0
         C_new = tl.where(keep, C_new, C_old.to(cell_out_ptr.dtype.element_ty))
         D_new = tl.where(keep, D_new, D_old.to(hidden_out_ptr.dtype.element_ty))
-    tl.store(cell_out_ptr + b * sco_b + st_h * sco_h + st_r * sco_r + st_c * sco_c, C_new, mask=st_mask)
-    tl.store(hidden_out_ptr + b * sho_b + st_h * sho_h + st_r * sho_r + st_c * sho_c, D_new, mask=st_mask)
+    tl.store(cell_out_ptr + row * sco_b + st_h * sco_h + st_r * sco_r + st_c * sco_c, C_new, mask=st_mask)
+    tl.store(hidden_out_ptr + row * sho_b + st_h * sho_h + st_r * sho_r + st_c * sho_c, D_new, mask=st_mask)
+    if HAS_SEQ:
+        tl.store(
+            seq_ptr + b * ss_b + st_h * ss_h + st_r * ss_r + st_c * ss_c,
+            D_new.to(seq_ptr.dtype.element_ty),
+            mask=st_mask,
+        )
 
     # 6. u = u_dep + r_time read[:d_s]
     lane = tl.arange(0, BLOCK_R)
@@ -283,9 +305,13 @@ def decode_step_triton(
     valid: torch.Tensor | None,
     out: tuple[torch.Tensor, torch.Tensor],
     norm_eps: float,
+    slots: torch.Tensor | None = None,
+    hidden_seq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode step of one memory layer in one kernel launch (see the module docstring);
-    ``norm_eps``: the lower bound of the l2 normalisation's denominator in ``n(.)``.
+    ``norm_eps``: the lower bound of the l2 normalisation's denominator in ``n(.)``; ``slots``, the
+    state rows of each batch row, and ``hidden_seq``, where ``D_t`` goes besides (see
+    :func:`lstmem_kernels.lstmem_decode_step`).
 
     Shapes are checked by :func:`lstmem_kernels.lstmem_decode_step`; this checks what the kernel
     needs besides: float32, bfloat16 or float16 for ``x``, the weights (one dtype) and ``depth``, any
@@ -323,6 +349,10 @@ def decode_step_triton(
         _check("depth", depth, device, FLOAT_DTYPES)
     if valid is not None:
         _check("valid", valid, device, (torch.bool,))
+    if slots is not None:
+        _check("slots", slots, device, (torch.int64, torch.int32))
+    if hidden_seq is not None:
+        _check("hidden_seq", hidden_seq, device, floats)
 
     B, d = x.shape
     ds = read.shape[1]
@@ -334,6 +364,7 @@ def decode_step_triton(
     cell_out, hidden_out = out
     # strides of an absent depth input are never read (HAS_DEPTH is false)
     depth_strides = depth.stride() if depth is not None else (0, 0, 0, 0)
+    seq_strides = hidden_seq.stride() if hidden_seq is not None else (0, 0, 0, 0)
     with device_guard(device):
         _decode_step_kernel[(B,)](
             x,
@@ -349,6 +380,8 @@ def decode_step_triton(
             cell_out,
             hidden_out,
             u,
+            slots,
+            hidden_seq,
             d,
             H,
             R,
@@ -363,9 +396,12 @@ def decode_step_triton(
             *depth_strides,
             *cell_out.stride(),
             *hidden_out.stride(),
+            *seq_strides,
             norm_eps,
             HAS_DEPTH=depth is not None,
             HAS_VALID=valid is not None,
+            HAS_SLOTS=slots is not None,
+            HAS_SEQ=hidden_seq is not None,
             **_fused_config(d, H, R),
         )
     return u

@@ -386,6 +386,81 @@ def test_one_triton_launch_and_no_other_compute(depth):
         assert counts.ops == [], counts.ops
 
 
+# ---------------------------------------------------------------------- state slots, in place
+def _slot_case(depth: bool, x_dtype=torch.float32):
+    """A layer, 3 sequences whose states are rows 5, 0 and 3 of 7-row tables, the middle one
+    read-only (``valid`` False), and their inputs."""
+    d, H, R, S = 40, 4, 8, 7
+    layer = make_layer(d, H, R, grid=False, depth_input=depth)
+    g = torch.Generator().manual_seed(3)
+    cells = torch.randn(S, H, R, R, generator=g).to(DEVICE)
+    hiddens = torch.randn(S, H, R, R, generator=g).to(DEVICE)
+    slots = torch.tensor([5, 0, 3], device=DEVICE)
+    valid = torch.tensor([True, False, True], device=DEVICE)
+    x = torch.randn(3, d, generator=g).to(x_dtype).to(DEVICE)
+    dep = (0.5 * torch.randn(3, H, R, R, generator=g)).to(DEVICE) if depth else None
+    return layer, cells, hiddens, slots, valid, x, dep
+
+
+@pytest.mark.parametrize("depth", [False, True], ids=["no-depth", "depth"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_slot_step_updates_the_tables_in_place_like_the_gathered_pytorch_step(depth, x_dtype):
+    """``LSTMemLayer.decode_slots`` with the Triton kernel (one launch reading and writing the slots
+    where they are) against the same method in PyTorch (gather, the layer's forward, scatter back):
+    ``u``, ``D_t`` and the stepped rows within the float32 bound, the read-only row and the rows of
+    no sequence bit for bit unchanged."""
+    layer, cells, hiddens, slots, valid, x, dep = _slot_case(depth, x_dtype)
+    tables = {}
+    for backend in ("torch", "triton"):
+        layer.backend = backend
+        c, h = cells.clone(), hiddens.clone()
+        with torch.no_grad():
+            u, seq = layer.decode_slots(x, c, h, slots, depth=dep, valid=valid)
+        tables[backend] = (u, seq, c, h)
+    u_t, seq_t, c_t, h_t = tables["torch"]
+    u, seq, c, h = tables["triton"]
+    wts = weights(layer, depth=depth)
+    rows = {"x": x, "cell": cells[slots], "hidden": hiddens[slots], "depth": dep, "valid": valid}
+    e_u, e_c, e_h = float32_error_bound(wts, rows, layer.num_heads)
+    assert_within(u, u_t, e_u, "u", scale=2 * MARGIN)
+    assert_within(c[slots], c_t[slots], e_c, "cell", scale=2 * MARGIN)
+    assert_within(h[slots], h_t[slots], e_h, "hidden", scale=2 * MARGIN)
+    assert_within(seq, seq_t, e_h, "hidden_seq", scale=2 * MARGIN)
+    untouched = [i for i in range(cells.shape[0]) if i not in (5, 3)]  # slot 0 only reads
+    for table, before in ((c, cells), (h, hiddens), (c_t, cells), (h_t, hiddens)):
+        assert torch.equal(table[untouched], before[untouched])
+    assert torch.equal(seq[1], hiddens[0]) and torch.equal(seq_t[1], hiddens[0])  # read-only: D_{t-1}
+
+
+def test_the_slot_step_is_one_launch_and_no_copy_of_the_states():
+    """With slots the Triton step gathers and scatters nothing: one launch, no aten operator besides
+    allocations and views (the states never leave their tables)."""
+    layer, cells, hiddens, slots, valid, x, dep = _slot_case(True)
+    layer.backend = "triton"
+    with torch.no_grad():
+        layer.decode_slots(x, cells, hiddens, slots, depth=dep, valid=valid)  # derives the weights once
+        with count_launches_and_ops() as counts:
+            layer.decode_slots(x, cells, hiddens, slots, depth=dep, valid=valid)
+    assert counts.launches == ["_decode_step_kernel"], counts.launches
+    assert counts.ops == [], counts.ops
+
+
+def test_only_slots_let_a_state_table_be_its_own_output():
+    """Without slots an output that is an input is refused (the step reads while it writes); with
+    slots the tables may be their own outputs, but not a shifted view of them."""
+    args = _args()
+    args["out"] = (args["cell"], args["hidden"])
+    with pytest.raises(ValueError, match="only with slots= may a state table be its own output"):
+        lstmem_decode_step(**args)
+    args["slots"] = torch.tensor([1, 0], device=DEVICE)
+    with torch.no_grad():
+        lstmem_decode_step(**args)  # in place
+    table = torch.zeros(3, *args["cell"].shape[1:], device=DEVICE)
+    args.update(cell=table[:2], out=(table[1:], args["hidden"]))
+    with pytest.raises(ValueError, match="cell_out overlaps the memory of cell"):
+        lstmem_decode_step(**args)
+
+
 # ---------------------------------------------------------------------- refusals
 def _args(depth=True, dtype=torch.float32):
     d, H, R, B = 16, 2, 4, 2

@@ -514,20 +514,14 @@ class LSTMemLayer(nn.Module):
         B = x.shape[0]
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         new_cell, new_hidden = _step_states(cell, hidden)
-        u = lstmem_decode_step(
+        u = self._decode_kernel(
             x.reshape(B, -1),
-            w.w_in,
-            w.b_in,
-            w.eau_first if depth is None else w.eau_depth,
-            w.b_eau,
-            w.read,
+            w,
             cell,
             hidden,
-            num_heads=H,
             out=(new_cell, new_hidden),
             depth=None if depth is None else depth.view(B, H, R, R),
             valid=None if valid is None else valid.view(B),
-            norm_eps=K.NORM_EPS,
         )
         return LayerOutput(
             u.view(B, 1, ds),
@@ -535,6 +529,78 @@ class LSTMemLayer(nn.Module):
             _cast(new_cell, cell.dtype),
             _cast(new_hidden, hidden.dtype),
             _cast(new_hidden, w.w_in.dtype).unsqueeze(1),
+        )
+
+    def decode_slots(
+        self,
+        x: torch.Tensor,
+        cells: torch.Tensor,
+        hiddens: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        depth: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+        hidden_seq: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for ``n`` sequences whose states are rows of state tables (a serving
+        engine's per-request slots), updating those rows in place. Inference only.
+
+        Args:
+            x: ``(n, d)`` the layer input of each sequence's token.
+            cells, hiddens: ``(S, n_h, r, r)`` state tables; rows ``slots`` are read, then overwritten
+                with ``C_t`` and ``D_t``.
+            slots: ``(n,)`` int64, distinct: each sequence's row.
+            depth: ``(n, n_h, r, r)`` ``D^(l-1)_t`` of the memory layer below, or ``None``.
+            valid: ``(n,)`` bool, ``False`` where a sequence only reads (its states stay as they
+                are), or ``None`` (every sequence writes).
+            hidden_seq: ``(n, n_h, r, r)`` where ``D_t`` goes (the next layer's depth input), or
+                ``None`` for a new float32 tensor.
+        Returns:
+            ``u`` ``(n, d_s)`` in the weight dtype (the corrections' input), and ``hidden_seq``.
+
+        With the Triton kernels this is one launch that reads and writes the slots where they are
+        (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``); otherwise the rows are gathered,
+        stepped by :meth:`forward` and written back: the same math, the reference this is tested
+        against.
+        """
+        n = x.shape[0]
+        H, R = self.num_heads, self.head_dim
+        w = self.derived_weights()
+        if hidden_seq is None:
+            hidden_seq = torch.empty(n, H, R, R, dtype=torch.float32, device=x.device)
+        if fused_decode_step_applies(self.backend, x, w.w_in.dtype) and not _needs_grad(x, depth, w.w_in):
+            u = self._decode_kernel(
+                x,
+                w,
+                cells,
+                hiddens,
+                out=(cells, hiddens),
+                depth=depth,
+                valid=valid,
+                slots=slots,
+                hidden_seq=hidden_seq,
+            )
+            return u, hidden_seq
+        out = self(
+            x[:, None],
+            cells[slots],
+            hiddens[slots],
+            depth=None if depth is None else depth[:, None],
+            valid=None if valid is None else valid[:, None],
+            aux=False,
+        )
+        cells.index_copy_(0, slots, _cast(out.cell, cells.dtype))
+        hiddens.index_copy_(0, slots, _cast(out.hidden, hiddens.dtype))
+        hidden_seq.copy_(out.hidden_seq[:, 0])
+        return out.read[:, 0], hidden_seq
+
+    def _decode_kernel(self, x, w: LayerWeights, cell, hidden, **kwargs) -> torch.Tensor:
+        """:func:`lstmem_kernels.lstmem_decode_step` with this layer's weights (the depth map when
+        ``kwargs`` has a depth input) and the paper's norm constant; returns ``u``."""
+        eau = w.eau_first if kwargs.get("depth") is None else w.eau_depth
+        weights = (w.w_in, w.b_in, eau, w.b_eau, w.read)
+        return lstmem_decode_step(
+            x, *weights, cell, hidden, num_heads=self.num_heads, norm_eps=K.NORM_EPS, **kwargs
         )
 
     def _step(self, q, k, i_e, f, o, cell, hidden, depth_term, valid):

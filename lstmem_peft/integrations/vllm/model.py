@@ -198,7 +198,8 @@ class LSTMemMetadata(LinearAttentionMetadata):
 
     Attributes:
         decode_slots: ``(num_decodes,)`` int64 state slots of the decoding requests.
-        decode_read_only: ``(num_decodes,)`` bool: the request only reads its memory.
+        decode_write: ``(num_decodes,)`` bool: the request writes its memory (``False``: it only
+            reads it).
         prefill_slots: ``(P,)`` int64 state slots of the prefilling requests.
         prefill_read_only: ``(P,)`` bool.
         prefill_gather: ``(P, T)`` int64 rows of the flat batch each padded position takes (padding
@@ -211,7 +212,7 @@ class LSTMemMetadata(LinearAttentionMetadata):
     """
 
     decode_slots: torch.Tensor | None = None
-    decode_read_only: torch.Tensor | None = None
+    decode_write: torch.Tensor | None = None
     prefill_slots: torch.Tensor | None = None
     prefill_read_only: torch.Tensor | None = None
     prefill_gather: torch.Tensor | None = None
@@ -237,7 +238,7 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
         nd, num_prefills = base.num_decodes, base.num_prefills
         slots = base.state_indices_tensor[: nd + num_prefills].long()
         read_only = shared.read_only_slots(self.layer.kv_cache[0].shape[0], slots.device)[slots]
-        fields = dict(decode_slots=slots[:nd], decode_read_only=read_only[:nd])
+        fields = dict(decode_slots=slots[:nd], decode_write=~read_only[:nd])
         if num_prefills:
             starts = common_attn_metadata.query_start_loc_cpu[nd : nd + num_prefills + 1].long()
             lengths = starts[1:] - starts[:-1]
@@ -359,17 +360,20 @@ class LSTMemState(nn.Module, MambaBase):
 
     def _decode(self, x, metadata: LSTMemMetadata, depth, read, out_seq) -> None:
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
-        or ``None``; fills ``read`` ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)``. No host reads."""
+        or ``None``; fills ``read`` ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)``. No host reads.
+        The states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one
+        launch with the Triton kernels); read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
-        slots, keep = metadata.decode_slots, metadata.decode_read_only[:, None, None, None]
-        cell, hidden = cells[slots], hiddens[slots]
-        out = self.memory(
-            x[:, None], cell, hidden, depth=None if depth is None else depth[:, None], aux=False
+        u, _ = self.memory.decode_slots(
+            x,
+            cells,
+            hiddens,
+            metadata.decode_slots,
+            depth=depth,
+            valid=metadata.decode_write,
+            hidden_seq=out_seq,
         )
-        cells.index_copy_(0, slots, torch.where(keep, cell, out.cell))
-        hiddens.index_copy_(0, slots, torch.where(keep, hidden, out.hidden))
-        read.copy_(out.read[:, 0])
-        out_seq.copy_(torch.where(keep, hidden.to(out_seq.dtype), out.hidden_seq[:, 0]))
+        read.copy_(u)
 
     def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
         """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
