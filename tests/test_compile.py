@@ -346,3 +346,50 @@ def test_traceable_memory_refuses_another_thread():
         expected = model.generate(input_ids=prompt, memory_cache=reference, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, expected)
     assert torch.equal(cache.layers[0].cell, reference.layers[0].cell)
+
+
+def test_a_compiled_step_reads_the_cached_weights_and_follows_optimizer_steps_and_loads():
+    """Inside ``traceable_memory()`` a compiled step derives no weights (the layers' cached
+    ``LayerWeights`` are graph inputs: no ``eye``/``cat`` of the derivation in the graph), and the
+    cache follows the parameters where they change without an eager forward in between: after an
+    optimizer step and after ``load_state_dict`` the compiled step gives the eager step's logits."""
+    import copy
+
+    from lstmem_peft import memory_layers
+
+    model = make("qwen3", **CONFIG)
+    prompt, steps = inputs(3)
+    cache, kv = MemoryCache(), DynamicCache()
+    with torch.no_grad(), traceable_memory():
+        model(input_ids=prompt, memory_cache=cache, past_key_values=kv, use_cache=True)  # caches the weights
+
+        def step(ids, cache, kv):
+            return model(input_ids=ids, memory_cache=cache, past_key_values=kv, use_cache=True).logits
+
+        explained = dynamo.explain(step)(steps[:, :1], cache.clone(), copy.deepcopy(kv))
+        ops = [str(op) for graph in explained.ops_per_graph for op in graph]
+        assert not any("eye" in op for op in ops), ops  # LSTMemLayer.weights() builds an identity
+        dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+
+        def agree(t):
+            got = compiled(
+                steps[:, t : t + 1], cache.clone(), copy.deepcopy(kv)
+            )  # first, before any eager step
+            want = step(steps[:, t : t + 1], cache.clone(), copy.deepcopy(kv))
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+            return got
+
+        agree(0)
+        before = agree(1)
+        state = {k: v.clone() for k, v in model.state_dict().items() if "lstmem" in k}
+        params = [p for layer in memory_layers(model) for p in layer.parameters()]
+        optimizer = torch.optim.SGD(params, lr=0.5)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with torch.enable_grad():
+            optimizer.step()
+        changed = agree(1)
+        assert not torch.equal(before, changed)  # the step changed the weights, and the graph saw it
+        model.load_state_dict(state, strict=False)  # back to the weights before the step, by a load
+        assert torch.equal(agree(1), before)

@@ -429,7 +429,8 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
 ):
     """Without gradients a layer derives its :class:`LayerWeights` once and reuses them; any change of a
     parameter (in place, by loading, by moving, by replacing it) is seen by the next forward, which
-    then equals a forward over freshly derived weights."""
+    then equals a forward over freshly derived weights (after an optimizer step the weights are
+    derived by the step's hook, before the next forward)."""
     layer = make_layer(seed=4)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, D_MODEL, generator=g)
@@ -462,7 +463,9 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
         layer.eval()
     calls.clear()
     changed = _block(layer, x, states)
-    assert len(calls) == 1  # derived again: the cache saw the change
+    # derived again: by the next forward, or after an optimizer step already by the step's hook (which
+    # keeps compiled graphs, which cannot check the cache, current)
+    assert len(calls) == (0 if change == "optimizer step" else 1)
     fresh = _block(layer, x, states, weights=derive(layer))
     assert torch.equal(changed.correction(0), fresh.correction(0)) and torch.equal(changed.cell, fresh.cell)
     if change not in ("train()", "depth input removed"):  # (without a depth input W~_pred never acts)

@@ -36,10 +36,12 @@ The layer holds no state: states come in and go out, so one model serves any num
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step, lstmem_scan, lstmem_step
 
@@ -208,6 +210,7 @@ class LSTMemLayer(nn.Module):
         self.reset_parameters()
         self._register_load_state_dict_pre_hook(from_full_matrices, with_module=True)
         self.register_load_state_dict_post_hook(refuse_nonfinite_weights)
+        self.register_load_state_dict_post_hook(_forget_derived)
 
     @property
     def state_size(self) -> int:
@@ -228,6 +231,7 @@ class LSTMemLayer(nn.Module):
         (zero) if absent. Every registered parameter can then learn (DDP's and PEFT's invariant).
         """
         self.depth_input = bool(receives)
+        self._derived = None
         has = self._parameters.get("w_pred") is not None
         if not self.depth_input and has:
             del self._parameters["w_pred"]
@@ -339,33 +343,58 @@ class LSTMemLayer(nn.Module):
         self._derived = None  # a mode switch is a natural point to forget derived weights
         return super().train(mode)
 
+    def _apply(self, fn, recurse=True):
+        self._derived = None  # .to(), .half(), .cuda(): the parameters are new tensors
+        return super()._apply(fn, recurse)
+
     def derived_weights(self) -> LayerWeights:
         """:meth:`weights` for a forward that passes none: derived again only when a parameter
         changed, while no gradient can reach the parameters (decoding, evaluation, memory writes
-        without training). With gradients, or inside a ``torch.compile`` trace, they are derived
-        differentiably in every forward.
+        without training). With gradients they are derived differentiably in every forward.
 
-        A parameter changes (and the cache is dropped) when its version counter moves (an optimizer
-        step, ``load_state_dict``, any in-place write), when its storage moves (``.to()``, ``.data =
-        ...``), or when it is replaced or removed (``set_depth_input``); ``train()``/``eval()`` also
-        drop the cache.
+        A parameter changes (and the weights are derived again) when its version counter moves (an
+        optimizer step, ``load_state_dict``, any in-place write), when its storage moves (``.to()``,
+        ``.data = ...``), or when it is replaced or removed (``set_depth_input``); ``train()``/
+        ``eval()`` also drop the cache.
+
+        Inside a ``torch.compile`` graph (``traceable_memory()``) the cached weights are graph inputs,
+        so a compiled step derives nothing: the cache cannot be checked there (a version counter is
+        not part of a graph), so it is kept current where parameters change: after every optimizer
+        step (a global optimizer hook derives the cached layers' weights again), on
+        ``load_state_dict``, ``.to()`` and ``set_depth_input`` (dropped), and by any eager forward. A
+        parameter written by hand between compiled steps is seen after one eager forward or
+        :meth:`refresh_derived`.
         """
         params = self._parameters
-        if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None)
-        ):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None):
             return self.weights()
-        key = (torch.is_inference_mode_enabled(),) + tuple(  # inference tensors stay in inference mode
-            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
-            for p in params.values()
-        )
         cached = self.__dict__.get("_derived")
+        if torch.compiler.is_compiling():
+            return self.weights() if cached is None else cached[1]
+        key = self._weights_key()
         if cached is not None and cached[0] == key:
             return cached[1]
         with torch.no_grad():
             weights = self.weights()
         self.__dict__["_derived"] = (key, weights)
+        _CACHED_LAYERS.add(self)
         return weights
+
+    def refresh_derived(self) -> None:
+        """Derive the cached weights again if a parameter changed since (what an eager forward does;
+        for compiled steps after a parameter was written by hand). No cache: nothing to do."""
+        cached = self.__dict__.get("_derived")
+        key = self._weights_key()
+        if cached is not None and cached[0] != key:
+            with torch.no_grad():
+                self.__dict__["_derived"] = (key, self.weights())
+
+    def _weights_key(self) -> tuple:
+        """What identifies the parameters' current values (inference tensors stay in inference mode)."""
+        return (torch.is_inference_mode_enabled(),) + tuple(
+            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+            for p in self._parameters.values()
+        )
 
     def weights(self) -> LayerWeights:
         """The :class:`LayerWeights` of the current parameters (differentiable)."""
@@ -614,6 +643,25 @@ class LSTMemLayer(nn.Module):
             q, k, i_e, f, o, cell, hidden, depth_term, valid, backend=self.backend, out=(new_cell, new_hidden)
         )
         return r_time, new_cell, new_hidden
+
+
+#: layers whose derived weights are cached (kept current after optimizer steps)
+_CACHED_LAYERS: weakref.WeakSet[LSTMemLayer] = weakref.WeakSet()
+
+
+def _refresh_after_optimizer_step(optimizer, args, kwargs) -> None:
+    """Global optimizer step hook: the cached derived weights follow the new parameters (a compiled
+    graph reads them without checking; see :meth:`LSTMemLayer.derived_weights`)."""
+    for layer in list(_CACHED_LAYERS):
+        layer.refresh_derived()
+
+
+register_optimizer_step_post_hook(_refresh_after_optimizer_step)
+
+
+def _forget_derived(module: LSTMemLayer, incompatible_keys) -> None:
+    """``load_state_dict`` post hook: the loaded parameters are derived again when next used."""
+    module._derived = None
 
 
 def _unit_heads(x: torch.Tensor) -> torch.Tensor:
