@@ -126,8 +126,9 @@ def traceable_memory():
     carries memory through the forward is read from a plain attribute that the compiler traces
     instead of a context variable it cannot (:class:`ActiveSlot`), so the memory's math is part of
     the graph. ``generate(cache_implementation="static", compile_config=...)`` compiles its decoding
-    steps the same way (their positions are the static cache's device count). The model must run in
-    the thread that entered it.
+    steps the same way (their positions are the static cache's device count). The memory layers'
+    cached weights are graph inputs (:meth:`~lstmem_peft.memory.layer.LSTMemLayer.derived_weights`
+    says how they stay current). The model must run in the thread that entered it.
 
     Example::
 

@@ -258,9 +258,10 @@ class GenerateSession:
         """The working memory for a forward of ``length`` tokens starting at the KV cache's position."""
         kv = kwargs.get("past_key_values")
         if torch.compiler.is_compiling() and self.work is not None and kv is not None and kv is self.kv:
-            # a decoding step transformers compiled (inside traceable_memory()): its static cache is
-            # never cropped within the call, and the position it starts at is the cache's own device
-            # count, so no host integer enters the graph (it would recompile the step at every token)
+            # a decoding step torch.compile traces (transformers compiles them on a static cache): the
+            # cache is never cropped within the call, and the position the step starts at is the
+            # cache's own device count, so no host integer enters the graph (it would recompile the
+            # step at every token)
             self._compiled_start = kv.get_seq_length()
             self.compiled_steps = True
             return self.work
