@@ -210,24 +210,10 @@ def test_compiled_static_cache_generate_gives_the_eager_tokens_and_memory():
 
 
 # ---------------------------------------------------------------------- traceable_memory: whole graphs
-def _traceable_decode(compile_step, prompt, steps, warmup=None):
-    """Prefill and one-token steps through ``compile_step(step)`` inside ``traceable_memory()``;
-    logits of every forward and the memory. After ``warmup`` steps any recompilation raises."""
-    cache, kv, logits = MemoryCache(), DynamicCache(), []
-    with torch.no_grad(), traceable_memory():
-        model_step = compile_step(
-            lambda ids: MODEL[0](input_ids=ids, memory_cache=cache, past_key_values=kv, use_cache=True).logits
-        )
-        logits.append(model_step(prompt))
-        for t in range(steps.shape[1]):
-            if t == warmup:
-                torch.compiler.set_stance("fail_on_recompile")
-            logits.append(model_step(steps[:, t : t + 1]))
-    torch.compiler.set_stance("default")
-    return logits, cache
-
-
-MODEL = []  # the model _traceable_decode runs (set by each test)
+def _traceable_decode(model, compile_step, prompt, steps, warmup=None):
+    """:func:`decode` inside ``traceable_memory()``, each forward through ``compile_step(forward)``."""
+    with traceable_memory():
+        return decode(compile_step(lambda **kw: model(**kw)), prompt, steps, warmup)
 
 
 @pytest.mark.parametrize("layers", [1, 3])
@@ -255,13 +241,17 @@ def test_fullgraph_compiled_decoding_inside_traceable_memory_equals_eager():
     """``torch.compile(step, fullgraph=True)`` of prefill and decode steps: the eager logits and
     memory (the "eager" backend runs the traced graph op by op: the same operations in the same
     order), no recompilation after the first steps; the default mode (graph breaks allowed) too."""
-    MODEL[:] = [make("qwen3", **CONFIG)]
+    model = make("qwen3", **CONFIG)
     prompt, steps = inputs()
-    expected, expected_cache = _traceable_decode(lambda f: f, prompt, steps)
+    expected, expected_cache = _traceable_decode(model, lambda f: f, prompt, steps)
     for fullgraph in (True, False):
         dynamo.reset()
         got, cache = _traceable_decode(
-            lambda f, fg=fullgraph: torch.compile(f, fullgraph=fg, backend="eager"), prompt, steps, warmup=3
+            model,
+            lambda f, fg=fullgraph: torch.compile(f, fullgraph=fg, backend="eager"),
+            prompt,
+            steps,
+            warmup=3,
         )
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -274,10 +264,11 @@ def test_fullgraph_compiled_decoding_inside_traceable_memory_equals_eager():
 def test_inductor_fullgraph_decoding_inside_traceable_memory_matches_eager():
     """Inductor fuses the memory's elementwise math with the backbone's: the eager logits and memory
     up to float32 rounding (a few ulps of these magnitudes)."""
-    MODEL[:] = [make("qwen3", **CONFIG)]
+    model = make("qwen3", **CONFIG)
     prompt, steps = inputs(2)
-    expected, expected_cache = _traceable_decode(lambda f: f, prompt, steps[:, :4])
-    got, cache = _traceable_decode(lambda f: torch.compile(f, fullgraph=True), prompt, steps[:, :4], warmup=2)
+    expected, expected_cache = _traceable_decode(model, lambda f: f, prompt, steps[:, :4])
+    compile_fullgraph = lambda f: torch.compile(f, fullgraph=True)  # noqa: E731
+    got, cache = _traceable_decode(model, compile_fullgraph, prompt, steps[:, :4], warmup=2)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(cache.layers, expected_cache.layers, strict=True):
