@@ -546,6 +546,42 @@ def test_autograd_is_refused():
 
 
 # ---------------------------------------------------------------------- a model's decode step
+def test_a_models_pytorch_decode_step_costs_at_most_twenty_operators_per_memory_layer():
+    """``model(...)`` on one token with a KV cache and memory, the PyTorch backend (the CPU default):
+    what each memory layer adds to the plain backbone's step, operator by operator. The first memory
+    layer (no depth input) adds 17, each layer above it 20 (its depth reads and ``g D^(l-1)``); the
+    forward adds one (the cache's token count). Eager PyTorch runs each of these as its own kernel:
+    fewer needs fusion (``scan_backend="triton"``: three launches per layer, the test below; or
+    ``torch.compile`` inside ``traceable_memory()``, tests/test_compile.py)."""
+    from tiny_models import make
+    from transformers import DynamicCache
+
+    from lstmem_peft import MemoryCache
+
+    layers = 3
+    model = make("qwen3", r=4, num_heads=2, layers_to_transform=list(range(layers)), scan_backend="torch")
+    g = torch.Generator().manual_seed(0)
+    prompt, token = torch.randint(3, 90, (2, 6), generator=g), torch.randint(3, 90, (2, 1), generator=g)
+
+    def step(enabled):
+        cache, kv = MemoryCache(), DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, memory_cache=cache, past_key_values=kv)
+            adapter = contextlib.nullcontext() if enabled else model.disable_adapter()
+            with count_launches_and_ops() as counts, adapter:
+                model(input_ids=token, past_key_values=kv, **({"memory_cache": cache} if enabled else {}))
+        return counts
+
+    extra = list(step(True).ops)
+    for op in step(False).ops:  # the plain backbone's own operators, once each
+        extra.remove(op)
+    assert not step(True).launches
+    first, above = 17, 20
+    assert len(extra) == first + above * (layers - 1) + 1, sorted(extra)
+    # the products: projections, [e | a | u_dep], u, and the two corrections, per layer
+    assert extra.count("aten.addmm.default") == 5 * layers
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 def test_a_models_decode_step_costs_three_launches_per_memory_layer_and_gives_its_pytorch_tokens(padded):
     """``model(...)`` on one token with a KV cache and memory, the adapter's ``scan_backend="triton"``:

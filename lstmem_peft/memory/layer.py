@@ -133,7 +133,8 @@ class LayerWeights(NamedTuple):
             ``[q^[j]; k^[j]]`` yields them).
         eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
-        read: ``(2 d_s, d_s)`` ``W_read^T`` (its first ``d_s`` rows: ``W_read^time^T``).
+        read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
+            (a view).
         corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``(alpha / r) W_dq^T``, ``(alpha / r) W_do^T``
             (eq:injection, with its scale folded into the maps: ``Δq = u corr_q``).
     """
@@ -144,6 +145,7 @@ class LayerWeights(NamedTuple):
     eau_first: torch.Tensor
     b_eau: torch.Tensor
     read: torch.Tensor
+    read_time: torch.Tensor
     corr_q: torch.Tensor
     corr_o: torch.Tensor
 
@@ -390,11 +392,13 @@ class LSTMemLayer(nn.Module):
                 self.__dict__["_derived"] = (key, self.weights())
 
     def _weights_key(self) -> tuple:
-        """What identifies the parameters' current values (inference tensors stay in inference mode)."""
-        return (torch.is_inference_mode_enabled(),) + tuple(
-            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
-            for p in self._parameters.values()
-        )
+        """What identifies the parameters' current values (inference tensors stay in inference mode):
+        each parameter's identity, storage and version counter. A new dtype or device is a new
+        storage (``.to()`` also drops the cache)."""
+        key = [torch.is_inference_mode_enabled()]
+        for p in self._parameters.values():
+            key += (None, None, None) if p is None else (id(p), p.data_ptr(), p._version)
+        return tuple(key)
 
     def weights(self) -> LayerWeights:
         """The :class:`LayerWeights` of the current parameters (differentiable)."""
@@ -412,13 +416,15 @@ class LSTMemLayer(nn.Module):
         r_rows = torch.cat([zeros, g_dep.t(), w_read_dep.t()], 1)  # r^dep
         p_rows = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)  # p^dep
         reads = torch.stack([r_rows.view(H, R, -1), p_rows.view(H, R, -1)], 1).reshape(2 * ds, -1)
+        read = self.w_read.t().contiguous()
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
             eau_depth=torch.cat([eau_first, reads]),
             eau_first=eau_first,
             b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
-            read=self.w_read.t().contiguous(),
+            read=read,
+            read_time=read[:ds],
             corr_q=(self.scale * self.w_dq).t(),
             corr_o=(self.scale * self.w_do).t(),
         )
@@ -467,12 +473,10 @@ class LSTMemLayer(nn.Module):
             depth = _cast(depth, dtype)
         if not write:
             return self._read_fixed(rows, cell, hidden, depth, w, B, T)
-        if (
-            T == 1
-            and not aux
-            and fused_decode_step_applies(self.backend, x, dtype)
-            and not _needs_grad(x, cell, hidden, depth, w.w_in)
-        ):
+        # one token without gradients: a decode step (new states in fresh tensors; the caller's
+        # change only when its pass commits)
+        step = T == 1 and not _needs_grad(x, cell, hidden, depth, w.w_in)
+        if step and not aux and fused_decode_step_applies(self.backend, x, dtype):
             return self._fused_step(x, cell, hidden, depth, valid, w)
 
         # eq:projections, with z_t of eq:gates from the same product
@@ -490,14 +494,13 @@ class LSTMemLayer(nn.Module):
             # eq:residual, eq:gates, and the depth part of eq:read
             eau = torch.addmm(w.b_eau, torch.cat([s, reads], 1), w.eau_depth)
         e, a, u_dep = eau.split_with_sizes([ds, 4 * ds, ds], 1)
-        step = T == 1 and not _needs_grad(rows, cell, hidden, depth, w.w_in)
         lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
         i, f, o, g = torch.sigmoid(a).view(*lead, 4, H, R).unbind(-3)
         i_e = i * e.view(*lead, H, R)
         q, k = qk.view(*lead, H, 2, R).unbind(-2)
         depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
-        if step:  # the decode step writes new states: the caller's change only at commit
+        if step:
             r_time, new_cell, new_hidden = self._step(q, k, i_e, f, o, cell, hidden, depth_term, valid)
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
         else:  # a block, or one token under autograd: the (autograd-native) scan
@@ -505,7 +508,7 @@ class LSTMemLayer(nn.Module):
                 q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=self.backend
             )
         # eq:read (u) and eq:injection
-        u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read[:ds])
+        u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read_time)
         out = LayerOutput(
             u.view(B, T, ds),
             (w.corr_q, w.corr_o),
@@ -530,7 +533,7 @@ class LSTMemLayer(nn.Module):
         q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
         r_time = _read(_cast(hidden, rows.dtype), q).reshape(B * T, ds)
         if depth is None:
-            u = torch.addmm(self.b_read, r_time, w.read[:ds])
+            u = torch.addmm(self.b_read, r_time, w.read_time)
         else:
             r_dep = _read(depth, q).reshape(B * T, ds)
             u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
