@@ -2,8 +2,8 @@
 inside ``traceable_memory()`` vs the plain backbone (adapter disabled), in one process.
 
     python benchmarks/bench_compiled_step.py                       # hidden 1024, 8 layers, fp32
-    python benchmarks/bench_compiled_step.py --out benchmarks/results/compiled_step_cpu.json
-    python benchmarks/bench_compiled_step.py --generate --out benchmarks/results/compiled_generate_cpu.json
+    python benchmarks/bench_compiled_step.py --out benchmarks/compiled/step_cpu.json
+    python benchmarks/bench_compiled_step.py --generate --out benchmarks/compiled/generate_cpu.json
 
 ``--generate`` times ``generate(cache_implementation="static", compile_config=CompileConfig(
 fullgraph=True))`` instead: per decoding step, ``(t(steps + 1 tokens) - t(1 token)) / steps`` so that

@@ -1,16 +1,17 @@
 """What one memory layer costs per decoded token in eager PyTorch, outside any model.
 
     python benchmarks/bench_layer_step.py                     # d = 1024, n_h 4, r 8, batch 1
-    python benchmarks/bench_layer_step.py --batch 8 --out benchmarks/results/layer_step_cpu.json
+    python benchmarks/bench_layer_step.py --batch 8 --out benchmarks/layer_step/cpu.json
 
 Runs what a decoding model runs per memory layer and token: the layer's one-token forward from the
 cached derived weights (with and without a depth input), then ``Δq`` and ``Δo`` added to
 projection outputs (:meth:`LayerOutput.add_to`). Reports, per layer step:
 
 * ``torch_calls``: calls from Python into torch (functions, methods and views, counted by a
-  ``TorchFunctionMode``; attribute reads such as ``.shape`` are not counted). In eager mode each one costs the interpreter and the dispatcher a few
-  microseconds whatever the tensor size, which is what a one-token step of a ``(4, 8, 8)`` state
-  mostly pays, on a CPU and as launch overhead on a GPU;
+  ``TorchFunctionMode``; attribute reads such as ``.shape`` are not counted). In eager mode each
+  costs the interpreter and the dispatcher a few microseconds whatever the tensor size, which is
+  what a one-token step of a ``(4, 8, 8)`` state mostly pays, on a CPU and as launch overhead on a
+  GPU;
 * ``aten_ops``: aten operators that are neither views nor allocations (each is at least one kernel
   on a GPU);
 * ``us``: the best of ``--reps`` timings of ``--calls`` steps (microseconds per step).
@@ -25,6 +26,7 @@ import datetime
 import json
 import platform
 import time
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -120,8 +122,9 @@ def main() -> None:
             f"{row['aten_ops']:3d} aten ops, {row['us']:7.1f} us per layer step"
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def lstmem_scan(
 
 
 def lstmem_step(
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     k: torch.Tensor,
     w: torch.Tensor,
     f: torch.Tensor,
@@ -119,7 +119,9 @@ def lstmem_step(
 
     Args:
         q, k, w, f, o: ``(B, H, R)`` read query, write key, gated residual ``i*e``, forget and
-            output gates of one token.
+            output gates of one token; ``q`` may be ``None`` when the caller took the read
+            ``D_{t-1} q_t`` itself (a memory layer's decode step does, in one product with its depth
+            reads): then nothing is read and ``None`` is returned.
         cell, hidden: ``(B, H, R, R)`` states ``C_{t-1}``, ``D_{t-1}``, overwritten with ``C_t``, ``D_t``
             (rows where ``valid`` is ``False`` are left as they are).
         depth: ``(B, H, R, R)`` depth term ``g * D^{(l-1)}_t``, or ``None`` for zeros.
@@ -131,7 +133,8 @@ def lstmem_step(
             others copy the states there first and step in place.
 
     Returns:
-        ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, from the state before the update.
+        ``read`` ``(B, H, R)``: ``D_{t-1} q_t``, from the state before the update (``None`` without
+        ``q``).
 
     Not differentiable (an in-place update): for gradients, scan the token with :func:`lstmem_scan`.
     """
@@ -144,16 +147,19 @@ def lstmem_step(
             "lstmem_scan (inputs with a time axis of length 1), or call it inside torch.no_grad()"
         )
     if backend == "auto":
-        backend = "triton" if q.is_cuda and triton_available() else "torch"
+        backend = "triton" if k.is_cuda and triton_available() else "torch"
     if backend == "torch":
         return step_torch(q, k, w, f, o, cell, hidden, depth, valid, out=out)
     if out is not None:  # these members step in place: on copies of the states
         out[0].copy_(cell)
         out[1].copy_(hidden)
         cell, hidden = out
+    query = torch.zeros_like(k) if q is None else q  # these members always read; a read of zeros is free
     if backend == "triton":
-        return _triton_step().step_triton(q, k, w, f, o, cell, hidden, depth, valid)
-    return step_naive(q, k, w, f, o, cell, hidden, depth, valid)
+        read = _triton_step().step_triton(query, k, w, f, o, cell, hidden, depth, valid)
+    else:
+        read = step_naive(query, k, w, f, o, cell, hidden, depth, valid)
+    return None if q is None else read
 
 
 def fused_decode_step_applies(backend: str, x: torch.Tensor, weight_dtype: torch.dtype) -> bool:

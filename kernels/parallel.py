@@ -114,7 +114,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_torch(
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     k: torch.Tensor,
     w: torch.Tensor,
     f: torch.Tensor,
@@ -133,15 +133,16 @@ def step_torch(
     math runs in float32, or float64 for float64 inputs); ``depth`` ``(B, H, R, R)`` or ``None``;
     ``valid`` ``(B,)`` or ``None``; ``out``: ``(B, H, R, R)`` tensors for the new states (rows where
     ``valid`` is ``False`` get the old ones), or ``None``. Returns ``read`` ``(B, H, R)``
-    (``D_{t-1} q_t``) in ``q.dtype``.
+    (``D_{t-1} q_t``) in ``q.dtype``, or ``None`` without ``q``.
     """
-    cd = _compute_dtype(q.dtype if q.dtype == torch.float64 else cell.dtype)
+    cd = _compute_dtype(k.dtype if k.dtype == torch.float64 else cell.dtype)
     cell_out, hidden_out = (cell, hidden) if out is None else out
     w_col, f_col, o_col = (_cast(t, cd)[..., None] for t in (w, f, o))
-    q_row, k_row = (_cast(t, cd)[..., None, :] for t in (q, k))
+    k_row = _cast(k, cd)[..., None, :]
     C, D = _cast(cell, cd), _cast(hidden, cd)
     depth = None if depth is None else _cast(depth, cd)
-    read = (D * q_row).sum(-1)  # D_{t-1} q_t, before D changes (R is small: no batched product)
+    # D_{t-1} q_t, before D changes (R is small: no batched product)
+    read = None if q is None else _cast((D * _cast(q, cd)[..., None, :]).sum(-1), q.dtype)
     if valid is None and cell_out.dtype == cd and hidden_out.dtype == cd:
         # the new states go straight where they belong: in place, or into the caller's outputs
         C_new = C.mul_(f_col) if cell_out is C else torch.mul(C, f_col, out=cell_out)
@@ -151,7 +152,7 @@ def step_torch(
             torch.mul(o_col, tanh_c, out=hidden_out)
         else:
             torch.addcmul(depth, o_col, tanh_c, out=hidden_out)
-        return _cast(read, q.dtype)
+        return read
     # padding, or states of another dtype: computed aside, then written (padded rows keep theirs)
     C_new = torch.addcmul(f_col * C, w_col, k_row)
     tanh_c = torch.tanh(C_new)
@@ -166,4 +167,4 @@ def step_torch(
                 torch.where(keep, new, old, out=target)
             else:
                 target.copy_(torch.where(keep, new, old))
-    return _cast(read, q.dtype)
+    return read

@@ -1,6 +1,7 @@
 """The benchmark pipeline on a tiny preset: records, report and plots (timings are not asserted)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +241,11 @@ def test_gpu_suite_vllm_step_runs_bench_vllm_sweep_with_cuda_graphs_on_a_saved_r
     assert failed["failed"] == "bench_vllm.py sweep exited with status 3" and failed["output_tail"] == [
         "boom"
     ]
+
+
+def test_the_shipped_results_folder_holds_only_records_the_report_reads():
+    """``lstmem bench report`` renders ``benchmarks/results/`` as shipped: every file there is a record
+    of ``lstmem bench`` (the scripts in ``benchmarks/`` write theirs to folders of their own)."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    records = bench_records.read_records(folder)
+    assert records and all(r["rows"] for r in records)

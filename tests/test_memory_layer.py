@@ -361,7 +361,8 @@ def test_blocks_are_bit_stable_and_prefill_equals_steps():
 
 def test_weights_arrange_the_paper_maps():
     """LayerWeights: W_q/W_k by head; ``[v; z; reads] eau + b_eau`` is ``[e | a | u_dep]`` of eq:residual,
-    eq:gates and eq:read, written with the effective maps of App. C.2."""
+    eq:gates and eq:read, written with the effective maps of App. C.2; a step's map with the temporal
+    reads gives ``u``."""
     layer = make_layer().double()
     w, P = layer.weights(), layer.paper_parameters()
     ds, H, R = layer.state_size, layer.num_heads, layer.head_dim
@@ -377,6 +378,18 @@ def test_weights_arrange_the_paper_maps():
     a0 = torch.cat([z, torch.zeros_like(z), e0], 1) @ layer.effective_gate().T + P["bgate"]
     u0 = P["bread"].expand(5, ds)
     torch.testing.assert_close(torch.cat([v, z], 1) @ w.eau_first + w.b_eau, torch.cat([e0, a0, u0], 1))
+    # a one-token step's maps also take the temporal reads [r^time; D_{t-1} k] head by head and give u
+    # whole (eq:read); D_{t-1} k, which the same product yields, plays no part
+    r_time, d_k = torch.randn(5, ds, dtype=torch.float64), torch.randn(5, ds, dtype=torch.float64)
+    time_reads = torch.stack([r_time.view(5, H, R), d_k.view(5, H, R)], 2).reshape(5, 2 * ds)
+    u_time = r_time @ P["Wread"][:, :ds].T
+    torch.testing.assert_close(
+        torch.cat([v, z, time_reads, by_head], 1) @ w.eau_step_depth + w.b_eau,
+        torch.cat([e, a, u_dep + u_time], 1),
+    )
+    torch.testing.assert_close(
+        torch.cat([v, z, time_reads], 1) @ w.eau_step_first + w.b_eau, torch.cat([e0, a0, u0 + u_time], 1)
+    )
     torch.testing.assert_close(w.read, P["Wread"].t(), rtol=0, atol=0)
     # eq:injection's scale alpha / r is folded into the correction maps
     assert torch.equal(w.corr_q, (layer.scale * P["Wdq"]).t()) and torch.equal(

@@ -122,7 +122,10 @@ class LayerWeights(NamedTuple):
         u_dep = b_read + W_read^dep r^dep
 
     so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
-    and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``.
+    and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``. A one-token
+    step knows ``r^time = D_{t-1} q_t`` before it writes (eq:read reads the state before eq:write
+    changes it), so its map also takes the temporal reads and gives ``u`` whole:
+    ``[s, time reads, reads] eau_step + b_eau = [e | a | u]``.
 
     Attributes:
         w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
@@ -132,6 +135,11 @@ class LayerWeights(NamedTuple):
             ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
             ``[q^[j]; k^[j]]`` yields them).
         eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
+        eau_step_first, eau_step_depth: ``(4 d_s, 6 d_s)``, ``(6 d_s, 6 d_s)``: ``eau_first`` and
+            ``eau_depth`` with the rows of the temporal reads ``[r^time^[j]; D_{t-1}^[j] k^[j]]``
+            head by head inserted after ``[v; z]`` (``W_read^time^T`` to the ``u`` columns; the
+            second half, which one batched product over ``[q^[j]; k^[j]]`` also yields, is zero):
+            ``[v; z; time reads (; reads)] -> [e | a | u]`` for a one-token step.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
         read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
             (a view).
@@ -143,6 +151,8 @@ class LayerWeights(NamedTuple):
     b_in: torch.Tensor
     eau_depth: torch.Tensor
     eau_first: torch.Tensor
+    eau_step_first: torch.Tensor
+    eau_step_depth: torch.Tensor
     b_eau: torch.Tensor
     read: torch.Tensor
     read_time: torch.Tensor
@@ -417,11 +427,16 @@ class LSTMemLayer(nn.Module):
         p_rows = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)  # p^dep
         reads = torch.stack([r_rows.view(H, R, -1), p_rows.view(H, R, -1)], 1).reshape(2 * ds, -1)
         read = self.w_read.t().contiguous()
+        t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
+        time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
+        eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
             eau_depth=torch.cat([eau_first, reads]),
             eau_first=eau_first,
+            eau_step_first=eau_step_first,
+            eau_step_depth=torch.cat([eau_step_first, reads]),
             b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
             read=read,
             read_time=read[:ds],
@@ -485,30 +500,35 @@ class LSTMemLayer(nn.Module):
             torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R)
         )  # [q^[j]; k^[j]] per (token, head)
         s = proj[:, 2 * ds :]  # [v; z]
-        if depth is None:  # D^(l-1) = 0: r^dep = p^dep = 0
-            # eq:residual, eq:gates, and the depth part of eq:read
-            eau = torch.addmm(w.b_eau, s, w.eau_first)
-        else:
+        parts = [s]
+        if step:  # eq:read (time), before eq:write changes D: [q; k] D_{t-1}^T per head, one product
+            parts.append(_cast(_time_reads(qk, hidden), dtype).view(B, 2 * ds))
+        if depth is not None:
             # eq:read (depth) and p^dep of eq:residual: [q; k] D^(l-1)^T per (token, head), one product
-            reads = torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds)
-            # eq:residual, eq:gates, and the depth part of eq:read
-            eau = torch.addmm(w.b_eau, torch.cat([s, reads], 1), w.eau_depth)
-        e, a, u_dep = eau.split_with_sizes([ds, 4 * ds, ds], 1)
+            parts.append(torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds))
+        # eq:residual, eq:gates and eq:read's u (a block: its depth part; the step: all of it)
+        eau_map = (w.eau_first, w.eau_depth, w.eau_step_first, w.eau_step_depth)[
+            2 * step + (depth is not None)
+        ]
+        eau = torch.addmm(w.b_eau, parts[0] if len(parts) == 1 else torch.cat(parts, 1), eau_map)
+        e, a, u = eau.split_with_sizes([ds, 4 * ds, ds], 1)
         lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
         i, f, o, g = torch.sigmoid(a).view(*lead, 4, H, R).unbind(-3)
         i_e = i * e.view(*lead, H, R)
         q, k = qk.view(*lead, H, 2, R).unbind(-2)
         depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
-        # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op
+        # eq:write, eq:hidden (and a block's r^time of eq:read): the recurrence, one kernel op
         if step:
-            r_time, new_cell, new_hidden = self._step(q, k, i_e, f, o, cell, hidden, depth_term, valid)
+            new_cell, new_hidden = self._step(k, i_e, f, o, cell, hidden, depth_term, valid)
             hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
         else:  # a block, or one token under autograd: the (autograd-native) scan
             r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
                 q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=self.backend
             )
-        # eq:read (u) and eq:injection
-        u = torch.addmm(u_dep, _cast(r_time, dtype).reshape(B * T, ds), w.read_time)
+            # the final states on their own (not views of the block's states: the cache would keep
+            # those alive, and the next step reads them as (B n_h, r, r) matrices)
+            new_cell, new_hidden = new_cell.contiguous(), new_hidden.contiguous()
+            u = torch.addmm(u, _cast(r_time, dtype).reshape(B * T, ds), w.read_time)  # eq:read (u)
         out = LayerOutput(
             u.view(B, T, ds),
             (w.corr_q, w.corr_o),
@@ -635,17 +655,27 @@ class LSTMemLayer(nn.Module):
             x, *weights, cell, hidden, num_heads=self.num_heads, norm_eps=K.NORM_EPS, **kwargs
         )
 
-    def _step(self, q, k, i_e, f, o, cell, hidden, depth_term, valid):
-        """eq:write, eq:hidden and ``r^time`` of eq:read for one token without gradients: the kernel
-        family's decode step, writing the new states into fresh tensors (the caller's states change
-        only when its pass commits). Inputs ``(B, n_h, r)``, states and ``depth_term`` ``(B, n_h, r,
-        r)``, ``valid`` ``(B, 1)`` or ``None``; returns ``(r_time, C_t, D_t)``."""
+    def _step(self, k, i_e, f, o, cell, hidden, depth_term, valid):
+        """eq:write and eq:hidden for one token without gradients (its read ``r^time`` is already
+        taken): the kernel family's decode step, writing the new states into fresh tensors (the
+        caller's states change only when its pass commits). Inputs ``(B, n_h, r)``, states and
+        ``depth_term`` ``(B, n_h, r, r)``, ``valid`` ``(B, 1)`` or ``None``; returns ``(C_t, D_t)``."""
         new_cell, new_hidden = _step_states(cell, hidden)
         valid = None if valid is None else valid.view(-1)
-        r_time = lstmem_step(
-            q, k, i_e, f, o, cell, hidden, depth_term, valid, backend=self.backend, out=(new_cell, new_hidden)
+        lstmem_step(
+            None,
+            k,
+            i_e,
+            f,
+            o,
+            cell,
+            hidden,
+            depth_term,
+            valid,
+            backend=self.backend,
+            out=(new_cell, new_hidden),
         )
-        return r_time, new_cell, new_hidden
+        return new_cell, new_hidden
 
 
 #: layers whose derived weights are cached (kept current after optimizer steps)
@@ -670,6 +700,15 @@ def _forget_derived(module: LSTMemLayer, incompatible_keys) -> None:
 def _unit_heads(x: torch.Tensor) -> torch.Tensor:
     """The l2 normalisation of ``n(.)`` along the last axis (denominator at least 1e-6)."""
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(K.NORM_EPS)
+
+
+def _time_reads(qk: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``[D_{t-1} q_t; D_{t-1} k_t]`` per head for one token: ``qk`` ``(B n_h, 2, r)``, ``hidden``
+    ``(B, n_h, r, r)`` -> ``(B n_h, 2, r)``, computed and returned in float32 (float64 when either
+    is), as the recurrence computes its reads."""
+    cd = torch.float64 if torch.float64 in (qk.dtype, hidden.dtype) else torch.float32
+    R = qk.shape[-1]
+    return torch.bmm(_cast(qk, cd), _cast(hidden, cd).reshape(-1, R, R).transpose(1, 2))
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
