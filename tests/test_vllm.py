@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, write_history  # noqa: E402
 from lstmem_peft.integrations.vllm import (  # noqa: E402
+    HISTORY,
     MEMORY_WRITE,
     SESSION_DIR_ENV,
     SESSION_IN,
@@ -40,6 +41,9 @@ NEW_TOKENS = 8
 # prompt lengths: one token (vLLM schedules it as a decode), short, and longer than the 16-token
 # step budget (its prefill is split into chunks that continue from the slot)
 PROMPTS = [5, 1, 11, 37]
+# the test adapter's history block (``block_size``): more than the 32 feedback samples, so they are
+# spread over the block, and not a multiple of the 16-token step budget, so blocks end inside steps
+HISTORY_BLOCK = 40
 
 
 def tiny_backbone(arch: str = "qwen3"):
@@ -112,7 +116,8 @@ def engines(tmp_path_factory):
             base = tiny_backbone(arch)
             base.save_pretrained(root / "base")
             word_tokenizer().save_pretrained(root / "base")
-            model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, memory_id=f"vllm-test-{arch}")).eval()
+            config = LSTMemConfig(r=8, num_heads=4, memory_id=f"vllm-test-{arch}", block_size=HISTORY_BLOCK)
+            model = get_peft_model(base, config).eval()
             randomize_memory(model, scale=0.3)
             model.save_pretrained(root / "adapter")
             llm = vllm.LLM(
@@ -279,6 +284,114 @@ def test_read_only_requests_equal_the_library_with_memory_write_false(engines, a
         assert vllm_answers(llm, [(prompts[3], None, None, False)]) == [reading[3]]
 
 
+def history_params(session_in: str | None = None, session_out: str | None = None, **extra):
+    """A history request (``lstmem_history``): the prompt is written in blocks with block-end
+    feedback and saved to ``session_out``; one token is generated and dropped."""
+    names = {k: v for k, v in ((SESSION_IN, session_in), (SESSION_OUT, session_out)) if v is not None}
+    return vllm.SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, extra_args={HISTORY: True, **names, **extra}
+    )
+
+
+def library_history(model, start: MemoryCache | None, tokens: list[int], kv: bool) -> MemoryCache:
+    """The library's ``write_history`` of ``tokens`` from ``start`` (adapter's blocks, feedback):
+    ``kv`` keeps the history in a KV cache (each block attends to the earlier ones, positions run on),
+    else each block is a forward of its own (the default)."""
+    from transformers import DynamicCache
+
+    cache = start.clone() if start is not None else MemoryCache()
+    with torch.no_grad():
+        write_history(model, torch.tensor([tokens]), cache, past_key_values=DynamicCache() if kv else None)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_history_requests_write_the_library_history_with_block_end_feedback(engines, arch):
+    """``lstmem_history``: histories of 100, 81, 40 and 7 tokens (blocks of 40: three blocks, two and a
+    one-token block that vLLM runs as a decode, one full block, one short block), sent together so
+    that the 16-token steps cut blocks into chunks of several sizes. One request per history writes
+    what ``write_history`` writes with a KV cache (vLLM's request attends to its whole prompt); one
+    request per block, chained through a session, writes what ``write_history`` writes by default
+    (each block alone). Both from a saved memory or a fresh one; feedback visibly changes the memory;
+    questions answered from the written sessions give the library's tokens."""
+    model, llm, root = engines(arch)
+    layout = memory_layout(model)
+    g = torch.Generator().manual_seed(21)
+    histories = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 81, 40, 7)]
+    start = history_memory(model, 31, 24)
+    save_session(start, "history-start")
+    starts = [start, None, None, start]
+    names_in = ["history-start" if m is not None else None for m in starts]
+
+    # one request per history: the KV cache holds the earlier blocks
+    params = [history_params(n, f"history-kv-{i}") for i, n in enumerate(names_in)]
+    outputs = llm.generate([{"prompt_token_ids": h} for h in histories], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 4
+    for i, (memory, history) in enumerate(zip(starts, histories, strict=True)):
+        expected = library_history(model, memory, history, kv=True)
+        assert_same_memory(MemoryCache.load(session_path(f"history-kv-{i}"), layout), expected)
+    # the same prompt written without feedback (a plain writing request) leaves another memory
+    llm.generate([{"prompt_token_ids": histories[0]}], greedy(1, "history-start", "plain"), use_tqdm=False)
+    plain, written = (MemoryCache.load(session_path(n), layout) for n in ("plain", "history-kv-0"))
+    assert (
+        max(
+            ((a.cell - b.cell).norm() / b.cell.norm()).item()
+            for a, b in zip(plain.layers, written.layers, strict=True)
+        )
+        > 1e-3
+    )
+
+    # one request per block, each continuing its history's session in place: each block alone
+    blocks = [[h[k : k + HISTORY_BLOCK] for k in range(0, len(h), HISTORY_BLOCK)] for h in histories]
+    for i, name in enumerate(names_in):
+        if name is not None:
+            save_session(start, f"history-blocks-{i}")
+    for k in range(max(len(b) for b in blocks)):
+        rows = [i for i in range(len(blocks)) if k < len(blocks[i])]
+        params = [
+            history_params(f"history-blocks-{i}" if k > 0 or names_in[i] else None, f"history-blocks-{i}")
+            for i in rows
+        ]
+        llm.generate([{"prompt_token_ids": blocks[i][k]} for i in rows], params, use_tqdm=False)
+    expected = [library_history(model, m, h, kv=False) for m, h in zip(starts, histories, strict=True)]
+    for i, memory in enumerate(expected):
+        assert_same_memory(MemoryCache.load(session_path(f"history-blocks-{i}"), layout), memory)
+
+    # questions from the written memories
+    questions = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (11, 5, 1, 37)]
+    tokens = vllm_answers(llm, [(q, f"history-blocks-{i}", None) for i, q in enumerate(questions)])
+    assert tokens == [library_answer(model, m, q)[0] for m, q in zip(expected, questions, strict=True)]
+
+
+def test_bad_history_requests_are_refused_at_admission_and_the_engine_goes_on(setup):
+    """``lstmem_history`` that is not a bool, a history request without an out-session, read-only,
+    or asking for more than one token: each refused when vLLM admits it, nothing written, and the
+    next history request is written."""
+    from vllm.exceptions import VLLMValidationError
+
+    model, llm, root = setup
+    session_path("x").parent.mkdir(parents=True, exist_ok=True)
+    before = sorted(os.listdir(session_path("x").parent))
+    prompt = [5, 6, 7, 8, 9]
+    cases = [
+        ({HISTORY: "yes", SESSION_OUT: "h"}, 1, "lstmem_history must be true or false, not 'yes'"),
+        ({HISTORY: 2, SESSION_OUT: "h"}, 1, "lstmem_history must be true or false, not 2"),
+        ({HISTORY: None, SESSION_OUT: "h"}, 1, "lstmem_history must be true or false, not None"),
+        ({HISTORY: True}, 1, "name the session to save it in with lstmem_session_out"),
+        ({HISTORY: True, MEMORY_WRITE: False}, 1, "which lstmem_memory_write=false forbids"),
+        ({HISTORY: True, SESSION_OUT: "h"}, 4, "set max_tokens=1 (got 4)"),
+        ({HISTORY: True, SESSION_OUT: "h"}, None, "set max_tokens=1 (got None)"),
+    ]
+    for extra, max_tokens, message in cases:
+        params = vllm.SamplingParams(max_tokens=max_tokens, detokenize=False, extra_args=extra)
+        with pytest.raises(VLLMValidationError, match=re.escape(message)):
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert sorted(os.listdir(session_path("x").parent)) == before
+    llm.generate([{"prompt_token_ids": prompt}], history_params(None, "h", **{HISTORY: 1}), use_tqdm=False)
+    expected = library_history(model, None, prompt, kv=False)
+    assert_same_memory(MemoryCache.load(session_path("h"), memory_layout(model)), expected)
+
+
 def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup, tmp_path):
     """A KV pool too small for the batch: vLLM preempts requests and recomputes them from scratch
     (their state slot handed out again); each restarted request starts again from the memory its
@@ -383,13 +496,16 @@ def test_pipeline_parallelism_another_worker_and_cuda_graphs_are_refused_by_the_
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    from lstmem_peft.integrations.vllm import WORKER
+    from lstmem_peft.integrations.vllm import SCHEDULER, WORKER
     from lstmem_peft.integrations.vllm.model import check_engine_config
+    from lstmem_peft.integrations.vllm.scheduler import LSTMemScheduler
 
-    def config(pipeline: int = 1, worker: str = WORKER, graphs=CUDAGraphMode.NONE):
+    def config(pipeline: int = 1, worker: str = WORKER, graphs=CUDAGraphMode.NONE, scheduler=LSTMemScheduler):
         return SimpleNamespace(
             parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline, worker_cls=worker),
+            scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler),
             compilation_config=SimpleNamespace(cudagraph_mode=graphs),
         )
 
@@ -398,6 +514,8 @@ def test_pipeline_parallelism_another_worker_and_cuda_graphs_are_refused_by_the_
         check_engine_config(config(pipeline=2))
     with pytest.raises(ValueError, match=f"needs vLLM's worker {re.escape(WORKER)}.*--worker-cls"):
         check_engine_config(config(worker="auto"))
+    with pytest.raises(ValueError, match=f"needs vLLM's scheduler {re.escape(SCHEDULER)}.*--scheduler-cls"):
+        check_engine_config(config(scheduler=Scheduler))
     for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
         with pytest.raises(ValueError, match=f"cudagraph_mode={graphs.name}.*'cudagraph_mode': 'NONE'"):
             check_engine_config(config(graphs=graphs))
@@ -561,8 +679,9 @@ def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
 
 def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
     """``lstmem serve --engine vllm``: the same API and session store; two greedy chat turns of one
-    session give the same answers as the default engine, and the same stored memory (written by the
-    library in both)."""
+    session (the first message two history blocks long) give the same answers as the default engine,
+    and the same stored memory: written by ``write_history`` there, by history requests inside vLLM
+    here (block-end feedback in both)."""
     import asyncio
 
     import httpx
@@ -572,7 +691,7 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
     _, _, root = setup
     g = torch.Generator().manual_seed(3)
     words = [
-        " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (30, 7)
+        " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (60, 7)
     ]
     results = {}
     for engine in ("hf", "vllm"):
@@ -615,9 +734,8 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
         results[engine] = answers, MemoryCache.load(path, loaded.layout)
     (hf_answers, hf_memory), (vllm_answers_, vllm_memory) = results["hf"], results["vllm"]
     assert vllm_answers_ == hf_answers and all(hf_answers)
-    assert vllm_memory.tokens_written.tolist() == hf_memory.tokens_written.tolist()
-    for ours, theirs in zip(vllm_memory.layers, hf_memory.layers, strict=True):
-        assert torch.equal(ours.cell, theirs.cell) and torch.equal(ours.hidden, theirs.hidden)
+    assert hf_memory.tokens_written.item() > HISTORY_BLOCK
+    assert_same_memory(vllm_memory, hf_memory)
 
 
 HUB_SCRIPT = """
@@ -724,6 +842,7 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
         "0",
     ]
     command += ["--hf-overrides", json.dumps(args["hf_overrides"]), "--worker-cls", args["worker_cls"]]
+    command += ["--scheduler-cls", args["scheduler_cls"]]
     command += ["--logits-processors", *args["logits_processors"]]
     command += ["--no-enable-prefix-caching", "--no-async-scheduling"]
     command += ["--max-model-len", str(ENGINE["max_model_len"]), "--gpu-memory-utilization", "0.3"]

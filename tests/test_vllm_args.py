@@ -8,6 +8,7 @@ from tiny_models import tiny_model
 
 from lstmem_peft.integrations.vllm import (
     MEMORY_LAYER_TYPE,
+    SCHEDULER,
     SESSION_FILE_CHECK,
     WORKER,
     SessionIdError,
@@ -24,6 +25,7 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
     assert args == {
         "model": str(tmp_path),
         "worker_cls": WORKER,
+        "scheduler_cls": SCHEDULER,
         "logits_processors": [SESSION_FILE_CHECK],
         "enable_prefix_caching": False,
         "async_scheduling": False,
@@ -124,3 +126,44 @@ def test_a_session_is_a_file_of_the_session_directory(tmp_path):
     (tmp_path / "sessions" / "link.safetensors").symlink_to(tmp_path / "outside" / "x.safetensors")
     with pytest.raises(ValueError, match="resolves outside the session directory"):
         session_file(str(tmp_path / "sessions"), "link")
+
+
+def test_engine_args_refuse_another_scheduler(tmp_path):
+    tiny_model("qwen3").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="runs with its own scheduler.*leave scheduler_cls out"):
+        engine_args(str(tmp_path), "a", scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler")
+    assert engine_args(str(tmp_path), "a", scheduler_cls=SCHEDULER)["scheduler_cls"] == SCHEDULER
+
+
+def test_history_chunks_end_at_block_ends_and_find_their_feedback_samples():
+    """A history request's chunks (``lstmem_history``): cut at block ends and nowhere else; over a
+    block's chunks, each of the block's feedback positions is found exactly once, in the chunk and at
+    the offset where it lies; the chunk that ends a block says so; a chunk across a block end is
+    refused with the scheduler named."""
+    from lstmem_peft.integrations.vllm.history import block_samples, cap_history_chunk, plan_chunk
+
+    assert cap_history_chunk(0, 16, 100, 40) == 16
+    assert cap_history_chunk(32, 16, 100, 40) == 8  # the block ends at 40
+    assert cap_history_chunk(80, 64, 100, 40) == 20  # the prompt ends at 100
+    assert cap_history_chunk(100, 1, 100, 40) == 1  # generated tokens are not cut
+    assert block_samples(7, 32) == tuple(range(7))
+    spread = block_samples(100, 32)
+    assert len(set(spread)) == 32 and spread[0] == 0 and spread[-1] == 99 and list(spread) == sorted(spread)
+
+    for length, block, step in ((100, 40, 16), (81, 40, 16), (130, 100, 7)):
+        start, found = 0, {}
+        while start < length:
+            count = cap_history_chunk(start, step, length, block)
+            plan = plan_chunk(start, count, length, block, 32)
+            first = start // block * block
+            assert plan.first == (start == first)
+            assert plan.ends_block == (start + count == min(first + block, length))
+            for slot, row in zip(plan.slots, plan.rows, strict=True):
+                assert slot not in found.setdefault(first, {})
+                found[first][slot] = start + row - first
+            start += count
+        for first, samples in found.items():
+            expected = block_samples(min(block, length - first), 32)
+            assert [samples[j] for j in range(len(expected))] == list(expected)
+    with pytest.raises(ValueError, match="crosses the history block end 40.*LSTMemScheduler"):
+        plan_chunk(32, 16, 100, 40, 32)

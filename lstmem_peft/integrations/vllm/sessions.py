@@ -29,6 +29,9 @@ request's own error, HTTP 400 on vLLM's server, and the engine goes on):
 * ``lstmem_session_in`` must be a readable one-row memory of the served layout with finite states;
   a missing, unreadable, damaged or foreign file gets one and the same error text, so that a
   client cannot learn which files exist (the cause goes to the server's log);
+* ``lstmem_history`` must be a bool (or ``0`` / ``1``); ``True`` (a history request:
+  :mod:`lstmem_peft.integrations.vllm.history`) needs an out-session, a writing request and
+  ``max_tokens=1``;
 * ``lstmem_session_out`` must not name something that is not a session file (a folder, a link), and
   the request must be able to finish where the worker sees it: ``n == 1`` and no ``stop`` strings
   (vLLM ends a request on a stop string in the serving process, after its output left the engine).
@@ -39,7 +42,9 @@ In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.integrations.vl
   marks its state slot read-only or writing for the memory layers
   (``EngineMemory.set_read_only``) and has its starting memory written into its state slot, every
   memory layer's ``(C, D)``: its in-session's memory (read once per request; a restarted request
-  starts again from the memory it first read), else zeros;
+  starts again from the memory it first read), else zeros; a history request's slot is marked as
+  such (``EngineMemory.set_history``: its blocks start over), and before each step the chunk each
+  history request runs is recorded (``EngineMemory.step_history``: where it starts in the prompt);
 * after each step, before its outputs go back to the scheduler, every request that sampled its
   last token in that step (vLLM's own stop rule, :func:`finishes`) and names an out-session has its
   slot's states written there: to a temporary file of the session directory, then renamed over the
@@ -73,6 +78,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessor
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 from . import (
+    HISTORY,
     LEGACY_PATH_KEYS,
     MEMORY_WRITE,
     SESSION_DIR_ENV,
@@ -119,10 +125,11 @@ def request_sessions(extra_args) -> tuple[str | None, str | None]:
         if (
             isinstance(key, str)
             and key.startswith("lstmem_")
-            and key not in (SESSION_IN, SESSION_OUT, MEMORY_WRITE)
+            and key not in (SESSION_IN, SESSION_OUT, MEMORY_WRITE, HISTORY)
         ):
             raise ValueError(
-                f"unknown key {key!r}: the LSTMem keys are {SESSION_IN}, {SESSION_OUT} and {MEMORY_WRITE}"
+                f"unknown key {key!r}: the LSTMem keys are {SESSION_IN}, {SESSION_OUT}, {MEMORY_WRITE} and "
+                f"{HISTORY}"
             )
     names = []
     for key in (SESSION_IN, SESSION_OUT):
@@ -142,15 +149,45 @@ def request_memory_write(extra_args) -> bool:
     Raises:
         ValueError: the value is not a bool, ``0`` or ``1``.
     """
+    return _flag(extra_args, MEMORY_WRITE, True)
+
+
+def _flag(extra_args, key: str, default: bool) -> bool:
+    """The bool ``extra_args[key]`` (``default`` when absent; ``1`` / ``0`` stand for ``True`` /
+    ``False``: vLLM's OpenAI server reads the JSON booleans of ``vllm_xargs`` as integers).
+
+    Raises:
+        ValueError: the value is not a bool, ``0`` or ``1``.
+    """
     extra = extra_args or {}
     if not isinstance(extra, dict):
-        return True
-    value = extra.get(MEMORY_WRITE, True)
+        return default
+    value = extra.get(key, default)
     if isinstance(value, bool):
         return value
     if type(value) is int and value in (0, 1):
         return bool(value)
-    raise ValueError(f"{MEMORY_WRITE} must be true or false, not {value!r}")
+    raise ValueError(f"{key} must be true or false, not {value!r}")
+
+
+def request_history(extra_args) -> bool:
+    """Whether a request asks for its prompt to be written as a history (``extra_args`` key
+    ``lstmem_history``; default ``False``): in the adapter's blocks with block-end feedback, as
+    :func:`lstmem_peft.write_history` writes (:mod:`lstmem_peft.integrations.vllm.history`).
+
+    Raises:
+        ValueError: the value is not a bool, ``0`` or ``1``.
+    """
+    return _flag(extra_args, HISTORY, False)
+
+
+def is_history(extra_args) -> bool:
+    """Whether a request is a history request (the scheduler's and the worker's rule: a value that
+    :func:`request_history` refuses was refused at admission, and counts as ``False`` here)."""
+    try:
+        return request_history(extra_args)
+    except ValueError:
+        return False
 
 
 def is_read_only(extra_args) -> bool:
@@ -316,6 +353,14 @@ def finishes(request, max_model_len: int, new_tokens: int) -> bool:
     return False
 
 
+def _prompt_length(new) -> int:
+    """The prompt length of a new request of a scheduler output (``NewRequestData``)."""
+    ids = getattr(new, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return int(new.prompt_embeds.shape[0])
+
+
 class Sessions:
     """The sessions of the requests in one vLLM worker (:class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker`
     calls :meth:`before_step` before each step and :meth:`after_step` with its output).
@@ -342,6 +387,7 @@ class Sessions:
         self.start_tokens: dict[str, int] = {}  # request id -> tokens_written of its starting memory
         self.ran: dict[str, int] = {}  # request id -> tokens the model ran for it since it (re)started
         self.read_only: set[str] = set()  # ids of read-only requests
+        self.history: dict[str, int] = {}  # history request id -> its state slot
         self.memories: dict[str, MemoryCache] = {}  # request id -> the memory it started from (read once)
         self.outputs: dict[str, tuple[str, str]] = {}  # request id -> (out-session name, its file)
         self.failed: set[str] = set()  # requests whose in-session could not be read here
@@ -355,15 +401,24 @@ class Sessions:
         for new in scheduler_output.scheduled_new_reqs:
             if new.num_computed_tokens == 0:
                 self.counts["started"] += 1
-                self.start(new.req_id, new.sampling_params, new.block_ids)
+                self.start(new.req_id, new.sampling_params, new.block_ids, _prompt_length(new))
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             if request_id in cached.resumed_req_ids and cached.num_computed_tokens[i] == 0:
                 request = self.runner.requests.get(request_id)
                 if request is not None and cached.new_block_ids[i] is not None:
                     self.counts["restarted"] += 1
-                    self.start(request_id, request.sampling_params, cached.new_block_ids[i])
+                    self.start(
+                        request_id,
+                        request.sampling_params,
+                        cached.new_block_ids[i],
+                        request.num_prompt_tokens,
+                    )
+        self.shared.step_history.clear()
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            slot = self.history.get(request_id)
+            if slot is not None:  # the chunk of a history request: where it starts in the prompt
+                self.shared.step_history[slot] = (self.ran.get(request_id, 0), count)
             self.ran[request_id] = self.ran.get(request_id, 0) + count
         self.shared.step_has_read_only = any(
             request_id in self.read_only for request_id in scheduler_output.num_scheduled_tokens
@@ -382,10 +437,10 @@ class Sessions:
             if request is not None and finishes(request, self.runner.max_model_len, len(sampled[i])):
                 self.save(request_id, request)
 
-    def start(self, request_id: str, params, block_ids) -> None:
-        """Set up the state slot of a request that starts (or restarts from scratch): its mode, and its
-        starting memory in every memory layer (the in-session's, else zeros; vLLM does not clear a
-        slot it hands out)."""
+    def start(self, request_id: str, params, block_ids, prompt_length: int) -> None:
+        """Set up the state slot of a request that starts (or restarts from scratch): its mode (a
+        history request's blocks start over), and its starting memory in every memory layer (the
+        in-session's, else zeros; vLLM does not clear a slot it hands out)."""
         slot = int(block_ids[self.group][0])
         extra = getattr(params, "extra_args", None)
         read_only = is_read_only(extra)
@@ -394,6 +449,12 @@ class Sessions:
             self.read_only.add(request_id)
         else:
             self.read_only.discard(request_id)
+        history = is_history(extra) and not read_only  # both: refused at admission
+        self.shared.set_history(slot, prompt_length if history else None)
+        if history:
+            self.history[request_id] = slot
+        else:
+            self.history.pop(request_id, None)
         self.start_tokens[request_id] = 0
         self.ran[request_id] = 0
         self.write_start(slot, self.starting_memory(request_id, extra, read_only))
@@ -474,6 +535,9 @@ class Sessions:
     def finish(self, request_id: str) -> None:
         """Forget a request vLLM has finished (its out-session was written at its last step)."""
         self.read_only.discard(request_id)
+        slot = self.history.pop(request_id, None)
+        if slot is not None:
+            self.shared.set_history(slot, None)
         self.start_tokens.pop(request_id, None)
         self.ran.pop(request_id, None)
         self.memories.pop(request_id, None)
@@ -499,6 +563,23 @@ class SessionFileCheck(LogitsProcessor):
                 f"memory it started from and has nothing to save in session {name_out!r}; leave out "
                 f"{SESSION_OUT}, or {MEMORY_WRITE} to write the prompt and answer into memory"
             )
+        if request_history(extra):
+            if not request_memory_write(extra):
+                raise ValueError(
+                    f"{HISTORY}: a history request writes its prompt into memory, which {MEMORY_WRITE}=false "
+                    "forbids; leave out one of the two"
+                )
+            if name_out is None:
+                raise ValueError(
+                    f"{HISTORY}: a history request writes its prompt into memory and saves that memory; name the "
+                    f"session to save it in with {SESSION_OUT}"
+                )
+            if getattr(sampling_params, "max_tokens", None) != 1:
+                raise ValueError(
+                    f"{HISTORY}: a history request writes its prompt and generates nothing to keep; set "
+                    f"max_tokens=1 (got {getattr(sampling_params, 'max_tokens', None)!r}) and ask questions in "
+                    f"a later request that names the session in {SESSION_IN}"
+                )
         if name_in is None and name_out is None:
             return
         key = SESSION_IN if name_in is not None else SESSION_OUT
