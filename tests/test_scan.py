@@ -181,6 +181,24 @@ def test_step_into_out_leaves_the_states_and_equals_the_in_place_step(
         assert torch.equal(out[0][1], cell[1].float()) and torch.equal(out[1][1], hidden[1].float())
 
 
+@pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
+def test_a_step_without_a_query_reads_nothing_and_writes_the_same_states(backend):
+    """``lstmem_step(q=None, ...)`` (a caller that took the read itself): no read comes back, and the
+    new states equal those of the step with its query, on every member."""
+    if backend == "triton" and not triton_available():
+        pytest.skip("Triton is not installed")
+    x, cell, hidden, depth, valid, _ = _step_case(torch.float32, True, True)
+    outs = []
+    for query in (x["q"], None):
+        out = (torch.empty_like(cell), torch.empty_like(hidden))
+        read = lstmem_step(
+            **{**x, "q": query}, cell=cell, hidden=hidden, depth=depth, valid=valid, backend=backend, out=out
+        )
+        assert (read is None) == (query is None)
+        outs.append(out)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_scan_of_one_token_equals_step():
     args = make_inputs(2, 1)
     read, hidden, cell_T, hidden_T = lstmem_scan(**args)
