@@ -30,11 +30,9 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lstmem_peft.cli.bench import NO_KERNEL_OPS, count_ops
 from lstmem_peft.memory.layer import LSTMemLayer
-
-VIEW_OR_ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "alias", "detach"}
 
 
 class _Calls(TorchFunctionMode):
@@ -44,17 +42,6 @@ class _Calls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") != "__get__":  # attribute reads (.shape, .dtype) cost little
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in VIEW_OR_ALLOC:
             self.n += 1
         return func(*args, **(kwargs or {}))
 
@@ -87,15 +74,19 @@ def measure(hidden: int, batch: int, depth: bool, calls: int, reps: int) -> dict
         step()  # derives and caches the weights, warms the allocator
     with _Calls() as c:
         step()
-    with _Ops() as o:
-        step()
+    ops = count_ops(step)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         for _ in range(calls):
             step()
         best = min(best, (time.perf_counter() - start) / calls)
-    return dict(depth=depth, torch_calls=c.n, aten_ops=o.n, us=round(best * 1e6, 1))
+    return dict(
+        depth=depth,
+        torch_calls=c.n,
+        aten_ops=sum(n for op, n in ops.items() if op not in NO_KERNEL_OPS),
+        us=round(best * 1e6, 1),
+    )
 
 
 def main() -> None:

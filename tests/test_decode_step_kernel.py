@@ -445,6 +445,31 @@ def test_the_slot_step_is_one_launch_and_no_copy_of_the_states():
     assert counts.ops == [], counts.ops
 
 
+@pytest.mark.parametrize("depth", [False, True], ids=["no-depth", "depth"])
+def test_the_pytorch_slot_step_costs_the_step_two_gathers_and_two_writes(depth):
+    """``decode_slots`` on the PyTorch backend (a serving engine on a CPU): the rows are gathered,
+    stepped and written back, and nothing else: with every sequence writing (``valid=None``) and
+    ``D_t`` returned where the step made it (``hidden_seq=None``), the step's own 14 operators (16
+    with a depth input) plus two gathers and two writes. The tables and ``D_t`` are those of the
+    call that copies into a given ``hidden_seq``, bit for bit."""
+    layer, cells, hiddens, slots, _, x, dep = _slot_case(depth)
+    layer.backend = "torch"
+    with torch.no_grad():
+        given = torch.empty(3, *cells.shape[1:])
+        c, h = cells.clone(), hiddens.clone()
+        u_given, seq_given = layer.decode_slots(x, c, h, slots, depth=dep, hidden_seq=given)
+        assert seq_given is given
+        with count_launches_and_ops() as counts:
+            u, seq = layer.decode_slots(x, cells, hiddens, slots, depth=dep)
+    step = 16 if depth else 14
+    assert sorted(counts.ops).count("aten.index.Tensor") == 2, counts.ops
+    assert counts.ops.count("aten.index_copy_.default") == 2, counts.ops
+    assert len(counts.ops) == step + 4, counts.ops
+    assert seq.dtype == torch.float32
+    assert torch.equal(u, u_given) and torch.equal(seq, seq_given)
+    assert torch.equal(cells, c) and torch.equal(hiddens, h)
+
+
 def test_only_slots_let_a_state_table_be_its_own_output():
     """Without slots an output that is an input is refused (the step reads while it writes); with
     slots the tables may be their own outputs, but not a shifted view of them."""

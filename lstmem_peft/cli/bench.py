@@ -311,7 +311,7 @@ NO_KERNEL_OPS = frozenset(
 )
 
 
-def _count_ops(call) -> Counter:
+def count_ops(call) -> Counter:
     """The aten operators the dispatcher runs during ``call()``, by name (views included)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -335,9 +335,9 @@ def _generate_ops(model, prompt: torch.Tensor, with_memory: bool, new_tokens: in
 
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if with_memory:
-        return _count_ops(lambda: model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen))
+        return count_ops(lambda: model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen))
     with model.disable_adapter():
-        return _count_ops(lambda: model.generate(input_ids=prompt, **gen))
+        return count_ops(lambda: model.generate(input_ids=prompt, **gen))
 
 
 def _forward_step_ops(model, prompt: torch.Tensor, with_memory: bool) -> Counter:
@@ -350,7 +350,7 @@ def _forward_step_ops(model, prompt: torch.Tensor, with_memory: bool) -> Counter
     kw = {"memory_cache": cache} if with_memory else {}
     with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
         model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
-        return _count_ops(lambda: model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw))
+        return count_ops(lambda: model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw))
 
 
 def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:

@@ -143,8 +143,10 @@ class LayerWeights(NamedTuple):
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
         read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
             (a view).
-        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: ``(alpha / r) W_dq^T``, ``(alpha / r) W_do^T``
-            (eq:injection, with its scale folded into the maps: ``Δq = u corr_q``).
+        corr: ``(d_s, d_q + d)``: ``(alpha / r) [W_dq; W_do]^T`` (eq:injection, with its scale
+            folded into the map): ``u corr = [Δq | Δo]`` in one product (a serving engine's).
+        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: its two parts (views), ``Δq = u corr_q``,
+            ``Δo = u corr_o``.
     """
 
     w_in: torch.Tensor
@@ -156,6 +158,7 @@ class LayerWeights(NamedTuple):
     b_eau: torch.Tensor
     read: torch.Tensor
     read_time: torch.Tensor
+    corr: torch.Tensor
     corr_q: torch.Tensor
     corr_o: torch.Tensor
 
@@ -430,6 +433,7 @@ class LSTMemLayer(nn.Module):
         t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
         time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
         eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
+        corr = (self.scale * torch.cat([self.w_dq, self.w_do])).t()
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
@@ -440,8 +444,9 @@ class LSTMemLayer(nn.Module):
             b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
             read=read,
             read_time=read[:ds],
-            corr_q=(self.scale * self.w_dq).t(),
-            corr_o=(self.scale * self.w_do).t(),
+            corr=corr,
+            corr_q=corr[:, : self.query_size],
+            corr_o=corr[:, self.query_size :],
         )
 
     # Long on purpose: the paper's equations in their order, one body for every token count (see the
@@ -605,22 +610,23 @@ class LSTMemLayer(nn.Module):
             depth: ``(n, n_h, r, r)`` ``D^(l-1)_t`` of the memory layer below, or ``None``.
             valid: ``(n,)`` bool, ``False`` where a sequence only reads (its states stay as they
                 are), or ``None`` (every sequence writes).
-            hidden_seq: ``(n, n_h, r, r)`` where ``D_t`` goes (the next layer's depth input), or
-                ``None`` for a new float32 tensor.
+            hidden_seq: ``(n, n_h, r, r)`` float32 where ``D_t`` goes (the next layer's depth input),
+                or ``None``: ``D_t`` in a float32 tensor of its own.
         Returns:
-            ``u`` ``(n, d_s)`` in the weight dtype (the corrections' input), and ``hidden_seq``.
+            ``u`` ``(n, d_s)`` in the weight dtype (the corrections' input), and ``D_t`` (``hidden_seq``).
 
         With the Triton kernels this is one launch that reads and writes the slots where they are
         (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``); otherwise the rows are gathered,
         stepped by :meth:`forward` and written back: the same math, the reference this is tested
-        against.
+        against (the step's operators, two gathers and two writes, and a copy when ``hidden_seq`` is
+        given).
         """
         n = x.shape[0]
         H, R = self.num_heads, self.head_dim
         w = self.derived_weights()
-        if hidden_seq is None:
-            hidden_seq = torch.empty(n, H, R, R, dtype=torch.float32, device=x.device)
-        if fused_decode_step_applies(self.backend, x, w.w_in.dtype) and not _needs_grad(x, depth, w.w_in):
+        if self.fused_decode(x) and not _needs_grad(x, depth, w.w_in):
+            if hidden_seq is None:
+                hidden_seq = torch.empty(n, H, R, R, dtype=torch.float32, device=x.device)
             u = self._decode_kernel(
                 x,
                 w,
@@ -643,8 +649,16 @@ class LSTMemLayer(nn.Module):
         )
         cells.index_copy_(0, slots, _cast(out.cell, cells.dtype))
         hiddens.index_copy_(0, slots, _cast(out.hidden, hiddens.dtype))
+        if hidden_seq is None:
+            return out.read[:, 0], _cast(out.hidden_seq[:, 0], torch.float32)
         hidden_seq.copy_(out.hidden_seq[:, 0])
         return out.read[:, 0], hidden_seq
+
+    def fused_decode(self, x: torch.Tensor) -> bool:
+        """Whether this layer's one-token steps of ``x`` run as one fused launch
+        (:func:`lstmem_kernels.lstmem_decode_step`: Triton on this backend and device, weights not
+        float64) rather than as PyTorch operators."""
+        return fused_decode_step_applies(self.backend, x, self.w_in.dtype)
 
     def _decode_kernel(self, x, w: LayerWeights, cell, hidden, **kwargs) -> torch.Tensor:
         """:func:`lstmem_kernels.lstmem_decode_step` with this layer's weights (the depth map when

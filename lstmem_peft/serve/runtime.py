@@ -102,7 +102,7 @@ def load_model(
 
         require_vllm()  # before the library model loads
         loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
-        loaded.engine = VLLMAnswers(model, adapter, dtype=dtype, **(vllm_options or {}))
+        loaded.engine = VLLMAnswers(model, adapter, loaded.block_size, dtype=dtype, **(vllm_options or {}))
         return loaded
     if (model is None) != (adapter is None):
         raise ValueError(

@@ -487,67 +487,76 @@ class LSTMemState(nn.Module, MambaBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``(N, d)`` -> ``Δq`` ``(N, d_q / tp)`` (this rank's query shard), ``Δo`` ``(N, d)``,
-        in ``x.dtype``."""
-        delta_q = x.new_empty(x.shape[0], self.memory.query_size)
-        delta_o = torch.empty_like(x)
-        torch.ops.vllm.lstmem_memory(x, delta_q, delta_o, self.prefix)
-        return delta_q, delta_o
+        in ``x.dtype``: two views of one ``(N, d_q / tp + d)`` tensor, which one product fills."""
+        delta = x.new_empty(x.shape[0], self.memory.query_size + x.shape[1])
+        torch.ops.vllm.lstmem_memory(x, delta, self.prefix)
+        return delta[:, : self.memory.query_size], delta[:, self.memory.query_size :]
 
-    def run(self, x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor) -> None:
+    def run(self, x: torch.Tensor, delta: torch.Tensor) -> None:
         """The body of the custom op: this layer's memory for every request of the running forward.
 
-        ``x`` ``(N', d)`` (``N'`` >= the ``N`` real tokens: vLLM pads); writes ``delta_q``, ``delta_o``
-        (zero on the padding), the states of the requests' slots, and ``EngineMemory.depth_seq``."""
+        ``x`` ``(N', d)`` (``N'`` >= the ``N`` real tokens: vLLM pads); writes ``delta``
+        ``(N', d_q / tp + d)`` (``[Δq | Δo]``, zero on the padding), the states of the requests'
+        slots, and ``EngineMemory.depth_seq``."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         shared = self.shared
         if metadata is None:  # vLLM's profiling / warm-up forwards: no requests, no states
-            delta_q.zero_()
-            delta_o.zero_()
+            delta.zero_()
             shared.depth_seq = None
             return
         nd = metadata.num_decode_tokens
         tokens = nd + metadata.num_prefill_tokens
         H, R = self.memory.num_heads, self.memory.head_dim
         depth_seq = shared.depth_seq if self.memory.depth_input else None
-        read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
-        out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
-        if nd:
-            self._decode(
-                x[:nd], metadata, None if depth_seq is None else depth_seq[:nd], read[:nd], out_seq[:nd]
-            )
         if metadata.num_prefills:
+            read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
+            out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
+            if nd:
+                depth = None if depth_seq is None else depth_seq[:nd]
+                self._decode(x[:nd], metadata, depth, read[:nd], out_seq[:nd])
             self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
-        weights = self.memory.derived_weights()
-        _apply(read, weights.corr_q, delta_q[:tokens])  # eq:injection: Δq = u (alpha / r) W_dq^T
-        _apply(read, weights.corr_o, delta_o[:tokens])
-        delta_q[tokens:] = 0  # vLLM pads the batch for its graphs
-        delta_o[tokens:] = 0
+        else:  # decoding only (the steady state): the step's u and D_t are used where they are
+            read, out_seq = self._decode(x[:nd], metadata, depth_seq)
+        # eq:injection: [Δq | Δo] = u (alpha / r) [W_dq; W_do]^T, one product
+        _apply(read, self.memory.derived_weights().corr, delta[:tokens])
+        if tokens < delta.shape[0]:
+            delta[tokens:] = 0  # vLLM pads the batch for its graphs
         shared.depth_seq = out_seq
         if self.depth == len(shared.states) - 1:  # every memory layer has run: block ends get feedback
             shared.block_end_feedback()
 
-    def _decode(self, x, metadata: LSTMemMetadata, depth, read, out_seq) -> None:
+    def _decode(self, x, metadata: LSTMemMetadata, depth, read=None, out_seq=None):
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
-        or ``None``; fills ``read`` ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)``. No host reads.
-        The states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one
-        launch with the Triton kernels); read-only requests keep theirs."""
+        or ``None``. Returns ``u`` ``(n, d_s)`` and ``D_t`` ``(n, n_h, r, r)``, written into ``read`` and
+        ``out_seq`` when given. No host reads. The states are stepped in their slots
+        (:meth:`LSTMemLayer.decode_slots`: in place in one launch with the Triton kernels);
+        read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
         history = metadata.history_decodes
         if history:  # one-token history chunks: their states before the step
             rows = torch.tensor([row for row, _, _ in history], device=x.device)
             slots = metadata.decode_slots[rows]
             before = cells[slots].clone(), hiddens[slots].clone()
-        u, _ = self.memory.decode_slots(
+        # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
+        # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
+        # when the step has no read-only request (a host flag the sessions set)
+        write = metadata.decode_write
+        if not (self.memory.fused_decode(x) or self.shared.step_has_read_only):
+            write = None
+        u, out_seq = self.memory.decode_slots(
             x,
             cells,
             hiddens,
             metadata.decode_slots,
             depth=depth,
-            valid=metadata.decode_write,
+            valid=write,
             hidden_seq=out_seq,
         )
-        read.copy_(u)
+        if read is None:
+            read = u
+        else:
+            read.copy_(u)
         if history:
             # the library writes a one-token block with its block scan, which also gives the
             # feedback samples: that scan's states replace the step's for these rows
@@ -563,6 +572,7 @@ class LSTMemState(nn.Module, MambaBase):
             out_seq[rows] = out.hidden_seq[:, 0]
             for i, (_, slot, plan) in enumerate(history):
                 self.shared.take_samples(slot, self.depth, plan, out, i, 0)
+        return read, out_seq
 
     def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
         """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
@@ -599,21 +609,19 @@ def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(read, corr))
 
 
-def _lstmem_memory(x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor, layer_name: str) -> None:
+def _lstmem_memory(x: torch.Tensor, delta: torch.Tensor, layer_name: str) -> None:
     with torch.no_grad():
-        get_forward_context().no_compile_layers[layer_name].run(x, delta_q, delta_o)
+        get_forward_context().no_compile_layers[layer_name].run(x, delta)
 
 
-def _lstmem_memory_fake(
-    x: torch.Tensor, delta_q: torch.Tensor, delta_o: torch.Tensor, layer_name: str
-) -> None:
+def _lstmem_memory_fake(x: torch.Tensor, delta: torch.Tensor, layer_name: str) -> None:
     return None
 
 
 direct_register_custom_op(
     op_name="lstmem_memory",
     op_func=_lstmem_memory,
-    mutates_args=["delta_q", "delta_o"],
+    mutates_args=["delta"],
     fake_impl=_lstmem_memory_fake,
 )
 

@@ -40,6 +40,17 @@ def require_vllm() -> None:
         raise missing_extra(err, "vllm", "lstmem serve --engine vllm") from err
 
 
+def check_block_fits(max_model_len: int, block_size: int) -> None:
+    """Refuse an engine whose ``max_model_len`` cannot hold one history block and its one sampled
+    token (vLLM refuses such a request only when the first turn writes memory)."""
+    if max_model_len <= block_size:
+        raise ValueError(
+            f"the vLLM engine's max_model_len ({max_model_len}) must exceed the adapter's block_size "
+            f"({block_size}): memory is written one block per request, plus the token each request samples; "
+            f"pass --vllm-arg max_model_len={block_size + 1} or more"
+        )
+
+
 class VLLMAnswers:
     """A vLLM engine over ``model`` + ``adapter`` that answers batches of session rows.
 
@@ -47,6 +58,9 @@ class VLLMAnswers:
         model, adapter: the backbone and the LSTMem adapter (local folders or Hub ids), the same
             ones the server's library model was loaded from.
         dtype: the engine's dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
+        block_size: the adapter's history block length: one history request holds a block and
+            asks for one token, so the engine's ``max_model_len`` must exceed it (checked before
+            the engine starts when ``options`` sets it, else once it has started).
         options: more keyword arguments of ``vllm.LLM`` (``max_model_len``, on CPU
             ``kv_cache_memory_bytes``, ...).
 
@@ -55,7 +69,9 @@ class VLLMAnswers:
             a temporary folder, set as that variable, when it was unset).
     """
 
-    def __init__(self, model: str, adapter: str, dtype: str = "auto", **options) -> None:
+    def __init__(self, model: str, adapter: str, block_size: int, dtype: str = "auto", **options) -> None:
+        if "max_model_len" in options:
+            check_block_fits(int(options["max_model_len"]), block_size)
         require_vllm()
         from vllm import LLM
 
@@ -65,6 +81,7 @@ class VLLMAnswers:
             os.environ[SESSION_DIR_ENV] = self._folder.name  # read by the vLLM processes started below
         self.session_dir = os.environ[SESSION_DIR_ENV]
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))
+        check_block_fits(self.llm.model_config.max_model_len, block_size)
 
     def generate(self, rows, prompts, sampling, eos_ids: set[int], on_token=None) -> list[list[int]]:
         """Generated token ids of every expanded row (``n`` choices per row, row-major), each from
