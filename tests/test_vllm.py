@@ -583,6 +583,30 @@ def test_vllm_splits_its_graph_at_the_memory_op_and_resolves_full_cuda_graphs_to
     with pytest.raises(ValueError, match="try cudagraph_mode=PIECEWISE"):
         resolved(CUDAGraphMode.FULL)
 
+    # vLLM's own splitter puts the op in a piece of its own, which piecewise graphs never capture,
+    # between the pieces before (what the op reads, its output allocated) and after (what adds Δ)
+    from vllm.compilation.backends import split_graph
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            x = x * 2.0
+            delta = x.new_empty(x.shape[0], 3 + x.shape[1])
+            torch.ops.vllm.lstmem_memory(x, delta, "model.layers.0.lstmem")
+            return x + delta[:, 3:]
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    _, pieces = split_graph(torch.fx.symbolic_trace(Layer()), config.splitting_ops)
+
+    def has_op(piece):
+        return any("lstmem_memory" in str(node.target) for node in piece.graph.graph.nodes)
+
+    assert [(piece.is_splitting_graph, has_op(piece)) for piece in pieces] == [
+        (False, False),
+        (True, True),
+        (False, False),
+    ]
+
 
 def test_two_interleaved_sessions_equal_each_alone(setup):
     """Two sessions of two turns each, their turns sent together to vLLM, each turn reading and

@@ -598,6 +598,7 @@ class LSTMemLayer(nn.Module):
         depth: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         hidden_seq: torch.Tensor | None = None,
+        weights: LayerWeights | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for ``n`` sequences whose states are rows of state tables (a serving
         engine's per-request slots), updating those rows in place. Inference only.
@@ -612,6 +613,7 @@ class LSTMemLayer(nn.Module):
                 are), or ``None`` (every sequence writes).
             hidden_seq: ``(n, n_h, r, r)`` float32 where ``D_t`` goes (the next layer's depth input),
                 or ``None``: ``D_t`` in a float32 tensor of its own.
+            weights: this layer's :meth:`derived_weights`, when the caller has them.
         Returns:
             ``u`` ``(n, d_s)`` in the weight dtype (the corrections' input), and ``D_t`` (``hidden_seq``).
 
@@ -623,7 +625,7 @@ class LSTMemLayer(nn.Module):
         """
         n = x.shape[0]
         H, R = self.num_heads, self.head_dim
-        w = self.derived_weights()
+        w = self.derived_weights() if weights is None else weights
         if self.fused_decode(x) and not _needs_grad(x, depth, w.w_in):
             if hidden_seq is None:
                 hidden_seq = torch.empty(n, H, R, R, dtype=torch.float32, device=x.device)
@@ -641,10 +643,11 @@ class LSTMemLayer(nn.Module):
             return u, hidden_seq
         out = self(
             x[:, None],
-            cells[slots],
-            hiddens[slots],
+            cells.index_select(0, slots),
+            hiddens.index_select(0, slots),
             depth=None if depth is None else depth[:, None],
             valid=None if valid is None else valid[:, None],
+            weights=w,
             aux=False,
         )
         cells.index_copy_(0, slots, _cast(out.cell, cells.dtype))

@@ -153,7 +153,11 @@ def register_splitting_op() -> None:
     """Add the memory op (:data:`MEMORY_OP`) to the ops vLLM splits its compiled graph at by default
     (``CompilationConfig._attention_ops``, where vLLM lists its attention and Mamba ops; idempotent).
     An engine whose ``splitting_ops`` are set by hand must list it for CUDA graphs: the model
-    refuses to start otherwise (:func:`~lstmem_peft.integrations.vllm.model.check_engine_config`)."""
+    refuses to start otherwise (:func:`~lstmem_peft.integrations.vllm.model.check_engine_config`).
+
+    Other models served where this plugin is installed split at the same ops as before (the op is
+    not in their graphs); only where their ``splitting_ops`` are set by hand, vLLM's check that they
+    hold every attention op (``splitting_ops_contain_attention``) also asks for this one."""
     from vllm.config import CompilationConfig
 
     if MEMORY_OP not in CompilationConfig._attention_ops:

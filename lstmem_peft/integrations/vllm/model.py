@@ -176,7 +176,11 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
         )
     compilation = vllm_config.compilation_config
     graphs = getattr(compilation, "cudagraph_mode", None)
-    if graphs is not None and graphs != CUDAGraphMode.NONE and MEMORY_OP not in (compilation.splitting_ops or []):
+    if (
+        graphs is not None
+        and graphs != CUDAGraphMode.NONE
+        and MEMORY_OP not in (compilation.splitting_ops or [])
+    ):
         raise ValueError(
             f"cudagraph_mode={graphs.name} without {MEMORY_OP!r} among splitting_ops: a CUDA graph would "
             "replay the memory op's kernels without routing each step's requests to their state slots; leave "
@@ -522,29 +526,30 @@ class LSTMemState(nn.Module, MambaBase):
         tokens = nd + metadata.num_prefill_tokens
         H, R = self.memory.num_heads, self.memory.head_dim
         depth_seq = shared.depth_seq if self.memory.depth_input else None
+        weights = self.memory.derived_weights()  # once per forward and layer
         if metadata.num_prefills:
             read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
             out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
             if nd:
                 depth = None if depth_seq is None else depth_seq[:nd]
-                self._decode(x[:nd], metadata, depth, read[:nd], out_seq[:nd])
+                self._decode(x[:nd], metadata, depth, weights, read[:nd], out_seq[:nd])
             self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
         else:  # decoding only (the steady state): the step's u and D_t are used where they are
-            read, out_seq = self._decode(x[:nd], metadata, depth_seq)
+            read, out_seq = self._decode(x[:nd], metadata, depth_seq, weights)
         # eq:injection: [Δq | Δo] = u (alpha / r) [W_dq; W_do]^T, one product
-        _apply(read, self.memory.derived_weights().corr, delta[:tokens])
+        _apply(read, weights.corr, delta[:tokens])
         if tokens < delta.shape[0]:
             delta[tokens:] = 0  # vLLM pads the batch for its graphs
         shared.depth_seq = out_seq
         if self.depth == len(shared.states) - 1:  # every memory layer has run: block ends get feedback
             shared.block_end_feedback()
 
-    def _decode(self, x, metadata: LSTMemMetadata, depth, read=None, out_seq=None):
+    def _decode(self, x, metadata: LSTMemMetadata, depth, weights, read=None, out_seq=None):
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
-        or ``None``. Returns ``u`` ``(n, d_s)`` and ``D_t`` ``(n, n_h, r, r)``, written into ``read`` and
-        ``out_seq`` when given. No host reads. The states are stepped in their slots
-        (:meth:`LSTMemLayer.decode_slots`: in place in one launch with the Triton kernels);
-        read-only requests keep theirs."""
+        or ``None``, ``weights`` the layer's derived weights. Returns ``u`` ``(n, d_s)`` and ``D_t``
+        ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
+        states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one launch
+        with the Triton kernels); read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
         history = metadata.history_decodes
         if history:  # one-token history chunks: their states before the step
@@ -565,6 +570,7 @@ class LSTMemState(nn.Module, MambaBase):
             depth=depth,
             valid=write,
             hidden_seq=out_seq,
+            weights=weights,
         )
         if read is None:
             read = u
