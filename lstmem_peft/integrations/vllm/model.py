@@ -527,13 +527,14 @@ class LSTMemState(nn.Module, MambaBase):
         H, R = self.memory.num_heads, self.memory.head_dim
         depth_seq = shared.depth_seq if self.memory.depth_input else None
         weights = self.memory.derived_weights()  # once per forward and layer
-        if metadata.num_prefills:
+        if metadata.num_prefills or not nd:
             read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
             out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
             if nd:
                 depth = None if depth_seq is None else depth_seq[:nd]
                 self._decode(x[:nd], metadata, depth, weights, read[:nd], out_seq[:nd])
-            self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
+            if metadata.num_prefills:
+                self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
         else:  # decoding only (the steady state): the step's u and D_t are used where they are
             read, out_seq = self._decode(x[:nd], metadata, depth_seq, weights)
         # eq:injection: [Δq | Δo] = u (alpha / r) [W_dq; W_do]^T, one product

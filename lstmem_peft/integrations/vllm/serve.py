@@ -81,7 +81,11 @@ class VLLMAnswers:
             os.environ[SESSION_DIR_ENV] = self._folder.name  # read by the vLLM processes started below
         self.session_dir = os.environ[SESSION_DIR_ENV]
         self.llm = LLM(**engine_args(model, adapter, dtype=dtype, skip_tokenizer_init=True, **options))
-        check_block_fits(self.llm.model_config.max_model_len, block_size)
+        try:
+            check_block_fits(self.llm.model_config.max_model_len, block_size)
+        except ValueError:
+            self.llm.llm_engine.engine_core.shutdown()  # the engine's processes end with the error
+            raise
 
     def generate(self, rows, prompts, sampling, eos_ids: set[int], on_token=None) -> list[list[int]]:
         """Generated token ids of every expanded row (``n`` choices per row, row-major), each from
