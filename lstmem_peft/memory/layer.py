@@ -496,7 +496,7 @@ class LSTMemLayer(nn.Module):
         # one token without gradients: a decode step (new states in fresh tensors; the caller's
         # change only when its pass commits)
         step = T == 1 and not _needs_grad(x, cell, hidden, depth, w.w_in)
-        if step and not aux and fused_decode_step_applies(self.backend, x, dtype):
+        if step and not aux and self.fused_decode(x):
             return self._fused_step(x, cell, hidden, depth, valid, w)
 
         # eq:projections, with z_t of eq:gates from the same product
