@@ -230,7 +230,10 @@ def lstmem_decode_step(
             row ``b`` steps the states in row ``slots[b]`` of them, so ``out`` may be ``(cell,
             hidden)`` themselves: the step updates the slots **in place**, with no copy out and none
             back (rows where ``valid`` is ``False`` keep theirs). The slots of one call must differ
-            (one row of each table per sequence; not checked, it would read the device).
+            (one row of each table per sequence; not checked, it would read the device), except
+            negative ones: a negative slot (vLLM pads a CUDA graph's batch with ``-1``) marks a
+            padding row, which steps zero states and writes no table row (its ``u`` and
+            ``hidden_seq`` row are made, and mean nothing).
         hidden_seq: ``(B, n_h, r, r)`` float tensor that also receives ``D_t`` of each row (the depth
             input of the memory layer above), or ``None``.
     Returns:

@@ -142,12 +142,14 @@ def _decode_step_kernel(
 
     Every tensor is addressed through its strides (``s<name>_<axis>``); ``valid`` is ``(B,)`` uint8;
     ``u`` is a contiguous ``(B, d_s)`` output. With ``HAS_SLOTS`` row ``b``'s states are row
-    ``slots[b]`` of the state tables (read, then written: in place when the outputs are the tables);
+    ``slots[b]`` of the state tables (read, then written: in place when the outputs are the tables;
+    a negative slot, vLLM's padding of a CUDA graph's batch, reads zero states and writes none);
     with ``HAS_SEQ`` ``D_t`` also goes to row ``b`` of ``seq``.
     """
     b = tl.program_id(0).to(tl.int64)
     if HAS_SLOTS:
-        row = tl.load(slots_ptr + b).to(tl.int64)
+        slot = tl.load(slots_ptr + b).to(tl.int64)  # negative: a serving engine's padding row
+        row = tl.maximum(slot, 0)
     else:
         row = b
     DS = H * R
@@ -226,9 +228,16 @@ def _decode_step_kernel(
     f = tl.sum(tl.where(o3 == 2, gates, 0.0), axis=0)
     o = tl.sum(tl.where(o3 == 3, gates, 0.0), axis=0)
     u = tl.sum(tl.where(o3 == 5, eau, 0.0), axis=0)
-    C_old = tl.load(cell_ptr + row * sc_b + st_h * sc_h + st_r * sc_r + st_c * sc_c, mask=st_mask, other=0.0)
+    if HAS_SLOTS:  # a padding row reads and writes no state (the slot is compared tile-wide: the
+        # interpreter cannot combine a scalar predicate with a tile mask)
+        state_mask = st_mask & ((st_h * 0 + slot) >= 0)
+    else:
+        state_mask = st_mask
+    C_old = tl.load(
+        cell_ptr + row * sc_b + st_h * sc_h + st_r * sc_r + st_c * sc_c, mask=state_mask, other=0.0
+    )
     D_old = tl.load(
-        hidden_ptr + row * sh_b + st_h * sh_h + st_r * sh_r + st_c * sh_c, mask=st_mask, other=0.0
+        hidden_ptr + row * sh_b + st_h * sh_h + st_r * sh_r + st_c * sh_c, mask=state_mask, other=0.0
     )
     C = C_old.to(tl.float32)
     D = D_old.to(tl.float32)
@@ -244,8 +253,10 @@ def _decode_step_kernel(
         keep = tl.load(valid_ptr + b) != 0
         C_new = tl.where(keep, C_new, C_old.to(cell_out_ptr.dtype.element_ty))
         D_new = tl.where(keep, D_new, D_old.to(hidden_out_ptr.dtype.element_ty))
-    tl.store(cell_out_ptr + row * sco_b + st_h * sco_h + st_r * sco_r + st_c * sco_c, C_new, mask=st_mask)
-    tl.store(hidden_out_ptr + row * sho_b + st_h * sho_h + st_r * sho_r + st_c * sho_c, D_new, mask=st_mask)
+    tl.store(cell_out_ptr + row * sco_b + st_h * sco_h + st_r * sco_r + st_c * sco_c, C_new, mask=state_mask)
+    tl.store(
+        hidden_out_ptr + row * sho_b + st_h * sho_h + st_r * sho_r + st_c * sho_c, D_new, mask=state_mask
+    )
     if HAS_SEQ:
         tl.store(
             seq_ptr + b * ss_b + st_h * ss_h + st_r * ss_r + st_c * ss_c,

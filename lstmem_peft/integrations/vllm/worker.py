@@ -6,7 +6,9 @@ the session directory (``LSTMEM_SESSION_DIR``; :func:`~.sessions.prepare_session
 each step it runs, it writes the starting memory of every request that starts into its state slot
 (:meth:`~.sessions.Sessions.before_step`; the model needs this worker); after the step, before the step's
 output goes back to the scheduler (and so to the client), it saves the memories of the requests
-that ended in it (:class:`~.sessions.Sessions`). The step itself is the platform worker's, unchanged.
+that ended in it (:class:`~.sessions.Sessions`). The step itself is the platform worker's, except
+that a step holding a one-token history chunk is never dispatched to a full CUDA graph
+(:func:`~.model.keep_history_chunks_out_of_full_graphs`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm.platforms import current_platform
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.outputs import ModelRunnerOutput
 
+from .model import keep_history_chunks_out_of_full_graphs
 from .sessions import Sessions, prepare_session_directory
 
 # the worker each platform runs by default (vLLM's platforms set these when worker_cls is "auto")
@@ -40,9 +43,9 @@ class LSTMemWorker(resolve_obj_by_qualname(PLATFORM_WORKERS[current_platform.dev
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
         # an engine that cannot serve sessions as configured stops here, before any request
-        self._lstmem_directory = prepare_session_directory(
-            self.vllm_config, self.model_runner.get_model().lstmem_layout
-        )
+        model = self.model_runner.get_model()
+        self._lstmem_directory = prepare_session_directory(self.vllm_config, model.lstmem_layout)
+        keep_history_chunks_out_of_full_graphs(self.model_runner, model.lstmem_shared)
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
