@@ -16,8 +16,8 @@ triton / vllm versions, date, git commit, settings):
     transformers compiles with ``torch.compile``; the record says whether it did). Lengths whose two
     KV caches do not fit in the free memory, or that run out of memory, are skipped with the reason.
 ``gpu-vllm-decode``
-    ``benchmarks/bench_vllm.py sweep`` (CUDA graphs on, not ``enforce_eager``: vLLM's default for the
-    plain model, piecewise around the memory ops for LSTMem) at the same KV
+    ``benchmarks/bench_vllm.py sweep`` (CUDA graphs on, not ``enforce_eager``: vLLM's default
+    ``FULL_AND_PIECEWISE`` for both, full graphs of the decode steps) at the same KV
     lengths on a random checkpoint with the same dimensions, plain and LSTMem, in a child process;
     a record that says why it was skipped when vllm is not importable.
 ``gpu-kernels``

@@ -25,12 +25,12 @@ per-step metadata builder): allocated, batched, preempted and freed by vLLM's sc
 prefill chunks of a step run as one padded block scan, its decodes as one batched step. With
 ``tensor_parallel_size > 1`` every rank holds the whole memory and adds its shard of ``Δq``;
 pipeline parallelism is refused. vLLM's compiled mode works (the tests run in it): the memory is one
-opaque custom op per layer in the compiled graph. On a GPU, vLLM's piecewise CUDA graphs capture the
-backbone between the memory ops, which vLLM splits the graph at (as at attention): the ops run
-eagerly between the captured pieces, routing each step's requests to their state slots. A full
-CUDA graph of a decode step would replay the ops without that routing: the memory's state backend
-declares that it supports none, so vLLM resolves ``FULL_AND_PIECEWISE`` (its default) to
-``PIECEWISE`` and refuses ``FULL``.
+opaque custom op per layer in the compiled graph. On a GPU, vLLM's default ``FULL_AND_PIECEWISE``
+CUDA graphs work as for its own state layers: a decode-only step (one fused Triton launch per memory
+layer, reading fixed metadata buffers) replays a full graph with the memory op inside; other steps
+run piecewise graphs of the backbone between the memory ops, which vLLM splits the graph at (as at
+attention) and which run eagerly between the pieces, routing prefill chunks to their state slots
+(:class:`~lstmem_peft.integrations.vllm.model.LSTMemMetadataBuilder`).
 
 Sessions (:mod:`lstmem_peft.integrations.vllm.sessions`): a request names sessions, never files.
 ``SamplingParams.extra_args["lstmem_session_in"]`` names the session whose saved
@@ -97,7 +97,8 @@ MEMORY_BACKEND = "LSTMEM"
 MEMORY_BACKEND_CLASS = "lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend"
 # the memory's custom op (lstmem_peft.integrations.vllm.model): vLLM splits its compiled graph at it,
 # as at attention and Mamba ops, so that piecewise CUDA graphs capture the backbone around it and the
-# op runs eagerly between the pieces (register() adds it to the ops vLLM splits at by default)
+# op runs eagerly between the pieces (register() adds it to the ops vLLM splits at by default); full
+# graphs of decode-only steps hold it
 MEMORY_OP = "vllm::lstmem_memory"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
