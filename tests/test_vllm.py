@@ -511,7 +511,8 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
     """``pipeline_parallel_size > 1`` (refused by :func:`engine_args`: tests/test_vllm_args.py) is
     refused by the model too, for engines built without :func:`engine_args` (``vllm serve
     --pipeline-parallel-size``), before it builds a layer; so are a worker other than the plugin's (it
-    writes each request's starting memory into its state slot), piecewise CUDA graphs where the
+    writes each request's starting memory into its state slot), speculative decoding (rejected draft
+    tokens would be written), prefix caching (a cached prefix would not be), piecewise CUDA graphs where the
     graph is not split at the memory op (a replay would skip its routing of a prefill's requests to
     slots), and full decode graphs where the memory layers would not decode with the fused kernel,
     each error naming what to do instead. With the op among the splitting ops, piecewise graphs are
@@ -535,10 +536,14 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
         graphs=CUDAGraphMode.NONE,
         scheduler=LSTMemScheduler,
         splitting_ops=None,
+        speculative=None,
+        prefix_caching=False,
     ):
         return SimpleNamespace(
             parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline, worker_cls=worker),
             scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: scheduler),
+            speculative_config=speculative,
+            cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
             compilation_config=SimpleNamespace(cudagraph_mode=graphs, splitting_ops=splitting_ops),
             model_config=SimpleNamespace(hf_config=None),
             device_config=SimpleNamespace(device=torch.device("cpu")),
@@ -551,6 +556,12 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
         check_engine_config(config(worker="auto"))
     with pytest.raises(ValueError, match=f"needs vLLM's scheduler {re.escape(SCHEDULER)}.*--scheduler-cls"):
         check_engine_config(config(scheduler=Scheduler))
+    with pytest.raises(ValueError, match="speculative decoding would write.*--speculative-config"):
+        check_engine_config(config(speculative=SimpleNamespace(num_speculative_tokens=2)))
+    with pytest.raises(
+        ValueError, match="prefix caching would let a request skip.*--no-enable-prefix-caching"
+    ):
+        check_engine_config(config(prefix_caching=True))
     split = ["vllm::unified_attention_with_output", MEMORY_OP]
     for graphs in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL):
         for ops in (None, [], ["vllm::unified_attention_with_output"]):

@@ -40,8 +40,12 @@ def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):
     }
 
 
-def test_prefix_caching_async_scheduling_and_other_architectures_are_refused(tmp_path):
+def test_prefix_caching_async_scheduling_speculative_decoding_and_other_architectures_are_refused(tmp_path):
     tiny_model("qwen3").save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(ValueError, match="speculative decoding would write every draft token.*rejected"):
+        engine_args(
+            str(tmp_path / "qwen3"), "a", speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        )
     with pytest.raises(ValueError, match="enable_prefix_caching=True would let a request skip"):
         engine_args(str(tmp_path / "qwen3"), "a", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="async_scheduling=True would run a finished request one more step"):
@@ -52,7 +56,8 @@ def test_prefix_caching_async_scheduling_and_other_architectures_are_refused(tmp
 
 
 def test_a_compilation_config_of_the_caller_is_passed_on_as_it_is(tmp_path):
-    """CUDA graphs are vLLM's choice (piecewise around the memory ops: tests/test_vllm.py), so
+    """CUDA graphs are vLLM's choice (full graphs of decode steps, piecewise graphs around the memory
+    ops for the others: tests/test_vllm.py), so
     ``engine_args`` sets no compilation setting of its own."""
     tiny_model("qwen3").save_pretrained(tmp_path)
     assert "compilation_config" not in engine_args(str(tmp_path), "a")

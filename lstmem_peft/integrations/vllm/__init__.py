@@ -213,8 +213,10 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
     (:class:`.sessions.SessionFileCheck`), no prefix caching (one fixed state slot per request; a
     cached prefix would skip writing its tokens into memory) and no asynchronous scheduling (it
     runs one more step of a request that has finished, into its memory, and samples tokens the
-    worker sees only a step later, after the output left). CUDA graphs are vLLM's choice: piecewise
-    graphs around the memory ops (see the module docstring). ``kwargs`` are passed on (``dtype``,
+    worker sees only a step later, after the output left); speculative decoding is refused (its
+    rejected draft tokens would be written into memory). CUDA graphs are vLLM's choice: by default
+    full graphs of decode-only steps, piecewise graphs around the memory ops for the others (see the
+    module docstring). ``kwargs`` are passed on (``dtype``,
     ``max_model_len``, ``tensor_parallel_size``, ``compilation_config``, ...); their
     ``hf_overrides`` are merged into these, and their ``logits_processors`` follow the check.
 
@@ -235,6 +237,11 @@ def engine_args(model: str, adapter: str, **kwargs) -> dict:
         raise ValueError(
             f"scheduler_cls={kwargs['scheduler_cls']!r}: LSTMem on vLLM runs with its own scheduler {SCHEDULER} "
             "(vLLM's, with history requests' prompt chunks ending at block ends); leave scheduler_cls out"
+        )
+    if kwargs.get("speculative_config"):
+        raise ValueError(
+            "speculative_config: speculative decoding would write every draft token a step verifies into memory, "
+            "the rejected ones too; LSTMem on vLLM runs without it"
         )
     if kwargs.get("enable_prefix_caching"):
         raise ValueError(

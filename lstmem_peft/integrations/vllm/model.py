@@ -142,8 +142,9 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker` (it puts each request's starting
     memory into its state slot), a scheduler other than
     :class:`~lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler` (it ends history requests'
-    chunks at block ends, where block-end feedback runs), and CUDA graphs that would replay the
-    memory op where its Python must run.
+    chunks at block ends, where block-end feedback runs), speculative decoding (its rejected draft
+    tokens would be written into memory), prefix caching (a cached prefix would not be written),
+    and CUDA graphs that would replay the memory op where its Python must run.
 
     Pipeline parallelism would split the memory layers over stages, and memory layer ``m`` needs
     ``D_t`` of layer ``m - 1`` at every token: it would have to travel between stages with the
@@ -161,9 +162,10 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
     ``torch.compile`` alone keeps the op opaque and works.
 
     Raises:
-        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, piecewise
-            graphs without the memory op among ``splitting_ops``, or full graphs where the memory
-            layers would not decode with the fused kernel.
+        ValueError: ``pipeline_parallel_size > 1``, another worker or scheduler class, a
+            speculative decoding config, prefix caching, piecewise graphs without the memory op
+            among ``splitting_ops``, or full graphs where the memory layers would not decode with
+            the fused kernel.
     """
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -186,6 +188,16 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             f"the LSTMem model needs vLLM's scheduler {SCHEDULER} (it ends history requests' prompt chunks at "
             f"block ends, where block-end feedback runs), not {getattr(scheduler, '__qualname__', scheduler)!r}: "
             "build the engine with lstmem_peft.integrations.vllm.engine_args, or pass --scheduler-cls to vllm serve"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError(
+            "speculative decoding would write every draft token a step verifies into memory, the rejected ones "
+            "too: LSTMem on vLLM runs without it; leave out --speculative-config (speculative_config)"
+        )
+    if getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
+        raise ValueError(
+            "prefix caching would let a request skip writing a cached prefix into its memory: start vLLM with "
+            "--no-enable-prefix-caching (lstmem_peft.integrations.vllm.engine_args does)"
         )
     compilation = vllm_config.compilation_config
     graphs = getattr(compilation, "cudagraph_mode", None)
