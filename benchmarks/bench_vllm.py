@@ -104,6 +104,15 @@ def make_llm(model: str, adapter: str | None, args):
     return llm, time.perf_counter() - start
 
 
+def graph_mode(llm, lstmem: bool) -> str:
+    """The CUDA graph mode of an engine (``NONE`` on CPU and with ``enforce_eager``): as the LSTMem
+    workers resolved it against the attention and state backends, or as the plain engine was asked
+    for (its default worker reports nothing)."""
+    if lstmem:
+        return ",".join(sorted(set(llm.collective_rpc("lstmem_graph_mode"))))
+    return f"{llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name} (requested)"
+
+
 def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -133,7 +142,10 @@ def throughput(args) -> dict:
             for name, which in (("plain", None), ("lstmem", adapter)):
                 engines[name], started = make_llm(model, which, args)
                 timed_generate(engines[name], prompts[:2], 4)  # warm-up
-                rows[name] = dict(engine_start_s=round(started, 1))
+                rows[name] = dict(
+                    engine_start_s=round(started, 1),
+                    cudagraph_mode=graph_mode(engines[name], which is not None),
+                )
             # rounds alternate between the two engines, so that a change in the machine's load
             # (other processes on shared cores) falls on both
             for _ in range(args.repeats):
@@ -185,7 +197,10 @@ def sweep(args) -> dict:
         )
         for name, which in (("plain", None), ("lstmem", adapter)):
             llm, started = make_llm(model, which, args)
-            rows[name] = {"engine_start_s": round(started, 1)}
+            rows[name] = {
+                "engine_start_s": round(started, 1),
+                "cudagraph_mode": graph_mode(llm, which is not None),
+            }
             for length in args.kv:
                 prompt = [[rng.randrange(3, 8192) for _ in range(length)]]
                 first, _ = timed_generate(llm, prompt, 1)

@@ -178,7 +178,10 @@ def test_report_renders_the_gpu_suite_tables(gpu_dry_run, tmp_path):
     del vllm["skipped"]
     vllm["bench_vllm"] = {
         "settings": {"kv": [16]},
-        "decode_tokens_per_s": {"plain": {"16": 2.0}, "lstmem": {"16": 1.0}},
+        "decode_tokens_per_s": {
+            "plain": {"16": 2.0, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+            "lstmem": {"16": 1.0, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+        },
     }
     (folder / "gpu-vllm-decode.json").write_text(json.dumps(vllm))
     text = bench_records.report(folder, tmp_path / "RESULTS.md").read_text()
@@ -186,6 +189,7 @@ def test_report_renders_the_gpu_suite_tables(gpu_dry_run, tmp_path):
     assert "| 16 | generate-static-compile | StaticCache | yes |" in text
     assert "Skipped: KV 64, forward: does not fit" in text
     assert "| 16 | 1.00 | 2.00 | 0.500 |" in text
+    assert "(resolved by vLLM, lstmem: FULL_AND_PIECEWISE, plain: FULL_AND_PIECEWISE)" in text
     assert "Skipped: triton: no CUDA device" in text
     assert (tmp_path / "gpu-hf-decode-cuda-tiny.png").stat().st_size > 0
 

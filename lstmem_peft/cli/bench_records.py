@@ -376,8 +376,14 @@ def _gpu_hf_lines(r: dict, folder: Path) -> list[str]:
 def _gpu_vllm_lines(r: dict) -> list[str]:
     """``gpu-vllm-decode``: vLLM's decode speed with and without the adapter per KV length."""
     speeds = r["bench_vllm"]["decode_tokens_per_s"]
+    modes = [
+        f"{name}: {speeds[name]['cudagraph_mode']}"
+        for name in ("lstmem", "plain")
+        if "cudagraph_mode" in speeds[name]
+    ]
+    resolved = f" (resolved by vLLM, {', '.join(modes)})" if modes else ""
     lines = [
-        f"vLLM, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}, {r.get('checkpoint')}.",
+        f"vLLM, CUDA graphs {'on' if r.get('cuda_graphs') else 'off'}{resolved}, {r.get('checkpoint')}.",
         "",
         "| KV length | LSTMem tok/s | plain tok/s | LSTMem / plain speed |",
         "| --- | --- | --- | --- |",

@@ -64,6 +64,11 @@ class LSTMemWorker(resolve_obj_by_qualname(PLATFORM_WORKERS[current_platform.dev
             self._lstmem_sessions.after_step(output)
         return output
 
+    def lstmem_graph_mode(self) -> str:
+        """The CUDA graph mode this worker's model runs with, as vLLM resolved it against the memory's
+        state backend (``NONE`` without CUDA graphs) (``llm.collective_rpc("lstmem_graph_mode")``)."""
+        return self.model_runner.compilation_config.cudagraph_mode.name
+
     def lstmem_counts(self) -> dict[str, int]:
         """Requests started and restarted from scratch (after a preemption), memories loaded and
         saved, and session reads or writes that failed in the worker (logged)
