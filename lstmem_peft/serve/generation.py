@@ -3,7 +3,9 @@
 Runs on the scheduler's worker thread, as :mod:`.runtime` does. Memory is only read here:
 ``model.generate(memory_cache=..., memory_write=False)`` (:func:`generate_rows`) and a forward with
 ``memory_write=False`` (:func:`score_rows`), on a batch gathered with :func:`.runtime.gather`; the
-rows passed in are never modified. What a turn writes, and when, is the scheduler's.
+rows passed in are never modified. With ``--engine vllm`` both come from the vLLM engine, which reads
+memory the same way and gives the log-probabilities of what it decodes (:class:`Decoded`). What a
+turn writes, and when, is the scheduler's.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class Answer:
     logprobs: TokenLogprobs | None = None  # with ``Sampling.logprobs``: see :func:`attach_logprobs`
 
 
-def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[str, ...]) -> Answer:
+def cut_answer(tokenizer, token_ids: list[int], eos_ids: frozenset[int], stops: tuple[str, ...]) -> Answer:
     """The answer a client sees: tokens up to EOS (excluded), text cut before the first stop string.
 
     Returns:
@@ -144,15 +146,6 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: set[int], stops: tuple[
                     break
             end = None
     return Answer(ids, text, finish, end)
-
-
-def end_of_sequence_ids(loaded: LoadedModel) -> set[int]:
-    """The token ids that end an answer: the generation config's EOS, else the tokenizer's."""
-    config = getattr(loaded.model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None) if config is not None else None
-    if eos is None:
-        eos = loaded.tokenizer.eos_token_id
-    return set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
 
 
 def generate_rows(
@@ -189,21 +182,23 @@ def generate_rows(
     n, k = sampling.n, sampling.decoded  # choices per prompt, sequences decoded per prompt
     stops = stops or [sampling.stop] * len(rows)
     expanded_stops = [s for s in stops for _ in range(k)]
-    eos_ids = end_of_sequence_ids(loaded)
     if k < n:
         on_token, cancelled = _per_decoded_row(n, on_token, cancelled)
+    decoded = None
     if loaded.engine is not None:
         decoding = sampling if k == n else replace(sampling, n=k)
-        generated = loaded.engine.generate(rows, prompts, decoding, eos_ids, on_token)
+        decoded = loaded.engine.generate(rows, prompts, decoding, loaded.eos_ids, on_token)
+        generated = [d.token_ids for d in decoded]
     else:
         generated = _generate(loaded, rows, prompts, sampling, expanded_stops, on_token, cancelled)
     answers = [
-        cut_answer(loaded.tokenizer, ids, eos_ids, expanded_stops[r]) for r, ids in enumerate(generated)
+        cut_answer(loaded.tokenizer, ids, loaded.eos_ids, expanded_stops[r])
+        for r, ids in enumerate(generated)
     ]
     per_row = [answers[i * k : (i + 1) * k] for i in range(len(rows))]
     if k < n:  # greedy: the one decoded answer is each of the ``n`` choices
         per_row = [[replace(a[0], token_ids=list(a[0].token_ids)) for _ in range(n)] for a in per_row]
-    return attach_logprobs(loaded, rows, prompts, sampling, per_row)
+    return attach_logprobs(loaded, rows, prompts, sampling, per_row, decoded)
 
 
 def _per_decoded_row(n: int, on_token, cancelled):
@@ -251,7 +246,7 @@ def _generate(
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     with torch.no_grad():
-        out = loaded.model.generate(
+        out = loaded.library_model().generate(
             input_ids=ids,
             attention_mask=mask,
             memory_cache=gather(rows),
@@ -286,12 +281,73 @@ class TokenLogprobs:
     top: list[list[tuple[str, float]] | None]
 
 
+@dataclass
+class Scores:
+    """Log-probabilities of consecutive tokens of a sequence, by token id (before they become text:
+    :func:`token_logprobs`). The model's own distribution: log-softmax of the logits, before
+    temperature or ``top_p``.
+
+    Attributes:
+        chosen: per token, its log-probability given the tokens before it.
+        top: per token, the most likely tokens at its position, ``(token_id, logprob)`` best first
+            (empty lists when none were asked for).
+    """
+
+    chosen: list[float]
+    top: list[list[tuple[int, float]]]
+
+    def __add__(self, other: Scores) -> Scores:
+        """The scores of these tokens followed by ``other``'s."""
+        return Scores(self.chosen + other.chosen, self.top + other.top)
+
+    def __getitem__(self, index: slice) -> Scores:
+        """The scores of a slice of the tokens."""
+        return Scores(self.chosen[index], self.top[index])
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+@dataclass
+class Decoded:
+    """One sequence an engine decoded (``--engine vllm``), with its log-probabilities when the
+    request asked for them (:class:`Sampling` ``logprobs``).
+
+    Attributes:
+        token_ids: the generated tokens, uncut (an EOS that ended it included).
+        scores: the :class:`Scores` of ``token_ids``, or ``None``.
+        prompt_scores: with ``Sampling.echo``, the :class:`Scores` of the prompt's tokens after its
+            first (nothing predicts the first), else ``None``.
+    """
+
+    token_ids: list[int]
+    scores: Scores | None = None
+    prompt_scores: Scores | None = None
+
+
 def _piece(tokenizer, context: list[int], head: str, token: int) -> str:
     """The text ``token`` adds after ``context`` (whose text is ``head``)."""
     full = tokenizer.decode(context + [token], skip_special_tokens=False)
     if context and full.startswith(head):
         return full[len(head) :]
     return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def token_logprobs(tokenizer, seq: list[int], start: int, scores: Scores) -> TokenLogprobs:
+    """The :class:`TokenLogprobs` of ``seq[start:]``, from the scores of its tokens
+    ``seq[max(start, 1):]`` (the sequence's first token has no score: ``None``)."""
+    first = max(start, 1)  # position 0 has nothing before it
+    if len(scores) != len(seq) - first:
+        raise ValueError(f"{len(scores)} scores for the {len(seq) - first} tokens {first}.. of a sequence")
+    pieces, tops = [], []
+    for t in range(start, len(seq)):
+        context = seq[max(0, t - 4) : t]
+        head = tokenizer.decode(context, skip_special_tokens=False) if context else ""
+        pieces.append(_piece(tokenizer, context, head, seq[t]))
+        if t >= first:
+            tops.append([(_piece(tokenizer, context, head, x), v) for x, v in scores.top[t - first]])
+    lead = [None] * (first - start)
+    return TokenLogprobs(list(seq[start:]), pieces, lead + scores.chosen, lead + tops)
 
 
 def score_rows(
@@ -303,7 +359,8 @@ def score_rows(
     written (``rows`` are not modified), exactly as ``generate_rows`` reads it, so a token's
     log-probability here is the one its answer was decoded from (up to floating-point order). The
     values are the model's own distribution (log-softmax of the logits, before temperature or
-    ``top_p``).
+    ``top_p``). With ``--engine vllm``, the vLLM engine scores the sequences as prompts, read-only
+    (its raw prompt log-probabilities: the same distribution).
 
     Args:
         loaded: the served model.
@@ -313,25 +370,49 @@ def score_rows(
             ``None``).
         top: how many most likely tokens to report per position (0: none).
     """
-    tok = loaded.tokenizer
-    out: list[TokenLogprobs | None] = [None] * len(rows)
+    out = [TokenLogprobs([], [], [], []) for _ in rows]
     todo = [i for i in range(len(rows)) if starts[i] < len(sequences[i])]
-    for i in range(len(rows)):
-        if i not in todo:
-            out[i] = TokenLogprobs([], [], [], [])
-    vocab = int(getattr(getattr(loaded.model, "config", None), "vocab_size", None) or len(tok))
+    if not todo:
+        return out
+    if loaded.engine is not None:
+        whole = loaded.engine.score([rows[i] for i in todo], [sequences[i] for i in todo], top)
+        scores = [s[max(starts[i], 1) - 1 :] for i, s in zip(todo, whole, strict=True)]
+    else:
+        scores = _forward_scores(loaded, rows, sequences, starts, todo, top)
+    for i, score in zip(todo, scores, strict=True):
+        out[i] = token_logprobs(loaded.tokenizer, sequences[i], starts[i], score)
+    return out
+
+
+def _forward_scores(
+    loaded: LoadedModel,
+    rows: list[MemoryCache],
+    sequences: list[list[int]],
+    starts: list[int],
+    todo: list[int],
+    top: int,
+) -> list[Scores]:
+    """The library model's :class:`Scores` of ``sequences[i][max(starts[i], 1):]`` for each ``i`` of
+    ``todo`` (in that order): left-padded forwards of as many rows as :data:`SCORE_ELEMENTS` allows."""
+    tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pad = 0 if pad is None else pad
-    while todo:
-        group = [todo.pop(0)]
+    out: dict[int, Scores] = {}
+    waiting = list(todo)
+    while waiting:
+        group = [waiting.pop(0)]
         width = len(sequences[group[0]])
-        while todo and (len(group) + 1) * max(width, len(sequences[todo[0]])) * vocab <= SCORE_ELEMENTS:
-            group.append(todo.pop(0))
+        while (
+            waiting
+            and (len(group) + 1) * max(width, len(sequences[waiting[0]])) * loaded.vocab_size
+            <= SCORE_ELEMENTS
+        ):
+            group.append(waiting.pop(0))
             width = max(width, len(sequences[group[-1]]))
         ids, mask = left_pad([sequences[i] for i in group], pad, loaded.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            logits = loaded.model(
+            logits = loaded.library_model()(
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
@@ -340,8 +421,8 @@ def score_rows(
                 use_cache=False,
             ).logits
         for j, i in enumerate(group):
-            seq, start = sequences[i], starts[i]
-            first = max(start, 1)  # position 0 has nothing before it
+            seq = sequences[i]
+            first = max(starts[i], 1)  # position 0 has nothing before it
             offset = ids.shape[1] - len(seq)  # left padding
             chosen: list[float] = []
             best: list[list[tuple[int, float]]] = []
@@ -358,16 +439,8 @@ def score_rows(
                     ]
                 else:
                     best += [[] for _ in range(b - a)]
-            pieces, tops = [], []
-            for t in range(start, len(seq)):
-                context = seq[max(0, t - 4) : t]
-                head = tok.decode(context, skip_special_tokens=False) if context else ""
-                pieces.append(_piece(tok, context, head, seq[t]))
-                if t >= first:
-                    tops.append([(_piece(tok, context, head, x), v) for x, v in best[t - first]])
-            lead = [None] * (first - start)
-            out[i] = TokenLogprobs(list(seq[start:]), pieces, lead + chosen, lead + tops)
-    return out
+            out[i] = Scores(chosen, best)
+    return [out[i] for i in todo]
 
 
 def attach_logprobs(
@@ -376,13 +449,16 @@ def attach_logprobs(
     prompts: list[list[int]],
     sampling: Sampling,
     answers: list[list[Answer]],
+    decoded: list[Decoded] | None = None,
 ) -> list[list[Answer]]:
     """With ``sampling.logprobs`` set, give each answer its :class:`TokenLogprobs`: its tokens (the
-    EOS token that ended it included), after the prompt's tokens with ``sampling.echo``, scored by
-    :func:`score_rows` from the memory the answer was generated from. Returns ``answers``."""
+    EOS token that ended it included), after the prompt's tokens with ``sampling.echo``. They are
+    the scores the engine decoded the answer with (``decoded``: ``sampling.decoded`` per prompt,
+    from a vLLM engine), else :func:`score_rows` of the memory the answer was generated from.
+    Returns ``answers``."""
     if sampling.logprobs is None:
         return answers
-    owners, sequences, starts, memories = [], [], [], []
+    owners, sequences, starts, memories, known = [], [], [], [], []
     for i, choices in enumerate(answers):
         for c, answer in enumerate(choices[: sampling.decoded]):  # greedy: the choices are one answer
             ids = answer.token_ids + ([answer.end_token] if answer.end_token is not None else [])
@@ -390,9 +466,26 @@ def attach_logprobs(
             sequences.append(list(prompts[i]) + ids)
             starts.append(0 if sampling.echo else len(prompts[i]))
             memories.append(rows[i])
-    scores = score_rows(loaded, memories, sequences, starts, sampling.logprobs)
+            if decoded is not None:
+                known.append(_decoded_scores(decoded[i * sampling.decoded + c], len(ids), sampling.echo))
+    if decoded is None:
+        scores = score_rows(loaded, memories, sequences, starts, sampling.logprobs)
+    else:
+        scores = [
+            token_logprobs(loaded.tokenizer, seq, start, s)
+            for seq, start, s in zip(sequences, starts, known, strict=True)
+        ]
     for (i, c), score in zip(owners, scores, strict=True):
         targets = answers[i] if sampling.decoded < sampling.n else [answers[i][c]]
         for answer in targets:
             answer.logprobs = score
     return answers
+
+
+def _decoded_scores(decoded: Decoded, answered: int, echo: bool) -> Scores:
+    """The scores of an answer's first ``answered`` tokens (its tokens up to the cut, and the EOS that
+    ended it), after those of its prompt's tokens with ``echo``."""
+    if decoded.scores is None or (echo and decoded.prompt_scores is None):
+        raise RuntimeError("the engine returned no log-probabilities for a request that asked for them")
+    answer = decoded.scores[:answered]
+    return decoded.prompt_scores + answer if echo else answer

@@ -1,4 +1,5 @@
-"""The model side of the server: loading, the chat format, and batched memory writes.
+"""The model side of the server: loading (the library model; with ``--engine vllm`` only what the
+server must know about it, read from the files), the chat format, and batched memory writes.
 
 Everything here runs on the scheduler's single worker thread (the model is never entered by two
 threads at once). Memory is handled only through the library's public API: a batch of sessions is
@@ -13,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass
 
 import torch
+from peft.utils import SAFETENSORS_WEIGHTS_NAME
 
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 from lstmem_peft.training.data import left_pad
@@ -29,44 +32,228 @@ DEMO_MODEL_NAME = "lstmem-demo"
 # ---------------------------------------------------------------------- loading
 @dataclass
 class LoadedModel:
-    """A model with an active LSTMem adapter, its tokenizer and what the server says about it.
+    """The served model: what answers, its tokenizer and what the server says about it.
+
+    Build one with :func:`load_model`, or :meth:`of_model` around a PeftModel already in memory.
 
     Attributes:
-        model: a PeftModel (or anything :func:`~lstmem_peft.tuner.history.find_memory` accepts), eval mode.
+        model: the PeftModel (or anything :func:`~lstmem_peft.tuner.history.find_memory` accepts) with an
+            active LSTMem adapter, eval mode; ``None`` with ``lstmem serve --engine vllm``, where the
+            vLLM engine holds the only copy of the weights.
         tokenizer: a transformers tokenizer of the backbone.
         name: the model id clients pass as ``model``.
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
-        max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
+        max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
+        vocab_size: the token ids the backbone embeds are ``0 .. vocab_size - 1``.
+        eos_ids: the token ids that end an answer (:func:`end_of_sequence_ids`).
+        adapter_fingerprint: SHA-256 (16 hex) of the memory layers' weights (:func:`memory_fingerprint`).
+        device: where session memories live: the model's device; the CPU with a vLLM engine (it
+            reads and writes them through session files).
         engine: what generates the answers and writes memory: ``None``, the model (its own
             ``generate``, and :func:`~lstmem_peft.write_history`); or a
             :class:`lstmem_peft.integrations.vllm.serve.VLLMAnswers` (``lstmem serve --engine vllm``),
-            which writes memory in the same history blocks with feedback (:func:`write_rows`).
+            which writes memory in the same history blocks with feedback (:func:`write_rows`) and
+            gives the log-probabilities of its answers.
     """
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenizer: object
     name: str
-    layout: MemoryLayout = field(init=False)
-    max_positions: int | None = field(init=False)
-    block_size: int = field(init=False)
+    layout: MemoryLayout
+    block_size: int
+    max_positions: int | None
+    vocab_size: int
+    eos_ids: frozenset[int]
+    adapter_fingerprint: str
+    device: torch.device
     engine: object | None = None
 
-    def __post_init__(self) -> None:
-        self.layout = memory_layout(self.model)
-        self.max_positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        configs = getattr(self.model, "peft_config", None)
-        adapter = getattr(self.model, "active_adapter", None)
+    def library_model(self) -> torch.nn.Module:
+        """``model``, which the default engine answers, scores and writes memory with; an error
+        naming the fix when there is none (facts read by :meth:`of_files` and no engine to answer)."""
+        if self.model is None:
+            raise RuntimeError(
+                f"{self.name!r} has no library model to run (LoadedModel.of_files reads only what the server says "
+                "about the model): set its engine (lstmem serve --engine vllm) or load the model with "
+                "load_model(..., engine='hf')"
+            )
+        return self.model
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, tokenizer, name: str) -> LoadedModel:
+        """The served model of the default engine: ``model`` (a PeftModel with an active LSTMem
+        adapter, eval mode) answers and writes memory; everything else is read from it."""
+        configs = getattr(model, "peft_config", None)
+        adapter = getattr(model, "active_adapter", None)
         if not isinstance(configs, dict) or adapter not in configs:
             raise TypeError(
-                f"{type(self.model).__name__} is not a PeftModel with an active LSTMem adapter; load one with "
+                f"{type(model).__name__} is not a PeftModel with an active LSTMem adapter; load one with "
                 "PeftModel.from_pretrained(backbone, adapter_path)"
             )
-        self.block_size = int(configs[adapter].block_size)
+        try:
+            vocab_size = int(model.get_input_embeddings().num_embeddings)
+        except Exception:  # noqa: BLE001  (a model without input embeddings: the tokenizer's size)
+            vocab_size = len(tokenizer)
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            name=name,
+            layout=memory_layout(model),
+            block_size=int(configs[adapter].block_size),
+            max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
+            vocab_size=vocab_size,
+            eos_ids=end_of_sequence_ids(getattr(model, "generation_config", None), tokenizer),
+            adapter_fingerprint=memory_fingerprint(memory_layers(model)),
+            device=next(model.parameters()).device,
+        )
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    @classmethod
+    def of_files(
+        cls, model: str, adapter: str, tokenizer, name: str, engine: object | None = None
+    ) -> LoadedModel:
+        """The served model of an engine that holds the weights itself (``lstmem serve --engine vllm``):
+        no library model is loaded; what the server says about it comes from the files, equal to what
+        :meth:`of_model` reads from the PeftModel of the same backbone and adapter.
+
+        * ``layout``: :meth:`MemoryLayout.of_adapter <lstmem_peft.MemoryLayout.of_adapter>` of the
+          adapter's config, its memory layers and the backbone's config (as the vLLM model builds it);
+        * ``max_positions``, ``vocab_size``: the backbone's config;
+        * ``eos_ids``: the backbone's generation config (``generation_config.json``, else the one
+          transformers derives from its config), else the tokenizer's;
+        * ``adapter_fingerprint``: the adapter's memory layers loaded from its safetensors file as
+          ``PeftModel.from_pretrained`` loads them (float32, :func:`adapter_memory_layers`).
+
+        Args:
+            model, adapter: the backbone and the LSTMem adapter, local folders or Hub ids.
+            tokenizer: the backbone's tokenizer (or the adapter's, as :func:`load_model` picks it).
+            name: the model id clients pass as ``model``.
+            engine: what answers (see the class's attributes).
+        """
+        from transformers import AutoConfig, GenerationConfig
+
+        from lstmem_peft.tuner.config import LSTMemConfig
+
+        backbone = AutoConfig.from_pretrained(model)
+        config = LSTMemConfig.from_pretrained(adapter)
+        layers = adapter_memory_layers(config, adapter_weights_file(adapter), backbone)
+        try:
+            generation = GenerationConfig.from_pretrained(model)
+        except OSError:  # no generation_config.json: transformers derives one from the config
+            generation = GenerationConfig.from_model_config(backbone)
+        return cls(
+            model=None,
+            tokenizer=tokenizer,
+            name=name,
+            layout=MemoryLayout.of_adapter(config, [layer.layer_idx for layer in layers], backbone),
+            block_size=int(config.block_size),
+            max_positions=getattr(backbone, "max_position_embeddings", None),
+            vocab_size=int(backbone.vocab_size),
+            eos_ids=end_of_sequence_ids(generation, tokenizer),
+            adapter_fingerprint=memory_fingerprint(layers),
+            device=torch.device("cpu"),
+            engine=engine,
+        )
+
+
+def end_of_sequence_ids(generation_config, tokenizer) -> frozenset[int]:
+    """The token ids that end an answer: the generation config's EOS (one id or a list), else the
+    tokenizer's; empty when neither has one."""
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+
+def memory_fingerprint(layers) -> str:
+    """SHA-256 (16 hex) of memory layers' weights: changes whenever the adapter's weights do.
+
+    The digest runs over the layers in depth order, and in each over its ``state_dict()`` items sorted
+    by name: the name, then the tensor's float32 bytes (so a bfloat16 file and the float32 layers
+    PEFT loads it into give one value)."""
+    digest = hashlib.sha256()
+    for layer in layers:
+        for name, p in sorted(layer.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def adapter_weights_file(adapter: str) -> str:
+    """The safetensors weights file of the LSTMem adapter ``adapter`` (a local folder, or a Hub id
+    through the Hub cache)."""
+    if not os.path.isdir(adapter):
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(adapter, SAFETENSORS_WEIGHTS_NAME)
+    path = os.path.join(adapter, SAFETENSORS_WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{adapter} has no {SAFETENSORS_WEIGHTS_NAME} (a .bin adapter cannot be served by vLLM); load it and "
+            "save it again with save_pretrained(folder) (safetensors is its default)"
+        )
+    return path
+
+
+def adapter_memory_layers(config, weights_file: str, backbone_config) -> list[torch.nn.Module]:
+    """The adapter's memory layers, loaded from its weights file without the backbone.
+
+    Each is the layer :func:`~lstmem_peft.tuner.layer.memory_layer` builds for its decoder layer (the
+    one the PEFT tuner and the vLLM plugin build), float32 on the CPU, with its depth input as
+    injection sets it, then ``load_state_dict(strict=True)`` of its tensors: the values
+    ``PeftModel.from_pretrained`` gives it (PEFT casts the adapter to float32; the layer's load hooks
+    convert older files and refuse NaN).
+
+    Args:
+        config: the adapter's :class:`~lstmem_peft.LSTMemConfig`.
+        weights_file: its ``adapter_model.safetensors``, keys as PEFT saves them
+            (``...layers.<i>.self_attn.<query module>.lstmem_memory.<name>``).
+        backbone_config: the backbone's transformers config (``num_hidden_layers``, ``hidden_size``,
+            ``num_attention_heads``, ``head_dim``).
+
+    Returns:
+        the memory layers in depth order (``layer.layer_idx``: the decoder layer).
+
+    Raises:
+        ValueError: the file lacks a chosen layer's weights, holds weights of other layers or
+            tensors that are not memory weights, or its tensors do not fit the backbone.
+    """
+    from safetensors.torch import load_file
+
+    from lstmem_peft.tuner.layer import memory_layer
+
+    pattern = re.compile(
+        rf"(?:^|\.)layers\.(\d+)\.self_attn\.{re.escape(config.query_module)}\.lstmem_memory\.(\w+)$"
+    )
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights_file).items():
+        match = pattern.search(key)
+        if match is None:
+            raise ValueError(f"{weights_file}: {key!r} is not an LSTMem memory weight")
+        by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+    hidden = backbone_config.hidden_size
+    heads = backbone_config.num_attention_heads
+    query = heads * (getattr(backbone_config, "head_dim", None) or hidden // heads)
+    layers = []
+    for depth, layer_idx in enumerate(config.memory_layer_indices(backbone_config.num_hidden_layers)):
+        if layer_idx not in by_layer:
+            raise ValueError(f"{weights_file} holds no memory weights for decoder layer {layer_idx}")
+        layer = memory_layer(config, hidden, query, layer_idx, dtype=torch.float32)
+        layer.set_depth_input(config.receives_depth(depth))
+        try:
+            layer.load_state_dict(by_layer.pop(layer_idx), strict=True)
+        except RuntimeError as err:
+            raise ValueError(
+                f"{weights_file}: the memory weights of decoder layer {layer_idx} do not fit this backbone "
+                f"(hidden size {hidden}, query size {query}); was the adapter trained on it? {err}"
+            ) from err
+        layers.append(layer.eval())
+    if by_layer:
+        raise ValueError(
+            f"{weights_file} holds memory weights for decoder layers {sorted(by_layer)}, which the adapter "
+            "config does not choose (layers_to_transform)"
+        )
+    return layers
 
 
 def load_model(
@@ -84,10 +271,12 @@ def load_model(
         model: backbone, Hub id or local folder; ``None`` with ``adapter=None``: the embedded demo.
         adapter: LSTMem adapter folder or Hub id (required with ``model``).
         name: the model id served at ``/v1/models`` (default: ``lstmem-demo`` or the adapter's name).
-        device: ``cpu`` or ``cuda`` (default: cuda when available).
+        device: ``cpu`` or ``cuda`` (default: cuda when available); with ``engine="vllm"`` only ``cpu``
+            (session memories stay on the CPU; vLLM places the model itself).
         dtype: backbone dtype (``auto``, ``float32``, ``bfloat16``, ``float16``).
-        engine: ``hf`` (answers from the model's ``generate``) or ``vllm`` (answers from a vLLM
-            engine over the same backbone and adapter; needs ``model`` and ``adapter``).
+        engine: ``hf`` (answers from the library model's ``generate``) or ``vllm`` (answers,
+            log-probabilities and memory writes from a vLLM engine over the same backbone and adapter;
+            needs ``model`` and ``adapter``; no library model is loaded: :meth:`LoadedModel.of_files`).
         vllm_options: more keyword arguments of ``vllm.LLM`` (``engine="vllm"``).
     """
     if engine not in ("hf", "vllm"):
@@ -100,10 +289,18 @@ def load_model(
             )
         from lstmem_peft.integrations.vllm.serve import VLLMAnswers, require_vllm
 
-        require_vllm()  # before the library model loads
-        loaded = load_model(model, adapter, name=name, device=device, dtype=dtype)
-        loaded.engine = VLLMAnswers(model, adapter, loaded.block_size, dtype=dtype, **(vllm_options or {}))
-        return loaded
+        require_vllm()  # before anything loads
+        if device not in (None, "cpu"):
+            raise ValueError(
+                f"--device {device} applies to the default engine's model; with --engine vllm, vLLM places the "
+                "model itself and session memories stay on the CPU: drop --device"
+            )
+        check_saved_memory_id(adapter)
+        served = LoadedModel.of_files(
+            model, adapter, load_tokenizer(model, adapter), _served_name(name, adapter)
+        )
+        served.engine = VLLMAnswers(model, adapter, served.block_size, dtype=dtype, **(vllm_options or {}))
+        return served
     if (model is None) != (adapter is None):
         raise ValueError(
             "pass both --model and --adapter (a backbone and the LSTMem adapter trained on it), or neither "
@@ -111,8 +308,21 @@ def load_model(
         )
     check_saved_memory_id(str(DEMO_ASSETS / "adapter_full") if adapter is None else adapter)
     peft_model, tokenizer = load_model_and_adapter(model, adapter, dtype=dtype, device=device)
-    served = name or (DEMO_MODEL_NAME if adapter is None else os.path.basename(os.path.normpath(adapter)))
-    return LoadedModel(peft_model, tokenizer, served)
+    return LoadedModel.of_model(peft_model, tokenizer, _served_name(name, adapter))
+
+
+def load_tokenizer(model: str, adapter: str):
+    """The tokenizer :func:`~lstmem_peft.tuner.loading.load_model_and_adapter` serves with: the adapter
+    folder's when it saved one (it may add chat tokens), else the backbone's."""
+    from transformers import AutoTokenizer
+
+    own = os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(adapter if own else model)
+
+
+def _served_name(name: str | None, adapter: str | None) -> str:
+    """The model id served at ``/v1/models``: ``name``, else the demo's or the adapter folder's name."""
+    return name or (DEMO_MODEL_NAME if adapter is None else os.path.basename(os.path.normpath(adapter)))
 
 
 def check_saved_memory_id(adapter: str) -> None:
@@ -329,10 +539,9 @@ def write_rows(
     ids, mask = left_pad([tokens[i] for i in active], pad, loaded.device)
     batch = gather([rows[i] for i in active])
     lengths = [len(tokens[i]) for i in active]
-    with torch.no_grad(), GateProbe(loaded.model, lengths, loaded.block_size) as probe:
-        write_history(
-            loaded.model, ids, batch, attention_mask=mask, block_size=loaded.block_size, progress=False
-        )
+    model = loaded.library_model()
+    with torch.no_grad(), GateProbe(model, lengths, loaded.block_size) as probe:
+        write_history(model, ids, batch, attention_mask=mask, block_size=loaded.block_size, progress=False)
     for j, i in enumerate(active):
         out[i] = scatter(batch, j)
         gates[i] = probe.row(j)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 
 from lstmem_peft.memory.cache import MemoryCache
 
-from .generation import Answer, Sampling, end_of_sequence_ids, generate_rows, score_rows
+from .generation import Answer, Sampling, generate_rows, score_rows
 from .planning import Plan, plan_chat, plan_completion
 from .protocol import ServeError
 from .runtime import ChatFormat, LoadedModel, fresh_memory, message_hash, state_norms, write_rows
@@ -115,7 +115,7 @@ class _StreamState:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.closed = False
 
-    def push(self, token: int, eos_ids: set[int]) -> None:
+    def push(self, token: int, eos_ids: frozenset[int]) -> None:
         if self.closed:
             return
         if token in eos_ids:
@@ -191,7 +191,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="lstmem-serve-worker", daemon=True)
-        self.eos_ids = end_of_sequence_ids(loaded)
+        self.eos_ids = loaded.eos_ids
 
     def start(self) -> None:
         self._thread.start()

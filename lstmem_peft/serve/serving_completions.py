@@ -48,10 +48,7 @@ class ServingCompletions(ServingGeneration):
             self.tokenizer = copy.deepcopy(loaded.tokenizer)
         except Exception:  # noqa: BLE001  (a tokenizer that cannot be copied is shared)
             self.tokenizer = loaded.tokenizer
-        try:
-            self.vocab = int(loaded.model.get_input_embeddings().num_embeddings)
-        except Exception:  # noqa: BLE001  (a model without input embeddings: the tokenizer's size)
-            self.vocab = len(loaded.tokenizer)
+        self.vocab = loaded.vocab_size
 
     async def create(
         self, body: CompletionRequest, namespace: str, session: str | None

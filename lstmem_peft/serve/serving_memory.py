@@ -7,7 +7,6 @@ queue behind the session's turns); reads, exports and the list read the store di
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from dataclasses import asdict
@@ -16,7 +15,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from lstmem_peft.memory.cache import MemoryCache
-from lstmem_peft.tuner.history import memory_layers
 
 from .metrics import Metrics
 from .protocol import (
@@ -51,7 +49,6 @@ class ServingMemory(ServingBase):
     ) -> None:
         super().__init__(loaded, scheduler, metrics)
         self.store = store
-        self.adapter_fingerprint = adapter_fingerprint(loaded)
 
     async def write(self, namespace: str, session: str, body: MemoryWriteRequest) -> MemoryWriteResponse:
         """``POST /v1/memory/{session}/write``: text as it is, or messages in the chat format (then
@@ -84,7 +81,7 @@ class ServingMemory(ServingBase):
             messages_written=len(s.messages),
             layout=LayoutInfo(**{**asdict(layout), "layer_indices": list(layout.layer_indices)}),
             fingerprint=layout.fingerprint(),
-            adapter_fingerprint=self.adapter_fingerprint,
+            adapter_fingerprint=self.loaded.adapter_fingerprint,
             state_bytes=0 if s.memory is None else s.memory.nbytes,
             layers=self._layers(s),
             turns=[TurnRecord.model_validate(turn) for turn in s.turns],
@@ -168,13 +165,3 @@ class ServingMemory(ServingBase):
     def sessions(self, namespace: str) -> SessionList:
         """``GET /v1/sessions``: the caller's committed sessions."""
         return SessionList(data=[SessionSummary(**summary) for summary in self.store.list(namespace)])
-
-
-def adapter_fingerprint(loaded: LoadedModel) -> str:
-    """SHA-256 (16 hex) of the memory layers' parameters: changes whenever the adapter's weights do."""
-    digest = hashlib.sha256()
-    for layer in memory_layers(loaded.model):
-        for name, p in sorted(layer.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
