@@ -1059,8 +1059,10 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
         results["hf"],
         results["vllm"],
     )
-    for fact in ("layout", "block_size", "max_positions", "vocab_size", "eos_ids", "adapter_fingerprint"):
+    for fact in ("layout", "block_size", "vocab_size", "eos_ids", "adapter_fingerprint"):
         assert getattr(served, fact) == getattr(hf, fact), fact
+    # the server's window never exceeds what the engine holds (a prompt and one sampled token)
+    assert served.max_positions == min(hf.max_positions, ENGINE["max_model_len"] - 1)
     assert vllm_answers_ == hf_answers and all(hf_answers)
     assert hf_memory.tokens_written.item() > HISTORY_BLOCK
     assert_same_memory(vllm_memory, hf_memory)

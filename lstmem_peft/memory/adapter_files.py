@@ -1,8 +1,11 @@
 """What an LSTMem layer checks and converts when an adapter file (or a checkpoint) is loaded into it:
 the paper's full matrices of older files become the effective maps the layer registers, and weights
-that hold NaN or inf are refused."""
+that hold NaN or inf are refused; and how an adapter file's tensors are found by decoder layer when
+they are loaded without PEFT (the vLLM plugin, the server's fingerprint)."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -44,3 +47,43 @@ def refuse_nonfinite_weights(layer, incompatible_keys) -> None:
             f"the LSTMem weights loaded for decoder layer {layer.layer_idx} hold NaN or inf in {bad}: the adapter "
             "file is damaged or was saved from a diverged run; load another checkpoint"
         )
+
+
+def memory_weights_by_layer(
+    tensors: dict[str, torch.Tensor], query_module: str, layers: list[int], source: str
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The memory weights of an adapter file by decoder layer, for loading without PEFT.
+
+    Args:
+        tensors: the file's tensors, keyed as PEFT saves them
+            (``...layers.<i>.self_attn.<query_module>.lstmem_memory.<name>``).
+        query_module: the adapter's ``query_module`` (the projection its memory layers sit on).
+        layers: the decoder layers the adapter's config chooses (``memory_layer_indices``).
+        source: the file's name, for the errors.
+
+    Returns:
+        ``{layer: {name: tensor}}`` for exactly ``layers``.
+
+    Raises:
+        ValueError: a tensor that is not a memory weight, a chosen layer without weights, or
+            weights of a layer the config does not choose.
+    """
+    pattern = re.compile(
+        rf"(?:^|\.)layers\.(\d+)\.self_attn\.{re.escape(query_module)}\.lstmem_memory\.(\w+)$"
+    )
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = pattern.search(key)
+        if match is None:
+            raise ValueError(f"{source}: {key!r} is not an LSTMem memory weight")
+        by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+    for layer in layers:
+        if layer not in by_layer:
+            raise ValueError(f"{source} holds no memory weights for decoder layer {layer}")
+    extra = sorted(set(by_layer) - set(layers))
+    if extra:
+        raise ValueError(
+            f"{source} holds memory weights for decoder layers {extra}, which the adapter config does not "
+            "choose (layers_to_transform)"
+        )
+    return by_layer

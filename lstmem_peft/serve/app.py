@@ -93,7 +93,10 @@ def create_app(
     limit = loaded.max_positions
     window = context_window or min(limit or 4096, 4096)
     if limit is not None and window > limit:
-        raise ValueError(f"--context-window {window} is over the model's position limit {limit}")
+        raise ValueError(
+            f"--context-window {window} is over the model's position limit {limit} (with --engine vllm: the "
+            "engine's max_model_len - 1; raise it with --vllm-arg max_model_len=...)"
+        )
     metrics = Metrics()
     store = SessionStore(store_dir, loaded.layout)
     scheduler = Scheduler(

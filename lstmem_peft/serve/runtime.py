@@ -14,16 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 
 import torch
-from peft.utils import SAFETENSORS_WEIGHTS_NAME
 
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 from lstmem_peft.training.data import left_pad
 from lstmem_peft.tuner.history import memory_layers, memory_layout, row_blocks, write_history
-from lstmem_peft.tuner.loading import load_model_and_adapter
+from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
 from lstmem_peft.utils.offline import DEMO_ASSETS
 
 DEMO_MODEL_NAME = "lstmem-demo"
@@ -44,7 +42,10 @@ class LoadedModel:
         name: the model id clients pass as ``model``.
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
-        max_positions: the backbone's position limit (``max_position_embeddings``), or ``None``.
+        max_positions: the most prompt tokens the model takes: the backbone's position limit
+            (``max_position_embeddings``), or ``None``; with a vLLM engine at most its
+            ``max_model_len - 1`` (a prompt and the token it samples), so that the server's context
+            window (at most this) never sends vLLM a request it refuses.
         vocab_size: the token ids the backbone embeds are ``0 .. vocab_size - 1``.
         eos_ids: the token ids that end an answer (:func:`end_of_sequence_ids`).
         adapter_fingerprint: SHA-256 (16 hex) of the memory layers' weights (:func:`memory_fingerprint`).
@@ -179,22 +180,6 @@ def memory_fingerprint(layers) -> str:
     return digest.hexdigest()[:16]
 
 
-def adapter_weights_file(adapter: str) -> str:
-    """The safetensors weights file of the LSTMem adapter ``adapter`` (a local folder, or a Hub id
-    through the Hub cache)."""
-    if not os.path.isdir(adapter):
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(adapter, SAFETENSORS_WEIGHTS_NAME)
-    path = os.path.join(adapter, SAFETENSORS_WEIGHTS_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{adapter} has no {SAFETENSORS_WEIGHTS_NAME} (a .bin adapter cannot be served by vLLM); load it and "
-            "save it again with save_pretrained(folder) (safetensors is its default)"
-        )
-    return path
-
-
 def adapter_memory_layers(config, weights_file: str, backbone_config) -> list[torch.nn.Module]:
     """The adapter's memory layers, loaded from its weights file without the backbone.
 
@@ -220,39 +205,26 @@ def adapter_memory_layers(config, weights_file: str, backbone_config) -> list[to
     """
     from safetensors.torch import load_file
 
+    from lstmem_peft.memory.adapter_files import memory_weights_by_layer
     from lstmem_peft.tuner.layer import memory_layer
 
-    pattern = re.compile(
-        rf"(?:^|\.)layers\.(\d+)\.self_attn\.{re.escape(config.query_module)}\.lstmem_memory\.(\w+)$"
-    )
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_file).items():
-        match = pattern.search(key)
-        if match is None:
-            raise ValueError(f"{weights_file}: {key!r} is not an LSTMem memory weight")
-        by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+    chosen = config.memory_layer_indices(backbone_config.num_hidden_layers)
+    by_layer = memory_weights_by_layer(load_file(weights_file), config.query_module, chosen, weights_file)
     hidden = backbone_config.hidden_size
     heads = backbone_config.num_attention_heads
     query = heads * (getattr(backbone_config, "head_dim", None) or hidden // heads)
     layers = []
-    for depth, layer_idx in enumerate(config.memory_layer_indices(backbone_config.num_hidden_layers)):
-        if layer_idx not in by_layer:
-            raise ValueError(f"{weights_file} holds no memory weights for decoder layer {layer_idx}")
+    for depth, layer_idx in enumerate(chosen):
         layer = memory_layer(config, hidden, query, layer_idx, dtype=torch.float32)
         layer.set_depth_input(config.receives_depth(depth))
         try:
-            layer.load_state_dict(by_layer.pop(layer_idx), strict=True)
+            layer.load_state_dict(by_layer[layer_idx], strict=True)
         except RuntimeError as err:
             raise ValueError(
                 f"{weights_file}: the memory weights of decoder layer {layer_idx} do not fit this backbone "
                 f"(hidden size {hidden}, query size {query}); was the adapter trained on it? {err}"
             ) from err
         layers.append(layer.eval())
-    if by_layer:
-        raise ValueError(
-            f"{weights_file} holds memory weights for decoder layers {sorted(by_layer)}, which the adapter "
-            "config does not choose (layers_to_transform)"
-        )
     return layers
 
 
@@ -300,6 +272,9 @@ def load_model(
             model, adapter, load_tokenizer(model, adapter), _served_name(name, adapter)
         )
         served.engine = VLLMAnswers(model, adapter, served.block_size, dtype=dtype, **(vllm_options or {}))
+        # the engine holds a prompt and the token it samples (a scored prompt samples one)
+        engine_limit = served.engine.max_model_len - 1
+        served.max_positions = min(served.max_positions or engine_limit, engine_limit)
         return served
     if (model is None) != (adapter is None):
         raise ValueError(
@@ -309,15 +284,6 @@ def load_model(
     check_saved_memory_id(str(DEMO_ASSETS / "adapter_full") if adapter is None else adapter)
     peft_model, tokenizer = load_model_and_adapter(model, adapter, dtype=dtype, device=device)
     return LoadedModel.of_model(peft_model, tokenizer, _served_name(name, adapter))
-
-
-def load_tokenizer(model: str, adapter: str):
-    """The tokenizer :func:`~lstmem_peft.tuner.loading.load_model_and_adapter` serves with: the adapter
-    folder's when it saved one (it may add chat tokens), else the backbone's."""
-    from transformers import AutoTokenizer
-
-    own = os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(adapter if own else model)
 
 
 def _served_name(name: str | None, adapter: str | None) -> str:

@@ -32,7 +32,7 @@ def load_model_and_adapter(
         adapter folder's tokenizer when it saved one (it may add chat tokens), else the backbone's.
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model is None:
@@ -45,9 +45,38 @@ def load_model_and_adapter(
     if adapter is not None:
         require_adapter_weights(adapter)  # before PEFT takes a weightless folder for a Hub id
         loaded = PeftModel.from_pretrained(loaded, adapter)
+    return loaded.to(device).eval(), load_tokenizer(model, adapter)
+
+
+def load_tokenizer(model: str, adapter: str | None = None):
+    """The tokenizer a backbone ``model`` is served with: the LSTMem adapter folder's when it saved
+    one (it may add chat tokens), else the backbone's (local folders or Hub ids)."""
+    from transformers import AutoTokenizer
+
     own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(adapter if own else model)
-    return loaded.to(device).eval(), tokenizer
+    return AutoTokenizer.from_pretrained(adapter if own else model)
+
+
+def adapter_weights_file(adapter: str) -> str:
+    """The ``adapter_model.safetensors`` of the LSTMem adapter ``adapter``, for loading it without
+    PEFT (the vLLM plugin, the server's facts): a local folder's, or a Hub id's through the Hub cache.
+
+    Raises:
+        FileNotFoundError: a local folder without it, with the fix.
+    """
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+    if not os.path.isdir(adapter):
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(adapter, SAFETENSORS_WEIGHTS_NAME)
+    path = os.path.join(adapter, SAFETENSORS_WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{adapter} has no {SAFETENSORS_WEIGHTS_NAME} (a .bin adapter cannot be loaded without PEFT); load it "
+            "and save it again with save_pretrained(folder) (safetensors is its default)"
+        )
+    return path
 
 
 def load_demo_backbone(path: Path = DEMO_ASSETS):

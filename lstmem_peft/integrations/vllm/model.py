@@ -61,8 +61,6 @@ so vLLM's ``torch.compile`` sees a fixed graph around it.
 from __future__ import annotations
 
 import functools
-import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -95,16 +93,16 @@ from vllm.v1.attention.backends.linear_attn import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from lstmem_kernels import fused_decode_step_applies
+from lstmem_peft.memory.adapter_files import memory_weights_by_layer
 from lstmem_peft.memory.cache import STATE_DTYPES, MemoryLayout
 from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
 from lstmem_peft.memory.layer import LayerWeights
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
+from lstmem_peft.tuner.loading import adapter_weights_file
 
 from . import MEMORY_BACKEND, MEMORY_OP, SCHEDULER, WORKER, register_memory_backend
 from .history import ChunkPlan, plan_chunk
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 logger = init_logger(__name__)
 
@@ -115,16 +113,7 @@ register_memory_backend()  # the plugin's entry point did it already in a vLLM p
 def load_adapter(name: str) -> tuple[LSTMemConfig, str]:
     """The config and the weights file of the LSTMem adapter ``name`` (a local folder or a Hub id,
     through the Hub cache)."""
-    config = LSTMemConfig.from_pretrained(name)
-    if os.path.isdir(name):
-        weights = os.path.join(name, ADAPTER_WEIGHTS)
-        if not os.path.isfile(weights):
-            raise FileNotFoundError(f"{name} has no {ADAPTER_WEIGHTS}; save the adapter with save_pretrained")
-    else:
-        from huggingface_hub import hf_hub_download
-
-        weights = hf_hub_download(name, ADAPTER_WEIGHTS)
-    return config, weights
+    return LSTMemConfig.from_pretrained(name), adapter_weights_file(name)
 
 
 def _adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
@@ -846,25 +835,17 @@ class _MemoryModel:
         """The backbone's checkpoint through the backbone's loader, then the adapter's memory weights
         (every tensor of every memory layer, or an error naming what is missing or extra)."""
         loaded = super().load_weights(weights)
-        tensors = load_file(self.lstmem_weights)
-        pattern = re.compile(
-            rf"(?:^|\.)layers\.(\d+)\.self_attn\.{re.escape(self.lstmem_adapter.query_module)}"
-            r"\.lstmem_memory\.(\w+)$"
+        states = self.memory_states()
+        by_layer = memory_weights_by_layer(
+            load_file(self.lstmem_weights),
+            self.lstmem_adapter.query_module,
+            [state.memory.layer_idx for state in states],
+            self.lstmem_weights,
         )
-        by_layer: dict[int, dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            match = pattern.search(key)
-            if match is None:
-                raise ValueError(f"{self.lstmem_weights}: {key!r} is not an LSTMem memory weight")
-            by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
         rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        for state in self.memory_states():
+        for state in states:
             layer_idx = state.memory.layer_idx
-            if layer_idx not in by_layer:
-                raise ValueError(
-                    f"{self.lstmem_weights} holds no memory weights for decoder layer {layer_idx}"
-                )
-            weights = by_layer.pop(layer_idx)
+            weights = by_layer[layer_idx]
             if "w_dq" in weights:  # this rank's rows: its query heads of the column-parallel q_proj
                 weights["w_dq"] = _query_shard(weights["w_dq"], state.memory.query_size, rank, ranks)
             state.memory.load_state_dict(weights, strict=True)
@@ -873,11 +854,6 @@ class _MemoryModel:
                 f"model.layers.{layer_idx}.lstmem.memory.{name}"
                 for name, _ in state.memory.named_parameters()
             }
-        if by_layer:
-            raise ValueError(
-                f"{self.lstmem_weights} holds memory weights for decoder layers {sorted(by_layer)}, which the "
-                "adapter config does not choose (layers_to_transform)"
-            )
         return loaded
 
 

@@ -144,6 +144,11 @@ class VLLMAnswers:
             self.llm.llm_engine.engine_core.shutdown()  # the engine's processes end with the error
             raise
 
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens a request of this engine holds: its prompt and what it generates."""
+        return int(self.llm.model_config.max_model_len)
+
     def generate(self, rows, prompts, sampling, eos_ids: frozenset[int], on_token=None) -> list:
         """Every expanded row's decoded sequence (``n`` choices per row, row-major), each from its
         row's memory read-only, with vLLM's log-probabilities when ``sampling.logprobs`` asks for them.
