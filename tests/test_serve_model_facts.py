@@ -31,7 +31,6 @@ from tiny_models import randomize_memory, tiny_model  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, memory_layers  # noqa: E402
 from lstmem_peft.serve.generation import (  # noqa: E402
-    Decoded,
     Sampling,
     _forward_scores,
     _generate,
@@ -176,9 +175,9 @@ def test_vllm_options_that_would_change_the_log_probabilities_are_refused_before
     with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'.*drop --vllm-arg logprobs_mode"):
         VLLMAnswers("base", "adapter", 64, logprobs_mode="processed_logprobs")
     with pytest.raises(ValueError, match="max_logprobs=5.*set it to 20 or more"):
-        VLLMAnswers("base", "adapter", 64, max_logprobs=5)
+        VLLMAnswers("base", "adapter", 64, top_logprobs=20, max_logprobs=5)
     for fine in ({}, {"logprobs_mode": "raw_logprobs"}, {"max_logprobs": 20}, {"max_logprobs": -1}):
-        check_logprob_options(fine)
+        check_logprob_options(fine, 20)
 
 
 # ---------------------------------------------------------------------- the engine path of log-probabilities
@@ -192,8 +191,9 @@ def loaded():
 
 class LibraryEngine:
     """The engine interface :func:`generate_rows` and :func:`score_rows` use (``generate``, ``score``)
-    over the library model: tokens from its ``generate``, scores by token id from its forward, as a
-    vLLM engine returns them (the generated tokens uncut, the prompt's after its first)."""
+    over the library model: tokens from its ``generate``, ``(chosen, top)`` scores by token id from
+    its forward, as a vLLM engine returns them (the generated tokens uncut, the prompt's after its
+    first)."""
 
     def __init__(self, loaded) -> None:
         self.loaded = loaded
@@ -201,11 +201,15 @@ class LibraryEngine:
     def _scores(self, rows, sequences, top):
         return _forward_scores(self.loaded, rows, sequences, [1] * len(rows), list(range(len(rows))), top)
 
+    @staticmethod
+    def _pair(scores):
+        return None if scores is None else (scores.chosen, scores.top)
+
     def generate(self, rows, prompts, sampling, eos_ids, on_token=None):
         k = sampling.n
         generated = _generate(self.loaded, rows, prompts, sampling, [()] * (len(prompts) * k), on_token, None)
         if sampling.logprobs is None:
-            return [Decoded(ids) for ids in generated]
+            return [(ids, None, None) for ids in generated]
         owners = [r // k for r in range(len(generated))]
         whole = self._scores(
             [rows[i] for i in owners],
@@ -213,12 +217,16 @@ class LibraryEngine:
             sampling.logprobs,
         )
         return [
-            Decoded(ids, s[len(prompts[i]) - 1 :], s[: len(prompts[i]) - 1] if sampling.echo else None)
+            (
+                ids,
+                self._pair(s[len(prompts[i]) - 1 :]),
+                self._pair(s[: len(prompts[i]) - 1] if sampling.echo else None),
+            )
             for i, ids, s in zip(owners, generated, whole, strict=True)
         ]
 
     def score(self, rows, sequences, top):
-        return self._scores(rows, sequences, top)
+        return [self._pair(s) for s in self._scores(rows, sequences, top)]
 
 
 def assert_same_logprobs(got, want) -> None:

@@ -187,7 +187,12 @@ def generate_rows(
     decoded = None
     if loaded.engine is not None:
         decoding = sampling if k == n else replace(sampling, n=k)
-        decoded = loaded.engine.generate(rows, prompts, decoding, loaded.eos_ids, on_token)
+        decoded = [
+            Decoded(ids, _scores(scores), _scores(prompt_scores))
+            for ids, scores, prompt_scores in loaded.engine.generate(
+                rows, prompts, decoding, loaded.eos_ids, on_token
+            )
+        ]
         generated = [d.token_ids for d in decoded]
     else:
         generated = _generate(loaded, rows, prompts, sampling, expanded_stops, on_token, cancelled)
@@ -325,6 +330,11 @@ class Decoded:
     prompt_scores: Scores | None = None
 
 
+def _scores(pair: tuple | None) -> Scores | None:
+    """An engine's ``(chosen, top)`` log-probabilities as :class:`Scores` (``None`` stays ``None``)."""
+    return None if pair is None else Scores(*pair)
+
+
 def _piece(tokenizer, context: list[int], head: str, token: int) -> str:
     """The text ``token`` adds after ``context`` (whose text is ``head``)."""
     full = tokenizer.decode(context + [token], skip_special_tokens=False)
@@ -375,7 +385,10 @@ def score_rows(
     if not todo:
         return out
     if loaded.engine is not None:
-        whole = loaded.engine.score([rows[i] for i in todo], [sequences[i] for i in todo], top)
+        whole = [
+            Scores(*s)
+            for s in loaded.engine.score([rows[i] for i in todo], [sequences[i] for i in todo], top)
+        ]
         scores = [s[max(starts[i], 1) - 1 :] for i, s in zip(todo, whole, strict=True)]
     else:
         scores = _forward_scores(loaded, rows, sequences, starts, todo, top)

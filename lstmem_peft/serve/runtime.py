@@ -24,6 +24,8 @@ from lstmem_peft.tuner.history import memory_layers, memory_layout, row_blocks, 
 from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
 from lstmem_peft.utils.offline import DEMO_ASSETS
 
+from .protocol import MAX_LOGPROBS
+
 DEMO_MODEL_NAME = "lstmem-demo"
 
 
@@ -271,7 +273,9 @@ def load_model(
         served = LoadedModel.of_files(
             model, adapter, load_tokenizer(model, adapter), _served_name(name, adapter)
         )
-        served.engine = VLLMAnswers(model, adapter, served.block_size, dtype=dtype, **(vllm_options or {}))
+        served.engine = VLLMAnswers(
+            model, adapter, served.block_size, dtype=dtype, top_logprobs=MAX_LOGPROBS, **(vllm_options or {})
+        )
         # the engine holds a prompt and the token it samples (a scored prompt samples one)
         engine_limit = served.engine.max_model_len - 1
         served.max_positions = min(served.max_positions or engine_limit, engine_limit)

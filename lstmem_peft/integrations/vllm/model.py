@@ -188,6 +188,11 @@ def check_engine_config(vllm_config: VllmConfig) -> None:
             "prefix caching would let a request skip writing a cached prefix into its memory: start vLLM with "
             "--no-enable-prefix-caching (lstmem_peft.integrations.vllm.engine_args does)"
         )
+    _check_graphs(vllm_config)
+
+
+def _check_graphs(vllm_config: VllmConfig) -> None:
+    """The CUDA graph part of :func:`check_engine_config` (see there)."""
     compilation = vllm_config.compilation_config
     graphs = getattr(compilation, "cudagraph_mode", None)
     if graphs is None or graphs == CUDAGraphMode.NONE:

@@ -62,28 +62,28 @@ def check_block_fits(max_model_len: int, block_size: int) -> None:
         )
 
 
-def check_logprob_options(options: dict) -> None:
+def check_logprob_options(options: dict, top_logprobs: int) -> None:
     """Refuse ``vllm.LLM`` options under which vLLM's log-probabilities would not be the server's:
     a ``logprobs_mode`` other than ``raw_logprobs`` (the model's log-softmax before temperature and
-    ``top_p``), or a ``max_logprobs`` below the ``top_logprobs`` a request may ask for."""
-    from lstmem_peft.serve.protocol import MAX_LOGPROBS
-
+    ``top_p``), or a ``max_logprobs`` below ``top_logprobs``, the most a request may ask for."""
     mode = options.get("logprobs_mode", "raw_logprobs")
     if mode != "raw_logprobs":
         raise ValueError(
             f"logprobs_mode={mode!r}: lstmem serve reports the model's own log-probabilities (before temperature "
             "and top_p), vLLM's raw_logprobs; drop --vllm-arg logprobs_mode"
         )
-    most = options.get("max_logprobs", MAX_LOGPROBS)
-    if most != -1 and most < MAX_LOGPROBS:
+    most = options.get("max_logprobs", top_logprobs)
+    if most != -1 and most < top_logprobs:
         raise ValueError(
-            f"max_logprobs={most}: requests to lstmem serve may ask for {MAX_LOGPROBS} top log-probabilities per "
-            f"token; drop --vllm-arg max_logprobs or set it to {MAX_LOGPROBS} or more"
+            f"max_logprobs={most}: requests to lstmem serve may ask for {top_logprobs} top log-probabilities per "
+            f"token; drop --vllm-arg max_logprobs or set it to {top_logprobs} or more"
         )
 
 
-def vllm_scores(positions, tokens, top: int):
-    """vLLM's log-probabilities of consecutive tokens as :class:`~lstmem_peft.serve.generation.Scores`.
+def vllm_scores(positions, tokens, top: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """vLLM's log-probabilities of consecutive tokens, by token id: ``(chosen, top)``, each token's
+    log-probability and its position's ``top`` most likely ``(token_id, logprob)``, best first (the
+    fields of the server's ``Scores``).
 
     Args:
         positions: per token, vLLM's ``{token_id: Logprob}`` at its position (``CompletionOutput.logprobs``,
@@ -92,8 +92,6 @@ def vllm_scores(positions, tokens, top: int):
         tokens: the tokens, one per position.
         top: how many most likely tokens to keep per position.
     """
-    from lstmem_peft.serve.generation import Scores
-
     if positions is None or len(positions) != len(tokens):
         raise RuntimeError(
             f"vLLM returned log-probabilities for {0 if positions is None else len(positions)} of {len(tokens)} tokens"
@@ -103,7 +101,7 @@ def vllm_scores(positions, tokens, top: int):
         chosen.append(position[token].logprob)
         ranked = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items())
         best.append([(token_id, logprob) for rank, token_id, logprob in ranked if rank <= top][:top])
-    return Scores(chosen, best)
+    return chosen, best
 
 
 class VLLMAnswers:
@@ -117,18 +115,28 @@ class VLLMAnswers:
             the engine starts when ``options`` sets it, else once it has started).
         options: more keyword arguments of ``vllm.LLM`` (``max_model_len``, on CPU
             ``kv_cache_memory_bytes``, ...); ``logprobs_mode`` other than ``raw_logprobs`` and
-            ``max_logprobs`` below the server's ``top_logprobs`` limit are refused (the server's
-            log-probabilities are the model's raw ones, up to 20 per token).
+            ``max_logprobs`` below ``top_logprobs`` are refused (the server's log-probabilities are
+            the model's raw ones).
+        top_logprobs: the most top log-probabilities per token a request may ask for.
 
     Attributes:
         session_dir: the session directory the rows' memories are written to (``LSTMEM_SESSION_DIR``;
             a temporary folder, set as that variable, when it was unset).
     """
 
-    def __init__(self, model: str, adapter: str, block_size: int, dtype: str = "auto", **options) -> None:
+    def __init__(
+        self,
+        model: str,
+        adapter: str,
+        block_size: int,
+        dtype: str = "auto",
+        *,
+        top_logprobs: int = 0,
+        **options,
+    ) -> None:
         if "max_model_len" in options:
             check_block_fits(int(options["max_model_len"]), block_size)
-        check_logprob_options(options)
+        check_logprob_options(options, top_logprobs)
         require_vllm()
         from vllm import LLM
 
@@ -163,11 +171,12 @@ class VLLMAnswers:
             on_token: ``on_token(expanded_row, token_id)`` for every generated token, in order.
 
         Returns:
-            a :class:`~lstmem_peft.serve.generation.Decoded` per expanded row.
+            per expanded row, ``(token_ids, scores, prompt_scores)``: the generated tokens (uncut, an
+            EOS that ended them included); with ``sampling.logprobs``, their :func:`vllm_scores`
+            (else ``None``); with ``sampling.echo`` too, those of the prompt's tokens after its first
+            (else ``None``).
         """
         from vllm import SamplingParams
-
-        from lstmem_peft.serve.generation import Decoded
 
         top = sampling.logprobs
         with self._sessions(rows) as names:
@@ -194,10 +203,10 @@ class VLLMAnswers:
                 prompt_scores = vllm_scores(output.prompt_logprobs[1:], output.prompt_token_ids[1:], top)
             for choice in output.outputs:
                 scores = None if top is None else vllm_scores(choice.logprobs, choice.token_ids, top)
-                decoded.append(Decoded(list(choice.token_ids), scores, prompt_scores))
+                decoded.append((list(choice.token_ids), scores, prompt_scores))
         if on_token is not None:
-            for row, d in enumerate(decoded):
-                for token in d.token_ids:
+            for row, (tokens, _, _) in enumerate(decoded):
+                for token in tokens:
                     on_token(row, token)
         return decoded
 
@@ -212,7 +221,7 @@ class VLLMAnswers:
             top: how many most likely tokens to report per position (0: none).
 
         Returns:
-            a :class:`~lstmem_peft.serve.generation.Scores` per sequence, of its tokens ``1 ..``.
+            per sequence, the :func:`vllm_scores` of its tokens ``1 ..``.
         """
         from vllm import SamplingParams
 
