@@ -298,3 +298,18 @@ def test_prompts_an_engine_scores_become_those_the_library_scores(loaded):
     assert got[2].ids == [] and want[2].ids == []
     for a, b in zip(got, want, strict=True):
         assert_same_logprobs(a, b)
+
+
+def test_a_context_window_over_the_position_limit_is_refused(loaded, tmp_path):
+    """``max_positions`` bounds the server's window (with ``--engine vllm``: the engine's
+    ``max_model_len - 1``); a larger ``--context-window`` is refused at start, naming the fix."""
+    from dataclasses import replace
+
+    from lstmem_peft.serve import create_app
+
+    small = replace(loaded, max_positions=64)
+    with pytest.raises(
+        ValueError, match="--context-window 100 is over the model's position limit 64.*max_model_len"
+    ):
+        create_app(small, str(tmp_path / "store"), context_window=100)
+    assert create_app(small, str(tmp_path / "store")).state.scheduler.window == 64  # the default window
