@@ -137,8 +137,8 @@ def step_torch(
     """
     cd = _compute_dtype(k.dtype if k.dtype == torch.float64 else cell.dtype)
     cell_out, hidden_out = (cell, hidden) if out is None else out
-    w_col, f_col, o_col = (_cast(t, cd)[..., None] for t in (w, f, o))
-    k_row = _cast(k, cd)[..., None, :]
+    w_col, f_col, o_col = _cast(w, cd).unsqueeze(-1), _cast(f, cd).unsqueeze(-1), _cast(o, cd).unsqueeze(-1)
+    k_row = _cast(k, cd).unsqueeze(-2)
     C, D = _cast(cell, cd), _cast(hidden, cd)
     depth = None if depth is None else _cast(depth, cd)
     # D_{t-1} q_t, before D changes (R is small: no batched product)

@@ -37,6 +37,8 @@ def test_records_carry_device_versions_date_and_every_figure(records):
         for side in ("lstmem", "plain"):
             assert r[side]["n"] == 1 and r[side]["min"] <= r[side]["median"] <= r[side]["max"]
         assert r["ratio"] == pytest.approx(r["lstmem"]["median"] / r["plain"]["median"])
+        # one repetition: its one pair's ratio is the ratio of the two times
+        assert r["ratio_pairs"]["n"] == 1 and r["ratio_pairs"]["median"] == pytest.approx(r["ratio"])
     for r in decode:  # one token per timed step
         assert r["lstmem_tok_s"] == pytest.approx(1 / r["lstmem"]["median"])
         assert r["plain_tok_s"] == pytest.approx(1 / r["plain"]["median"])
@@ -63,6 +65,8 @@ def test_report_writes_tables_and_plots_and_marks_gpu_unmeasured(records, tmp_pa
     assert "GPU: not yet measured" in text
     for heading in ("## decode", "## generate", "## write", "## e2e", "## scan", "## ops"):
         assert heading in text
+    generate = text[text.index("## generate") :].split("\n\n")[1]  # the table under the heading
+    assert "(pairs " in generate  # the ratio within each repetition beside the ratio of medians
     assert (tmp_path / "decode-cpu-tiny.png").stat().st_size > 0 and (
         tmp_path / "e2e-cpu-tiny.png"
     ).stat().st_size > 0

@@ -379,17 +379,23 @@ def test_weights_arrange_the_paper_maps():
     u0 = P["bread"].expand(5, ds)
     torch.testing.assert_close(torch.cat([v, z], 1) @ w.eau_first + w.b_eau, torch.cat([e0, a0, u0], 1))
     # a one-token step's maps also take the temporal reads [r^time; D_{t-1} k] head by head and give u
-    # whole (eq:read); D_{t-1} k, which the same product yields, plays no part
+    # whole (eq:read); D_{t-1} k, which the same product yields, plays no part. They set exact ones
+    # beside e, so that one GLU of the first 8 d_s columns gives [i e | f | o | g] (eq:gates)
     r_time, d_k = torch.randn(5, ds, dtype=torch.float64), torch.randn(5, ds, dtype=torch.float64)
     time_reads = torch.stack([r_time.view(5, H, R), d_k.view(5, H, R)], 2).reshape(5, 2 * ds)
     u_time = r_time @ P["Wread"][:, :ds].T
-    torch.testing.assert_close(
-        torch.cat([v, z, time_reads, by_head], 1) @ w.eau_step_depth + w.b_eau,
-        torch.cat([e, a, u_dep + u_time], 1),
-    )
-    torch.testing.assert_close(
-        torch.cat([v, z, time_reads], 1) @ w.eau_step_first + w.b_eau, torch.cat([e0, a0, u0 + u_time], 1)
-    )
+    ones = torch.ones(5, 3 * ds, dtype=torch.float64)
+    for inputs, map_, (e_, a_, u_) in (
+        (torch.cat([v, z, time_reads, by_head], 1), w.eau_step_depth, (e, a, u_dep + u_time)),
+        (torch.cat([v, z, time_reads], 1), w.eau_step_first, (e0, a0, u0 + u_time)),
+    ):
+        step = inputs @ map_ + w.b_eau_step
+        torch.testing.assert_close(step, torch.cat([e_, ones, a_, u_], 1))
+        assert torch.equal(step[:, ds : 4 * ds], ones)
+        i, f, o, g = torch.sigmoid(a_).split(ds, 1)
+        torch.testing.assert_close(
+            torch.nn.functional.glu(step[:, : 8 * ds]), torch.cat([i * e_, f, o, g], 1)
+        )
     torch.testing.assert_close(w.read, P["Wread"].t(), rtol=0, atol=0)
     # eq:injection's scale alpha / r is folded into the correction maps
     assert torch.equal(w.corr_q, (layer.scale * P["Wdq"]).t()) and torch.equal(

@@ -103,7 +103,11 @@ def _stats(times: list[float]) -> dict:
 
 
 def _alternate(run, reps: int, warmup: int, device: torch.device, setup=None) -> dict:
-    """Time ``run(memory)`` for memory in (True, False), alternating order; ``setup(memory)`` untimed."""
+    """Time ``run(memory)`` for memory in (True, False), alternating order; ``setup(memory)`` untimed.
+
+    Besides each side's statistics, ``ratio_pairs`` holds those of the ratios within one repetition
+    (its two runs are back to back, so a shared machine's slow minutes move both): steadier than the
+    ratio of the two medians when the load drifts during the run."""
     times = {True: [], False: []}
     for i in range(warmup + reps):
         for memory in (True, False) if i % 2 else (False, True):
@@ -114,7 +118,8 @@ def _alternate(run, reps: int, warmup: int, device: torch.device, setup=None) ->
             _sync(device)
             if i >= warmup:
                 times[memory].append(time.perf_counter() - start)
-    return {"lstmem": _stats(times[True]), "plain": _stats(times[False])}
+    pairs = [m / p for m, p in zip(times[True], times[False], strict=True)]
+    return {"lstmem": _stats(times[True]), "plain": _stats(times[False]), "ratio_pairs": _stats(pairs)}
 
 
 @torch.no_grad()

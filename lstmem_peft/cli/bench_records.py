@@ -254,6 +254,16 @@ def _ms(stats: dict, per: int = 1) -> str:
     )
 
 
+def _ratio(row: dict) -> str:
+    """The ratio of the medians, and (records since 2026-11-27) the median and range of the ratios
+    within each repetition."""
+    pairs = row.get("ratio_pairs")
+    text = f"{row['ratio']:.3f}"
+    if pairs is None:
+        return text
+    return f"{text} (pairs {pairs['median']:.3f}, {pairs['min']:.3f}-{pairs['max']:.3f})"
+
+
 def _num(value) -> str:
     """A table cell: one decimal, or a dash for a figure an older record does not have."""
     return "-" if value is None else f"{value:.1f}"
@@ -268,7 +278,7 @@ def _decode_lines(r: dict, folder: Path) -> list[str]:
     for row in r["rows"]:
         lines.append(
             f"| {row['kv_length']} | {_ms(row['lstmem'])} | {_ms(row['plain'])} | "
-            f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {row['ratio']:.3f} |"
+            f"{row['lstmem_tok_s']:.2f} | {row['plain_tok_s']:.2f} | {_ratio(row)} |"
         )
     return lines + ["", _plot(folder, r, "decode", "decode speed", partial(_draw_decode, rows=r["rows"]))]
 
@@ -305,7 +315,7 @@ def _timed_lines(r: dict, folder: Path) -> list[str]:
         label = row[key] if row.get("kv_cache", True) else f"{row[key]}, no KV cache"
         lines.append(
             f"| {label} |{new_tokens} {lm['median']:.3f} ({lm['min']:.3f}-{lm['max']:.3f}) | "
-            f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {row['ratio']:.3f} |"
+            f"{pl['median']:.3f} ({pl['min']:.3f}-{pl['max']:.3f}) | {_ratio(row)} |"
         )
     if kind == "e2e":
         lines += ["", _plot(folder, r, "e2e", "end to end", partial(_draw_e2e, rows=r["rows"]))]

@@ -124,8 +124,9 @@ class LayerWeights(NamedTuple):
     so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
     and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``. A one-token
     step knows ``r^time = D_{t-1} q_t`` before it writes (eq:read reads the state before eq:write
-    changes it), so its map also takes the temporal reads and gives ``u`` whole:
-    ``[s, time reads, reads] eau_step + b_eau = [e | a | u]``.
+    changes it), so its map also takes the temporal reads and gives ``u`` whole, and it sets ones
+    beside ``e`` (zero weights, bias one) so that one GLU, ``first half * sigmoid(second half)``,
+    gives ``[i e | f | o | g]``: ``[s, time reads, reads] eau_step + b_eau_step = [e | 1 | a | u]``.
 
     Attributes:
         w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
@@ -135,12 +136,14 @@ class LayerWeights(NamedTuple):
             ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
             ``[q^[j]; k^[j]]`` yields them).
         eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
-        eau_step_first, eau_step_depth: ``(4 d_s, 6 d_s)``, ``(6 d_s, 6 d_s)``: ``eau_first`` and
+        eau_step_first, eau_step_depth: ``(4 d_s, 9 d_s)``, ``(6 d_s, 9 d_s)``: ``eau_first`` and
             ``eau_depth`` with the rows of the temporal reads ``[r^time^[j]; D_{t-1}^[j] k^[j]]``
             head by head inserted after ``[v; z]`` (``W_read^time^T`` to the ``u`` columns; the
-            second half, which one batched product over ``[q^[j]; k^[j]]`` also yields, is zero):
-            ``[v; z; time reads (; reads)] -> [e | a | u]`` for a one-token step.
+            second half, which one batched product over ``[q^[j]; k^[j]]`` also yields, is zero),
+            and ``3 d_s`` zero columns after ``e`` (the ones of ``b_eau_step``):
+            ``[v; z; time reads (; reads)] -> [e | 1 | a | u]`` for a one-token step.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
+        b_eau_step: ``(9 d_s,)`` ``[-b_pred; 1; b_gate - G_e b_pred; b_read]``.
         read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
             (a view).
         corr: ``(d_s, d_q + d)``: ``(alpha / r) [W_dq; W_do]^T`` (eq:injection, with its scale
@@ -156,6 +159,7 @@ class LayerWeights(NamedTuple):
     eau_step_first: torch.Tensor
     eau_step_depth: torch.Tensor
     b_eau: torch.Tensor
+    b_eau_step: torch.Tensor
     read: torch.Tensor
     read_time: torch.Tensor
     corr: torch.Tensor
@@ -433,15 +437,17 @@ class LSTMemLayer(nn.Module):
         t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
         time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
         eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
+        b_eau = torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read])
         corr = (self.scale * torch.cat([self.w_dq, self.w_do])).t()
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
             eau_depth=torch.cat([eau_first, reads]),
             eau_first=eau_first,
-            eau_step_first=eau_step_first,
-            eau_step_depth=torch.cat([eau_step_first, reads]),
-            b_eau=torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read]),
+            eau_step_first=_ones_beside_e(eau_step_first, ds),
+            eau_step_depth=_ones_beside_e(torch.cat([eau_step_first, reads]), ds),
+            b_eau=b_eau,
+            b_eau_step=_ones_beside_e(b_eau, ds, bias=True),
             read=read,
             read_time=read[:ds],
             corr=corr,
@@ -501,27 +507,28 @@ class LSTMemLayer(nn.Module):
 
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
-        qk = _unit_heads(
-            torch.tanh(proj[:, : 2 * ds]).view(B * T * H, 2, R)
-        )  # [q^[j]; k^[j]] per (token, head)
-        s = proj[:, 2 * ds :]  # [v; z]
+        qk, s = proj.split_with_sizes([2 * ds, 2 * ds], 1)  # s = [v; z]
+        qk = _unit_heads(torch.tanh(qk).view(B * T * H, 2, R))  # [q^[j]; k^[j]] per (token, head)
         parts = [s]
         if step:  # eq:read (time), before eq:write changes D: [q; k] D_{t-1}^T per head, one product
             parts.append(_cast(_time_reads(qk, hidden), dtype).view(B, 2 * ds))
         if depth is not None:
             # eq:read (depth) and p^dep of eq:residual: [q; k] D^(l-1)^T per (token, head), one product
             parts.append(torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds))
+        eau_in = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         # eq:residual, eq:gates and eq:read's u (a block: its depth part; the step: all of it)
-        eau_map = (w.eau_first, w.eau_depth, w.eau_step_first, w.eau_step_depth)[
-            2 * step + (depth is not None)
-        ]
-        eau = torch.addmm(w.b_eau, parts[0] if len(parts) == 1 else torch.cat(parts, 1), eau_map)
-        e, a, u = eau.split_with_sizes([ds, 4 * ds, ds], 1)
         lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
-        i, f, o, g = torch.sigmoid(a).view(*lead, 4, H, R).unbind(-3)
-        i_e = i * e.view(*lead, H, R)
+        if step:  # the step's map sets ones beside e: one GLU gives [i e | f | o | g] (LayerWeights)
+            eau_map = w.eau_step_first if depth is None else w.eau_step_depth
+            gated, u = torch.addmm(w.b_eau_step, eau_in, eau_map).split_with_sizes([8 * ds, ds], 1)
+            i_e, f, o, g = nn.functional.glu(gated).view(B, 4, H, R).unbind(1)
+        else:
+            eau_map = w.eau_first if depth is None else w.eau_depth
+            e, a, u = torch.addmm(w.b_eau, eau_in, eau_map).split_with_sizes([ds, 4 * ds, ds], 1)
+            i, f, o, g = torch.sigmoid(a).view(B, T, 4, H, R).unbind(2)
+            i_e = i * e.view(B, T, H, R)
         q, k = qk.view(*lead, H, 2, R).unbind(-2)
-        depth_term = None if depth is None else g[..., None] * depth.view(*lead, H, R, R)
+        depth_term = None if depth is None else g.unsqueeze(-1) * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden (and a block's r^time of eq:read): the recurrence, one kernel op
         if step:
             new_cell, new_hidden = self._step(k, i_e, f, o, cell, hidden, depth_term, valid)
@@ -712,6 +719,16 @@ register_optimizer_step_post_hook(_refresh_after_optimizer_step)
 def _forget_derived(module: LSTMemLayer, incompatible_keys) -> None:
     """``load_state_dict`` post hook: the loaded parameters are derived again when next used."""
     module._derived = None
+
+
+def _ones_beside_e(m: torch.Tensor, ds: int, bias: bool = False) -> torch.Tensor:
+    """A map (or its bias, ``bias=True``) whose columns are ``[e | a | u]`` with ``3 d_s`` columns
+    after ``e``: zero weights, or ones in the bias. Its product ``[e | 1 | a | u]`` gives
+    ``[i e | f | o | g]`` in one GLU (``first half * sigmoid(second half)``) of its first ``8 d_s``
+    columns: ``1 * sigmoid`` is exact, so the gates are those of eq:gates."""
+    e, rest = m.split([ds, m.shape[-1] - ds], dim=-1)
+    pad = (torch.ones if bias else torch.zeros)(*m.shape[:-1], 3 * ds, dtype=m.dtype, device=m.device)
+    return torch.cat([e, pad, rest], dim=-1)
 
 
 def _unit_heads(x: torch.Tensor) -> torch.Tensor:
