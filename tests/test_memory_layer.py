@@ -441,7 +441,15 @@ def _block(layer, x, states, **kw):
 
 @pytest.mark.parametrize(
     "change",
-    ["optimizer step", "load_state_dict", "to float64", "data replaced", "depth input removed", "train()"],
+    [
+        "optimizer step",
+        "load_state_dict",
+        "to float64",
+        "data replaced",
+        "depth input removed",
+        "train()",
+        "written through .data, then eval()",
+    ],
 )
 def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_next_forward(
     change, monkeypatch
@@ -477,6 +485,9 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
         layer.w_gate.data = layer.w_gate.data + 0.5
     elif change == "depth input removed":
         layer.set_depth_input(False)
+    elif change.startswith("written through .data"):  # unseen by the version counter: eval() drops the cache
+        layer.w_gate.data.add_(0.5)
+        layer.eval()
     else:
         layer.train()
         layer.eval()

@@ -209,10 +209,9 @@ def _time_forward(model, kv, memory, length, token, s, device) -> dict:
         if with_memory:
             model(input_ids=token, past_key_values=kv[True], use_cache=True, memory_cache=state)
         else:
-            with model.disable_adapter():
-                model(input_ids=token, past_key_values=kv[False], use_cache=True)
+            model(input_ids=token, past_key_values=kv[False], use_cache=True)
 
-    return bench._alternate(run, s["reps"], s["warmup"], device, setup)
+    return bench._alternate(run, s["reps"], s["warmup"], device, setup, context=bench.adapter_off(model))
 
 
 def _time_generate(model, kv, memory, length, ids, s, device, reps, warmup, **gen_extra) -> dict:
@@ -227,10 +226,9 @@ def _time_generate(model, kv, memory, length, ids, s, device, reps, warmup, **ge
         if with_memory:
             model.generate(input_ids=ids, past_key_values=kv[True], memory_cache=state, **gen)
         else:
-            with model.disable_adapter():
-                model.generate(input_ids=ids, past_key_values=kv[False], **gen)
+            model.generate(input_ids=ids, past_key_values=kv[False], **gen)
 
-    return bench._alternate(run, reps, warmup, device, setup)
+    return bench._alternate(run, reps, warmup, device, setup, context=bench.adapter_off(model))
 
 
 def _compile_config(dry_run: bool):

@@ -383,6 +383,10 @@ class LSTMemLayer(nn.Module):
         ``load_state_dict``, ``.to()`` and ``set_depth_input`` (dropped), and by any eager forward. A
         parameter written by hand between compiled steps is seen after one eager forward or
         :meth:`refresh_derived`.
+
+        A write through ``p.data`` (``p.data.copy_(...)``) moves neither the version counter nor the
+        storage, so nothing sees it: write parameters in place under ``torch.no_grad()`` instead,
+        or call ``model.eval()`` (or ``train()``) after such a write, which drops every cache.
         """
         params = self._parameters
         if torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None):

@@ -1,0 +1,175 @@
+"""Before and after in one process: the memory layer of a git revision against the working tree's.
+
+    python benchmarks/bench_step_revisions.py --rev bb03b63              # one layer's eager step
+    python benchmarks/bench_step_revisions.py --rev bb03b63 --generate   # cpu-small generate
+
+Timing two checkouts in two processes compares two moments of a shared machine as much as two
+versions of the code. This script takes the memory layer of ``--rev`` (``git show`` of
+``lstmem_peft/memory/{constants,adapter_files,layer}.py`` and ``kernels/``) into a temporary package
+beside the installed one and alternates the two in one process, round by round in rotating order:
+
+* default: one layer's one-token step (``d`` 1024, ``n_h`` 4, ``r`` 8, batch 1, with a depth input)
+  and its two corrections, ``--calls`` steps a round;
+* ``--generate``: ``generate`` on ``cpu-small`` (the preset of ``lstmem bench``), the model's memory
+  layers switched between the two classes each round, and the plain backbone as a third side.
+  Both layers must keep the same attributes (true while ``LSTMemLayer.__init__`` is unchanged).
+
+Prints the medians and the per-round ratio (median and range): a ratio below 1 means the working
+tree is faster. Both sides must produce the same outputs (checked before timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lstmem_peft.memory.layer import LSTMemLayer
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("constants.py", "adapter_files.py", "layer.py")
+
+
+def layer_class_at(rev: str, into: Path) -> type:
+    """``LSTMemLayer`` as it was at ``rev``, imported from a copy under ``into``."""
+
+    def show(path: str) -> str:
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
+
+    kernels = into / "rev_kernels"
+    kernels.mkdir(parents=True)
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "kernels/"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for path in listing.stdout.split():
+        if path.endswith(".py"):
+            (kernels / Path(path).name).write_text(show(path))
+    memory = into / "rev_memory"
+    memory.mkdir()
+    (memory / "__init__.py").write_text("")
+    for name in FILES:
+        (memory / name).write_text(
+            show(f"lstmem_peft/memory/{name}").replace("lstmem_kernels", "rev_kernels")
+        )
+    sys.path.insert(0, str(into))
+    return importlib.import_module("rev_memory.layer").LSTMemLayer
+
+
+def rounds(sides: dict, n: int) -> dict[str, list[float]]:
+    """Time each side once per round, the order rotating; returns the seconds per side."""
+    names = list(sides)
+    times = {name: [] for name in names}
+    for i in range(n):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            start = time.perf_counter()
+            sides[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def report(times: dict[str, list[float]], scale: float, unit: str) -> None:
+    for name, t in times.items():
+        print(f"{name:8s} median {scale * statistics.median(t):9.1f} {unit}")
+    for a, b in (("now", "rev"), ("now", "plain"), ("rev", "plain")):
+        if a in times and b in times:
+            r = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            print(f"{a}/{b}: median {statistics.median(r):.3f} (rounds {min(r):.3f}-{max(r):.3f})")
+
+
+def step_sides(old: type, calls: int) -> dict:
+    def make(cls):
+        torch.manual_seed(0)
+        layer = cls(1024, 1024).eval()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.05)
+        layer.set_depth_input(True)
+        return layer
+
+    layers = {"now": make(LSTMemLayer), "rev": make(old)}
+    H, R = layers["now"].num_heads, layers["now"].head_dim
+    x, depth = torch.randn(1, 1, 1024), torch.randn(1, 1, H, R, R) * 0.1
+    cell, hidden = torch.randn(1, H, R, R) * 0.1, torch.randn(1, H, R, R) * 0.1
+    q, o = torch.randn(1, 1, 1024), torch.randn(1, 1, 1024)
+    outs = {k: layer(x, cell, hidden, depth=depth, aux=False) for k, layer in layers.items()}
+    torch.testing.assert_close(outs["now"].read, outs["rev"].read)
+    torch.testing.assert_close(outs["now"].hidden, outs["rev"].hidden)
+
+    def side(layer):
+        def run():
+            for _ in range(calls):
+                out = layer(x, cell, hidden, depth=depth, aux=False)
+                out.add_to(q, 0), out.add_to(o, 1)
+
+        return run
+
+    return {k: side(layer) for k, layer in layers.items()}
+
+
+def generate_sides(old: type, prompt_tokens: int, new_tokens: int) -> dict:
+    from lstmem_peft.cli.bench import build_model
+    from lstmem_peft.memory.cache import MemoryCache
+
+    model = build_model("cpu-small", torch.device("cpu"), torch.float32)
+    memory_layers = [m for m in model.modules() if isinstance(m, LSTMemLayer)]
+    prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens))
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def with_memory(cls):
+        def run():
+            for layer in memory_layers:
+                layer.__class__ = cls
+                layer.__dict__.pop("_derived", None)
+            return model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)
+
+        return run
+
+    def plain():
+        with model.disable_adapter():
+            model.generate(input_ids=prompt, **gen)
+
+    sides = {"now": with_memory(LSTMemLayer), "rev": with_memory(old), "plain": plain}
+    if not torch.equal(sides["now"](), sides["rev"]()):
+        raise SystemExit("the two revisions generate different tokens: nothing to time")
+    return sides
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", required=True, help="the git revision to compare with")
+    parser.add_argument("--generate", action="store_true", help="time cpu-small generate, not one layer")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=100, help="layer steps per round")
+    parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        old = layer_class_at(args.rev, Path(tmp))
+        if args.generate:
+            sides = generate_sides(old, args.prompt_tokens, args.new_tokens)
+            rounds(sides, 1)  # warm-up
+            report(rounds(sides, args.rounds), 1e3, "ms per generate")
+        else:
+            sides = step_sides(old, args.calls)
+            rounds(sides, 3)
+            report(rounds(sides, args.rounds), 1e6 / args.calls, "us per step")
+
+
+if __name__ == "__main__":
+    main()
