@@ -14,7 +14,6 @@ benchmark) distort the figures: run it alone.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -28,6 +27,7 @@ from peft import get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lstmem_peft import LSTMemConfig, MemoryCache
+from lstmem_peft.cli.bench import adapter_off
 
 
 def random_model(hidden: int, layers: int):
@@ -62,7 +62,7 @@ def main() -> None:
 
     def run(with_memory: bool) -> float:
         # PEFT's disable_adapter() walks the model on entry and exit: outside the clock
-        with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
+        with torch.no_grad(), adapter_off(model)(with_memory):
             start = time.perf_counter()
             if with_memory:
                 model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen)

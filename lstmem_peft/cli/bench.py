@@ -348,7 +348,7 @@ def _generate_ops(model, prompt: torch.Tensor, with_memory: bool, new_tokens: in
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if with_memory:
         return count_ops(lambda: model.generate(input_ids=prompt, memory_cache=MemoryCache(), **gen))
-    with model.disable_adapter():
+    with adapter_off(model)(with_memory):
         return count_ops(lambda: model.generate(input_ids=prompt, **gen))
 
 
@@ -360,7 +360,7 @@ def _forward_step_ops(model, prompt: torch.Tensor, with_memory: bool) -> Counter
 
     kv, cache = DynamicCache(), MemoryCache()
     kw = {"memory_cache": cache} if with_memory else {}
-    with torch.no_grad(), contextlib.nullcontext() if with_memory else model.disable_adapter():
+    with torch.no_grad(), adapter_off(model)(with_memory):
         model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
         return count_ops(lambda: model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw))
 

@@ -33,7 +33,6 @@ records carry ``"dry_run": true`` and ``lstmem bench report`` never shows them a
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import gc
 import importlib.util
@@ -157,7 +156,7 @@ def _is_oom(err: BaseException) -> bool:
 def _prefill(model, prompt: torch.Tensor, kv, memory, block_size: int) -> None:
     """Fill ``kv`` (and ``memory``) with ``prompt`` in blocks: the memory of a ``block_size`` forward."""
     kw = {} if memory is None else {"memory_cache": memory}
-    with model.disable_adapter() if memory is None else contextlib.nullcontext():
+    with bench.adapter_off(model)(memory is not None):
         for start in range(0, prompt.shape[1], block_size):
             model(
                 input_ids=prompt[:, start : start + block_size],
