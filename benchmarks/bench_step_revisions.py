@@ -9,7 +9,11 @@ versions of the code. This script takes the memory layer of ``--rev`` (``git sho
 beside the installed one and alternates the two in one process, round by round in rotating order:
 
 * default: one layer's one-token step (``d`` 1024, ``n_h`` 4, ``r`` 8, batch 1, with a depth input)
-  and its two corrections, ``--calls`` steps a round;
+  and its two corrections, ``--calls`` steps a round; ``--cold MB`` streams that many megabytes
+  through the caches before each step, untimed, as a model's backbone layer does between two memory
+  layers (``cpu-small``'s: about 45 MB). In a model the step pays the cold figure: on this
+  workplace's CPU about 2.5 times the warm one (2026-11-27), so each operator costs more there
+  than a warm loop shows;
 * ``--generate``: ``generate`` on ``cpu-small`` (the preset of ``lstmem bench``), the model's memory
   layers switched between the two classes each round, and the plain backbone as a third side.
   Both layers must keep the same attributes (true while ``LSTMemLayer.__init__`` is unchanged).
@@ -75,8 +79,8 @@ def rounds(sides: dict, n: int) -> dict[str, list[float]]:
     for i in range(n):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             start = time.perf_counter()
-            sides[name]()
-            times[name].append(time.perf_counter() - start)
+            spent = sides[name]()  # a side that times itself returns its seconds
+            times[name].append(spent if isinstance(spent, float) else time.perf_counter() - start)
     return times
 
 
@@ -89,7 +93,7 @@ def report(times: dict[str, list[float]], scale: float, unit: str) -> None:
             print(f"{a}/{b}: median {statistics.median(r):.3f} (rounds {min(r):.3f}-{max(r):.3f})")
 
 
-def step_sides(old: type, calls: int) -> dict:
+def step_sides(old: type, calls: int, cold_mb: float = 0.0) -> dict:
     def make(cls):
         torch.manual_seed(0)
         layer = cls(1024, 1024).eval()
@@ -108,11 +112,19 @@ def step_sides(old: type, calls: int) -> dict:
     torch.testing.assert_close(outs["now"].read, outs["rev"].read)
     torch.testing.assert_close(outs["now"].hidden, outs["rev"].hidden)
 
+    flush = torch.ones(int(cold_mb * 2**18)) if cold_mb else None  # float32: 2^18 per MB
+
     def side(layer):
         def run():
+            spent = 0.0
             for _ in range(calls):
+                if flush is not None:
+                    flush.mul_(1.0)  # a backbone layer's weights stream through the caches
+                start = time.perf_counter()
                 out = layer(x, cell, hidden, depth=depth, aux=False)
                 out.add_to(q, 0), out.add_to(o, 1)
+                spent += time.perf_counter() - start
+            return spent
 
         return run
 
@@ -156,6 +168,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--cold", type=float, default=0.0, metavar="MB", help="layer step: MB streamed before each step"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -166,7 +181,7 @@ def main(argv=None) -> None:
             rounds(sides, 1)  # warm-up
             report(rounds(sides, args.rounds), 1e3, "ms per generate")
         else:
-            sides = step_sides(old, args.calls)
+            sides = step_sides(old, args.calls, args.cold)
             rounds(sides, 3)
             report(rounds(sides, args.rounds), 1e6 / args.calls, "us per step")
 

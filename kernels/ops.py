@@ -119,9 +119,10 @@ def lstmem_step(
 
     Args:
         q, k, w, f, o: ``(B, H, R)`` read query, write key, gated residual ``i*e``, forget and
-            output gates of one token; ``q`` may be ``None`` when the caller took the read
-            ``D_{t-1} q_t`` itself (a memory layer's decode step does, in one product with its depth
-            reads): then nothing is read and ``None`` is returned.
+            output gates of one token (or ``k`` as rows ``(B, H, 1, R)`` and ``w, f, o`` as columns
+            ``(B, H, R, 1)``, the shapes the PyTorch member multiplies); ``q`` may be ``None`` when
+            the caller took the read ``D_{t-1} q_t`` itself (a memory layer's decode step does, in
+            one product with its depth reads): then nothing is read and ``None`` is returned.
         cell, hidden: ``(B, H, R, R)`` states ``C_{t-1}``, ``D_{t-1}``, overwritten with ``C_t``, ``D_t``
             (rows where ``valid`` is ``False`` are left as they are).
         depth: ``(B, H, R, R)`` depth term ``g * D^{(l-1)}_t``, or ``None`` for zeros.
@@ -154,6 +155,7 @@ def lstmem_step(
         out[0].copy_(cell)
         out[1].copy_(hidden)
         cell, hidden = out
+    k, w, f, o = (t.flatten(-2) if t.ndim == 4 else t for t in (k, w, f, o))  # rows, columns -> (B, H, R)
     query = torch.zeros_like(k) if q is None else q  # these members always read; a read of zeros is free
     if backend == "triton":
         read = _triton_step().step_triton(query, k, w, f, o, cell, hidden, depth, valid)

@@ -113,6 +113,12 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _column(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A gate ``(B, H, R)`` as columns ``(B, H, R, 1)`` in ``dtype``; columns as they are."""
+    t = _cast(t, dtype)
+    return t if t.ndim == 4 else t.unsqueeze(-1)
+
+
 def step_torch(
     q: torch.Tensor | None,
     k: torch.Tensor,
@@ -129,7 +135,10 @@ def step_torch(
     ``hidden`` themselves, **in place**); the contract of :func:`lstmem_kernels.naive.step_naive`
     and of the Triton step; not differentiable.
 
-    Args: ``q, k, w, f, o`` ``(B, H, R)``; ``cell, hidden`` ``(B, H, R, R)`` (any float dtype; the
+    Args: ``q, k, w, f, o`` ``(B, H, R)``, or ``k`` as rows ``(B, H, 1, R)`` and ``w, f, o`` as columns
+    ``(B, H, R, 1)``: the shapes the outer product and the row scalings broadcast, which a memory
+    layer's step has as views of its products (no view operator is then spent on them here);
+    ``cell, hidden`` ``(B, H, R, R)`` (any float dtype; the
     math runs in float32, or float64 for float64 inputs); ``depth`` ``(B, H, R, R)`` or ``None``;
     ``valid`` ``(B,)`` or ``None``; ``out``: ``(B, H, R, R)`` tensors for the new states (rows where
     ``valid`` is ``False`` get the old ones), or ``None``. Returns ``read`` ``(B, H, R)``
@@ -137,8 +146,8 @@ def step_torch(
     """
     cd = _compute_dtype(k.dtype if k.dtype == torch.float64 else cell.dtype)
     cell_out, hidden_out = (cell, hidden) if out is None else out
-    w_col, f_col, o_col = _cast(w, cd).unsqueeze(-1), _cast(f, cd).unsqueeze(-1), _cast(o, cd).unsqueeze(-1)
-    k_row = _cast(k, cd).unsqueeze(-2)
+    w_col, f_col, o_col = _column(w, cd), _column(f, cd), _column(o, cd)
+    k_row = _cast(k, cd) if k.ndim == 4 else _cast(k, cd).unsqueeze(-2)
     C, D = _cast(cell, cd), _cast(hidden, cd)
     depth = None if depth is None else _cast(depth, cd)
     # D_{t-1} q_t, before D changes (R is small: no batched product)
@@ -147,11 +156,10 @@ def step_torch(
         # the new states go straight where they belong: in place, or into the caller's outputs
         C_new = C.mul_(f_col) if cell_out is C else torch.mul(C, f_col, out=cell_out)
         C_new.addcmul_(w_col, k_row)
-        tanh_c = torch.tanh(C_new)
         if depth is None:
-            torch.mul(o_col, tanh_c, out=hidden_out)
+            torch.tanh(C_new, out=hidden_out).mul_(o_col)
         else:
-            torch.addcmul(depth, o_col, tanh_c, out=hidden_out)
+            torch.addcmul(depth, o_col, torch.tanh(C_new), out=hidden_out)
         return read
     # padding, or states of another dtype: computed aside, then written (padded rows keep theirs)
     C_new = torch.addcmul(f_col * C, w_col, k_row)

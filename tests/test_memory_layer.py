@@ -464,7 +464,7 @@ def test_derived_weights_are_cached_and_every_parameter_change_is_seen_by_the_ne
     states = (torch.randn(2, 4, 8, 8, generator=g) * 0.1, torch.randn(2, 4, 8, 8, generator=g) * 0.1)
     calls = []
     derive = LSTMemLayer.weights
-    monkeypatch.setattr(LSTMemLayer, "weights", lambda self: calls.append(1) or derive(self))
+    monkeypatch.setattr(LSTMemLayer, "weights", lambda self, **kw: calls.append(1) or derive(self, **kw))
     first = _block(layer, x, states)
     again = _block(layer, x, states)
     assert len(calls) == 1 and torch.equal(first.correction(0), again.correction(0))  # derived once, reused
@@ -511,3 +511,28 @@ def test_with_gradients_the_weights_are_derived_in_the_forward_and_carry_the_gra
     out = layer(x, *states)
     (out.correction(0).sum() + out.correction(1).sum()).backward()
     assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_weights_derived_for_training_have_no_step_maps_and_their_one_token_is_scanned(monkeypatch):
+    """A forward that trains derives no one-token step maps (under autograd every token is scanned);
+    weights derived so and passed to a forward without gradients make it scan its one token, which
+    gives what the step gives (float64: agreement to rounding), and the reference's values."""
+    layer = make_layer(seed=6).double()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1, D_MODEL, generator=g, dtype=torch.float64)
+    depth = torch.randn(2, 1, 4, 8, 8, generator=g, dtype=torch.float64) * 0.3
+    states = [torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64) * 0.3 for _ in range(2)]
+    training = layer.derived_weights()  # gradients on, parameters trainable
+    assert training.eau_step_first is None and training.eau_step_depth is None and training.b_eau_step is None
+    assert training.w_in.requires_grad
+    steps = []
+    step = LSTMemLayer._step
+    monkeypatch.setattr(LSTMemLayer, "_step", lambda self, *a: steps.append(1) or step(self, *a))
+    with torch.no_grad():
+        scanned = layer(x, *states, depth=depth, weights=training)
+        assert not steps
+        stepped = layer(x, *states, depth=depth)  # the cached inference weights: the step
+        assert steps and layer.derived_weights().b_eau_step is not None
+    for name in ("read", "cell", "hidden", "hidden_seq"):
+        torch.testing.assert_close(getattr(scanned, name), getattr(stepped, name), rtol=1e-12, atol=1e-12)
+    assert_close_to_reference(scanned, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)

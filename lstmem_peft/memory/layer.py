@@ -143,7 +143,8 @@ class LayerWeights(NamedTuple):
             and ``3 d_s`` zero columns after ``e`` (the ones of ``b_eau_step``):
             ``[v; z; time reads (; reads)] -> [e | 1 | a | u]`` for a one-token step.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
-        b_eau_step: ``(9 d_s,)`` ``[-b_pred; 1; b_gate - G_e b_pred; b_read]``.
+        b_eau_step: ``(9 d_s,)`` ``[-b_pred; 1; b_gate - G_e b_pred; b_read]``. The three step
+            fields are ``None`` in weights derived for training (``weights(step_maps=False)``).
         read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
             (a view).
         corr: ``(d_s, d_q + d)``: ``(alpha / r) [W_dq; W_do]^T`` (eq:injection, with its scale
@@ -156,10 +157,10 @@ class LayerWeights(NamedTuple):
     b_in: torch.Tensor
     eau_depth: torch.Tensor
     eau_first: torch.Tensor
-    eau_step_first: torch.Tensor
-    eau_step_depth: torch.Tensor
+    eau_step_first: torch.Tensor | None
+    eau_step_depth: torch.Tensor | None
     b_eau: torch.Tensor
-    b_eau_step: torch.Tensor
+    b_eau_step: torch.Tensor | None
     read: torch.Tensor
     read_time: torch.Tensor
     corr: torch.Tensor
@@ -390,7 +391,7 @@ class LSTMemLayer(nn.Module):
         """
         params = self._parameters
         if torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None):
-            return self.weights()
+            return self.weights(step_maps=False)  # under autograd every token is scanned
         cached = self.__dict__.get("_derived")
         if torch.compiler.is_compiling():
             return self.weights() if cached is None else cached[1]
@@ -421,8 +422,11 @@ class LSTMemLayer(nn.Module):
             key += (None, None, None) if p is None else (id(p), p.data_ptr(), p._version)
         return tuple(key)
 
-    def weights(self) -> LayerWeights:
-        """The :class:`LayerWeights` of the current parameters (differentiable)."""
+    def weights(self, step_maps: bool = True) -> LayerWeights:
+        """The :class:`LayerWeights` of the current parameters (differentiable). ``step_maps=False``
+        leaves the one-token step's maps (``eau_step_first``, ``eau_step_depth``, ``b_eau_step``)
+        ``None``, for forwards that train: under autograd every token is scanned, so a training step
+        would derive (and differentiate) them for nothing."""
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
         qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
@@ -438,25 +442,30 @@ class LSTMemLayer(nn.Module):
         p_rows = torch.cat([-p_dep.t(), -(g_e @ p_dep).t(), zeros], 1)  # p^dep
         reads = torch.stack([r_rows.view(H, R, -1), p_rows.view(H, R, -1)], 1).reshape(2 * ds, -1)
         read = self.w_read.t().contiguous()
-        t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
-        time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
-        eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
         b_eau = torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read])
         corr = (self.scale * torch.cat([self.w_dq, self.w_do])).t()
+        step = dict(eau_step_first=None, eau_step_depth=None, b_eau_step=None)
+        if step_maps:
+            t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
+            time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
+            eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
+            step.update(
+                eau_step_first=_ones_beside_e(eau_step_first, ds),
+                eau_step_depth=_ones_beside_e(torch.cat([eau_step_first, reads]), ds),
+                b_eau_step=_ones_beside_e(b_eau, ds, bias=True),
+            )
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
             eau_depth=torch.cat([eau_first, reads]),
             eau_first=eau_first,
-            eau_step_first=_ones_beside_e(eau_step_first, ds),
-            eau_step_depth=_ones_beside_e(torch.cat([eau_step_first, reads]), ds),
             b_eau=b_eau,
-            b_eau_step=_ones_beside_e(b_eau, ds, bias=True),
             read=read,
             read_time=read[:ds],
             corr=corr,
             corr_q=corr[:, : self.query_size],
             corr_o=corr[:, self.query_size :],
+            **step,
         )
 
     # Long on purpose: the paper's equations in their order, one body for every token count (see the
@@ -504,8 +513,9 @@ class LSTMemLayer(nn.Module):
         if not write:
             return self._read_fixed(rows, cell, hidden, depth, w, B, T)
         # one token without gradients: a decode step (new states in fresh tensors; the caller's
-        # change only when its pass commits)
-        step = T == 1 and not _needs_grad(x, cell, hidden, depth, w.w_in)
+        # change only when its pass commits); weights derived for training have no step maps, and
+        # their one token is scanned
+        step = T == 1 and not _needs_grad(x, cell, hidden, depth, w.w_in) and w.b_eau_step is not None
         if step and not aux and self.fused_decode(x):
             return self._fused_step(x, cell, hidden, depth, valid, w)
 
@@ -522,17 +532,20 @@ class LSTMemLayer(nn.Module):
         eau_in = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         # eq:residual, eq:gates and eq:read's u (a block: its depth part; the step: all of it)
         lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
-        if step:  # the step's map sets ones beside e: one GLU gives [i e | f | o | g] (LayerWeights)
+        if step:  # the step's map sets ones beside e: one GLU gives [i e | f | o | g] (LayerWeights),
+            # as the columns (B, n_h, r, 1) and k as the rows (B, n_h, 1, r) that eq:write multiplies
             eau_map = w.eau_step_first if depth is None else w.eau_step_depth
             gated, u = torch.addmm(w.b_eau_step, eau_in, eau_map).split_with_sizes([8 * ds, ds], 1)
-            i_e, f, o, g = nn.functional.glu(gated).view(B, 4, H, R).unbind(1)
+            i_e, f, o, g = nn.functional.glu(gated).view(B, 4, H, R, 1).unbind(1)
+            q, k = qk.view(B, H, 2, 1, R).unbind(2)
         else:
             eau_map = w.eau_first if depth is None else w.eau_depth
             e, a, u = torch.addmm(w.b_eau, eau_in, eau_map).split_with_sizes([ds, 4 * ds, ds], 1)
             i, f, o, g = torch.sigmoid(a).view(B, T, 4, H, R).unbind(2)
             i_e = i * e.view(B, T, H, R)
-        q, k = qk.view(*lead, H, 2, R).unbind(-2)
-        depth_term = None if depth is None else g.unsqueeze(-1) * depth.view(*lead, H, R, R)
+            q, k = qk.view(B, T, H, 2, R).unbind(-2)
+            g = g.unsqueeze(-1)
+        depth_term = None if depth is None else g * depth.view(*lead, H, R, R)
         # eq:write, eq:hidden (and a block's r^time of eq:read): the recurrence, one kernel op
         if step:
             new_cell, new_hidden = self._step(k, i_e, f, o, cell, hidden, depth_term, valid)
@@ -686,8 +699,9 @@ class LSTMemLayer(nn.Module):
     def _step(self, k, i_e, f, o, cell, hidden, depth_term, valid):
         """eq:write and eq:hidden for one token without gradients (its read ``r^time`` is already
         taken): the kernel family's decode step, writing the new states into fresh tensors (the
-        caller's states change only when its pass commits). Inputs ``(B, n_h, r)``, states and
-        ``depth_term`` ``(B, n_h, r, r)``, ``valid`` ``(B, 1)`` or ``None``; returns ``(C_t, D_t)``."""
+        caller's states change only when its pass commits). ``k`` rows ``(B, n_h, 1, r)``, ``i_e, f,
+        o`` columns ``(B, n_h, r, 1)``, states and ``depth_term`` ``(B, n_h, r, r)``, ``valid``
+        ``(B, 1)`` or ``None``; returns ``(C_t, D_t)``."""
         new_cell, new_hidden = _step_states(cell, hidden)
         valid = None if valid is None else valid.view(-1)
         lstmem_step(
