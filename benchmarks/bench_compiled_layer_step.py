@@ -21,16 +21,16 @@ reach the plain backbone's speed (``bench_compiled_step.py``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from lstmem_peft.cli.bench import build_model
+from lstmem_peft.cli.bench_records import environment
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.memory.layer import LSTMemLayer
 
@@ -109,9 +109,7 @@ def main() -> None:
     }
     record = {
         "benchmark": "compiled_layer_step",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__,
+        **environment(torch.device("cpu")),
         "preset": "cpu-small",
         "prompt": args.prompt,
         "rounds": args.rounds,
@@ -120,10 +118,10 @@ def main() -> None:
         "ratio_to_plain_median_of_rounds": {k: round(statistics.median(v), 4) for k, v in ratios.items()},
         "ratio_to_plain_range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in ratios.items()},
     }
-    print(json.dumps(record, indent=2))
+    text = json.dumps(record, indent=2)
+    print(text)
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(record, fh, indent=2)
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
