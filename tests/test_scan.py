@@ -199,14 +199,15 @@ def test_a_step_without_a_query_reads_nothing_and_writes_the_same_states(backend
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("with_valid", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "naive", "triton"])
-def test_a_step_given_rows_and_columns_writes_the_same_states(backend):
+def test_a_step_given_rows_and_columns_writes_the_same_states(backend, with_valid):
     """``k`` as rows ``(B, H, 1, R)`` and ``w, f, o`` as columns ``(B, H, R, 1)`` (what a memory
     layer's step has as views): the same states, bit for bit, as the ``(B, H, R)`` vectors, on
-    every member."""
+    every member, with padding and without."""
     if backend == "triton" and not triton_available():
         pytest.skip("Triton is not installed")
-    x, cell, hidden, depth, valid, _ = _step_case(torch.float32, True, True)
+    x, cell, hidden, depth, valid, _ = _step_case(torch.float32, with_valid, True)
     shaped = {**x, "q": None, "k": x["k"].unsqueeze(-2)}
     shaped.update({name: x[name].unsqueeze(-1) for name in ("w", "f", "o")})
     outs = []
