@@ -3,6 +3,11 @@
 ``backend="auto"`` picks the Triton kernels for CUDA tensors (when Triton is installed) and the
 vectorised PyTorch path otherwise; ``"naive"``, ``"torch"`` and ``"triton"`` force one.
 
+The Triton scan is the paper's parallel scan over time, in chunks (:mod:`triton_scan`). Its rule for
+short blocks lives there too (:func:`triton_scan.chunk_length`): a block of up to 64 tokens is one
+chunk, one launch of one program per ``(batch, head)`` walking the block, which is the sequential
+scan; there is no separate sequential member.
+
 :func:`lstmem_scan` and :func:`lstmem_step` run the recurrence alone; :func:`lstmem_decode_step`
 runs a memory layer's whole decode step (projections, reads, gates, recurrence, read-out), which its
 Triton member does in one kernel launch.

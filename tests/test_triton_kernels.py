@@ -5,6 +5,8 @@ Without a GPU the kernels run on CPU tensors under the Triton interpreter (``con
 case uses a single ``(batch, head)`` pair.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -247,6 +249,137 @@ def test_scan_rejects_float64_and_bad_rank():
         scan_triton(**inputs)
     with pytest.raises(ValueError, match=r"\(B, T, H, R\)"):
         scan_triton(*(torch.zeros(2, 3, 4, device=DEVICE) for _ in range(5)))
+
+
+# The chunked parallel scan (module docstring of lstmem_kernels.triton_scan): chunk lengths that cut
+# the block into many chunks, padding runs across chunk ends, whole chunks of padding.
+CHUNKED_CASES = [
+    # id, B, T, H, R, dtype, chunk, depth, valid, initial
+    ("t63-c4-all", 3, 63, 1, 8, torch.float32, 4, True, True, True),
+    ("t63-c16-bare-r5", 2, 63, 2, 5, torch.float32, 16, False, False, False),
+    ("t17-c1-all", 3, 17, 1, 8, torch.float32, 1, True, True, True),
+    ("t63-c8-bf16-all", 2, 63, 1, 8, torch.bfloat16, 8, True, True, True),
+    ("t9-c2-fp16-all", 3, 9, 1, 8, torch.float16, 2, True, True, True),
+    ("t130-default-all", 2, 130, 1, 6, torch.float32, None, True, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    "B, T, H, R, dtype, chunk, depth, valid, initial",
+    [pytest.param(*c[1:], id=c[0]) for c in CHUNKED_CASES],
+)
+def test_chunked_scan_matches_naive(B, T, H, R, dtype, chunk, depth, valid, initial):
+    inputs = make_inputs(B, T, H, R, dtype, depth=depth, valid=valid, initial=initial)
+    terms = (0, 1, 2, 3)
+    out, grads = run_with_grads(partial(scan_triton, chunk=chunk), inputs, None, terms)
+    ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
+        assert a.dtype == dtype and a.shape == e.shape
+        assert_close(a, e, dtype, name)
+    for name, e in ref_grads.items():
+        assert grads[name].dtype == dtype
+        assert_close(grads[name], e, dtype, f"grad {name}")
+
+
+def test_chunked_scan_carries_states_over_chunks_of_padding():
+    """Padding runs that cover whole chunks, cross chunk ends and end the block: the states (and
+    their adjoints) pass through unchanged, in the forward and in the backward."""
+    inputs = make_inputs(3, 40, 1, 8, torch.float32)
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[0, 5:23] = False  # chunks 1 to 4 of 4 tokens: two whole, two cut
+    valid[1, 33:] = False  # the block ends in padding: the final states come from position 32
+    valid[2, :17] = False  # the first four chunks are all padding
+    inputs["valid"] = valid.to(DEVICE)
+    terms = (0, 1, 2, 3)
+    out, grads = run_with_grads(partial(scan_triton, chunk=4), inputs, None, terms)
+    ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
+        assert_close(a, e, torch.float32, name)
+    for name, e in ref_grads.items():
+        assert_close(grads[name], e, torch.float32, f"grad {name}")
+    torch.testing.assert_close(out[3][1], out[1][1, 32])  # D_T of row 1 is D at its last valid position
+
+
+@pytest.mark.parametrize("terms", [(0,), (1,), (2, 3)], ids=["read", "hidden", "finals"])
+def test_chunked_scan_partial_losses(terms):
+    """Outputs without a gradient reach the chunked backward as ``None`` (its summaries skip them)."""
+    inputs = make_inputs(2, 11, 2, 8, torch.float32)
+    _, grads = run_with_grads(partial(scan_triton, chunk=3), inputs, None, terms)
+    _, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    for name, e in ref_grads.items():
+        assert_close(grads[name], e, torch.float32, f"grad {name}")
+
+
+def test_the_result_does_not_depend_on_the_chunk_length():
+    """Every chunk length gives the one-chunk (sequential) scan's result, to float32 rounding."""
+    inputs = make_inputs(2, 24, 2, 8, torch.float32)
+    with torch.no_grad():
+        whole = scan_triton(**inputs, chunk=24)
+        for chunk in (1, 5, 8, 23):
+            for name, a, e in zip(
+                ("read", "hidden", "cell", "hidden_T"), scan_triton(**inputs, chunk=chunk), whole, strict=True
+            ):
+                torch.testing.assert_close(
+                    a, e, atol=2e-6, rtol=2e-6, msg=lambda m, c=chunk, n=name: f"{c} {n}: {m}"
+                )
+
+
+def test_the_paper_block_runs_in_parallel(monkeypatch):
+    """At batch 1, n_h 4 and a 2,048-token block every launch runs at least 128 programs and no
+    program walks more than 100 dependent steps (a sequential scan: 4 programs of 2,048 steps)."""
+    from lstmem_kernels import triton_scan
+
+    launches = []
+
+    class Recorder:
+        """Stands in for a kernel: records the grid and the chunk plan, launches nothing."""
+
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.name, grid, args[-5:]))
+
+            return launch
+
+    for name in ("_fwd_summary_kernel", "_fwd_replay_kernel", "_bwd_summary_kernel", "_bwd_replay_kernel"):
+        monkeypatch.setattr(triton_scan, name, Recorder(name))
+    inputs = make_inputs(1, 2048, 4, 8, torch.float32, valid=False)
+    leaves = {n: x.requires_grad_() if n in FLOAT_NAMES and x is not None else x for n, x in inputs.items()}
+    outputs = scan_triton(**leaves)
+    sum(out.sum() for out in outputs).backward()
+
+    assert [name for name, _, _ in launches] == [
+        "_fwd_summary_kernel",
+        "_fwd_replay_kernel",
+        "_bwd_summary_kernel",
+        "_bwd_replay_kernel",
+    ]
+    for name, grid, (T, H, R, L, NC) in launches:
+        assert (T, H, R) == (2048, 4, 8)
+        assert grid[0] * grid[1] >= 128, (name, grid)
+        walk = L if "summary" in name else NC - 1 + L  # the replay first scans the chunks before it
+        assert walk <= 100, (name, L, NC)
+    assert triton_scan.chunk_length(2048) == 32
+
+
+def test_chunk_length_rule():
+    from lstmem_kernels.triton_scan import SINGLE_CHUNK_MAX, chunk_length
+
+    assert chunk_length(1) == 1 and chunk_length(SINGLE_CHUNK_MAX) == SINGLE_CHUNK_MAX  # one chunk
+    for T in (SINGLE_CHUNK_MAX + 1, 2048, 2049, 8192, 131072):
+        L = chunk_length(T)
+        assert 16 <= L <= 1024 and L & (L - 1) == 0
+        assert -(-T // L) - 1 + L <= 3 * T**0.5  # the longest walk grows as sqrt(T)
+    assert chunk_length(10**9) == 1024
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.0, True])
+def test_scan_rejects_a_bad_chunk_length(chunk):
+    inputs = make_inputs(1, 4, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+        scan_triton(**inputs, chunk=chunk)
 
 
 STEP_CASES = [
