@@ -2,6 +2,7 @@
 
     lstmem bench gpu                    # on a CUDA machine: every step, records into benchmarks/results
     lstmem bench gpu --dry-run          # anywhere: every step at tiny sizes on CPU (records marked dry_run)
+    lstmem bench gpu --acceptance       # first: what works, in one short run (gpu_acceptance.py)
 
 Steps, in order, each written as its own JSON record (device, CUDA / driver / torch / transformers /
 triton / vllm versions, date, git commit, settings):
@@ -248,6 +249,13 @@ def _graph_breaks() -> int:
     return int(sum(counters["graph_break"].values()))
 
 
+def _cudagraph_skips() -> int:
+    """Compiled graphs inductor ran without recording a CUDA graph (``reduce-overhead`` mode)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _measure(model, variant, kv, memory, length, token, ids, s, dry_run) -> tuple[dict, int, dict]:
     """Time one variant from the prefilled caches: (timings, tokens per call, what the row adds)."""
     base = model.get_base_model()
@@ -261,7 +269,7 @@ def _measure(model, variant, kv, memory, length, token, ids, s, dry_run) -> tupl
     torch._dynamo.reset()  # a fresh compile per length: the recompile limit is never reached
     if hasattr(base, "_compiled_call"):
         del base._compiled_call
-    config, breaks = _compile_config(dry_run), _graph_breaks()
+    config, breaks, skips = _compile_config(dry_run), _graph_breaks(), _cudagraph_skips()
     reps, warmup = s["generate_reps"], s["compile_warmup"]
     result = _time_generate(
         model, kv, memory, length, ids, s, model.device, reps, warmup, compile_config=config
@@ -273,6 +281,7 @@ def _measure(model, variant, kv, memory, length, token, ids, s, dry_run) -> tupl
             for k, v in config.to_dict().items()
         },
         graph_breaks=_graph_breaks() - breaks,
+        cudagraph_skips=_cudagraph_skips() - skips,
     )
     return result, n, extra
 

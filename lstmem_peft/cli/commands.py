@@ -8,6 +8,7 @@ lstmem demo --show 3        # first print 3 episodes: history, question, gold, t
 lstmem demo --sweep         # recall against history length (8 to 256 facts): table, JSON record, plot
 lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
 lstmem bench gpu [--dry-run]      # on a GPU: the paper's decode sweep (HF, vLLM) and the kernels' speed
+lstmem bench gpu --acceptance [--dry-run]   # on a GPU: what works, in one short run (docs/gpu.md)
 lstmem bench report benchmarks/results                                   # RESULTS.md + plots
 lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
 lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
@@ -227,7 +228,12 @@ def _bench(args) -> int:
             f"FOLDER {args.folder}: applies to lstmem bench report only; expected no FOLDER with "
             f"{args.kind}. Pass --out {args.folder} to choose where the records go"
         )
-    for option, given in (("--dry-run", args.dry_run), ("--steps", args.steps)):
+    for option, given in (
+        ("--dry-run", args.dry_run),
+        ("--steps", args.steps),
+        ("--acceptance", args.acceptance),
+        ("--budget-s", args.budget_s),
+    ):
         if given and args.kind != "gpu":
             raise UsageError(
                 f"{option} applies to lstmem bench gpu only; expected none with {args.kind}. Drop it"
@@ -264,6 +270,10 @@ def _bench(args) -> int:
 
 def _bench_gpu(args) -> int:
     """``lstmem bench gpu``: refuses (one line, status 2) without a GPU unless ``--dry-run``."""
+    if args.acceptance:  # the acceptance run (gpu_acceptance.py, docs/gpu.md)
+        from .gpu_acceptance import run_from_args
+
+        return run_from_args(args)
     from .bench_gpu import require_gpu, run_suite
 
     require_gpu(args.device, args.dry_run)  # before anything loads

@@ -53,6 +53,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
     in where the options are listed, with exit status 2."""
@@ -132,6 +140,18 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--dry-run",
         action="store_true",
         help="gpu: every step at tiny sizes on CPU, records marked dry_run (a test of the suite, no figures)",
+    )
+    parser.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="gpu: the acceptance run instead of the suite: kernel and model checks, timings, a table "
+        "(docs/gpu.md)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=_positive_float,
+        default=None,
+        help="gpu --acceptance: the overall deadline in seconds; steps left after it are skipped (default 480)",
     )
     parser.add_argument(
         "--steps",
