@@ -31,8 +31,15 @@ triton = pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 U32 = 2.0**-24  # float32 unit roundoff
-# absolute error of the kernels' inline tanh and sigmoid, whose values are at most 1: the exponential
-# and the division each within 2 ulps (GPU approximations; at most 3 u and 1.5 u measured on CPU)
+# absolute error of the kernels' inline tanh = 2 / (1 + exp(-2x)) - 1 and sigmoid = 1 / (1 + exp(-x)) with
+# a GPU's arithmetic (tests/gpu_arithmetic.py): exp(y) is ex2.approx of t = y log2(e) rounded to float32,
+# so 2.5 ulps (5 u) plus |y| 1.22 u relative; division is div.full, 2.5 ulps of the quotient. Through
+# the slopes (d tanh = sech^2(x) / 2 de / e, d sigmoid = s (1 - s) de / e): tanh within 3 u (exp) + 2 u
+# (1 + e rounded) + 5 u (a quotient below 2) = 10 u, the sigmoid within 1.5 u + u + 2.5 u = 5 u. Both
+# emulated over x in [-12, 12] (2026-11-27): at most 10.0 u and 3.9 u (3.0 u and 1.5 u with the CPU's
+# IEEE operations). The 1.6x slack of TANH_ERR also covers n(.): with sqrt.approx (2^-23) and div.full
+# its rounding is up to (r / 2 + 7) u |q|, beyond the bound's gamma(r + 3) |q| by at most 4 u, while the
+# bound carries at least 2 * 6 u * sqrt(r) / ||t|| >= 12 u more of the tanh error than there is.
 TANH_ERR, SIGMOID_ERR = 16 * U32, 8 * U32
 MARGIN = 2.0  # room for the terms of order u * error the bound drops
 

@@ -21,6 +21,17 @@ FLOAT_NAMES = ("q", "k", "w", "f", "o", "depth", "initial_cell", "initial_hidden
 # (atol, rtol) against the float64 reference, atol scaled by the reference's largest magnitude
 # (at least 1); bf16/fp16 tolerances cover the rounding of the stored outputs and gradients (and
 # of the stored hidden states the backward reads).
+# They hold for a GPU's arithmetic (tests/gpu_arithmetic.py emulates it: ex2.approx and div.full 2
+# ulps off, fused multiply-adds, bf16 rounded to nearest even). With u = 2^-24, float32's 1e-5 is 168 u:
+# each step rounds C_t = f C_{t-1} + w k^T twice (about 2 u |C_t|) and multiplies the error carried
+# from earlier steps by f < 1, so the carried error is a geometric sum of per-step errors that does not
+# grow with T (the gates here, sigmoid(2 z), average 1/2); tanh(C) adds at most 10 u (derived beside
+# TANH_ERR in test_decode_step_kernel.py); reads, chunk summaries and adjoints sum r such terms: tens of
+# u times the scale. bf16's 2e-2 is 10 units of 2^-9: one rounding of each stored output or gradient,
+# and of the stored D_{t-1} in the sum that gives grad q; fp16's 4e-3 is 8 units of 2^-11 (its casts
+# round to nearest in both). Worst error / tolerance over this file (2026-11-27, 2-core CPU,
+# LSTMEM_TOLERANCE_RATIOS=1), emulated (either direction) and not: float32 0.13 and 0.05 (T = 2049:
+# 0.07 and 0.02), bf16 0.12 and 0.22 (the interpreter truncates to bf16), fp16 0.07 and 0.07.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
 
