@@ -615,6 +615,40 @@ def _scan_forward(q, k, w, f, o, depth, valid, initial_cell, initial_hidden, sav
     return read, hidden, final_cell, final_hidden, cells
 
 
+def _bwd_summaries(q, f, o, valid, cells, g_read, g_hidden, L, NC, config):
+    """The adjoint maps of chunks ``1 .. NC - 1`` (``_bwd_summary_kernel``): ``(F, Q, P, E, N)``
+    float32 buffers ``(B * H, NC, R)`` / ``(B * H, NC, R, R)``, or ``None`` five times for one chunk."""
+    if NC == 1:
+        return (None,) * 5
+    B, T, H, R = q.shape
+    F, E = (q.new_empty(B * H, NC, R, dtype=torch.float32) for _ in range(2))
+    Q, P, N = (q.new_empty(B * H, NC, R, R, dtype=torch.float32) for _ in range(3))
+    _bwd_summary_kernel[(B * H, NC - 1)](
+        q,
+        f,
+        o,
+        valid,
+        cells,
+        g_read,
+        g_hidden,
+        F,
+        Q,
+        P,
+        E,
+        N,
+        T,
+        H,
+        R,
+        L,
+        NC,
+        HAS_VALID=valid is not None,
+        HAS_G_READ=g_read is not None,
+        HAS_G_HIDDEN=g_hidden is not None,
+        **config,
+    )
+    return F, Q, P, E, N
+
+
 def _scan_backward(saved, has_depth, need, chunk, g_read, g_hidden, g_final_cell, g_final_hidden):
     """Launch the backward kernels; returns the gradients of ``(q, k, w, f, o, depth, valid,
     initial_cell, initial_hidden)`` as :meth:`torch.autograd.Function.backward` does."""
@@ -630,34 +664,10 @@ def _scan_backward(saved, has_depth, need, chunk, g_read, g_hidden, g_final_cell
         contiguous, (g_read, g_hidden, g_final_cell, g_final_hidden)
     )
     L, NC = _plan(T, chunk)
-    summaries = (None,) * 5
     config = tile_config(R)
     if B * H > 0:
         with device_guard(q.device):
-            if NC > 1:
-                vectors = (q.new_empty(B * H, NC, R, dtype=torch.float32) for _ in range(2))
-                tiles = (q.new_empty(B * H, NC, R, R, dtype=torch.float32) for _ in range(3))
-                (fs, es), (qs, ps, ns) = tuple(vectors), tuple(tiles)
-                summaries = (fs, qs, ps, es, ns)
-                _bwd_summary_kernel[(B * H, NC - 1)](
-                    q,
-                    f,
-                    o,
-                    valid,
-                    cells,
-                    g_read,
-                    g_hidden,
-                    *summaries,
-                    T,
-                    H,
-                    R,
-                    L,
-                    NC,
-                    HAS_VALID=valid is not None,
-                    HAS_G_READ=g_read is not None,
-                    HAS_G_HIDDEN=g_hidden is not None,
-                    **config,
-                )
+            summaries = _bwd_summaries(q, f, o, valid, cells, g_read, g_hidden, L, NC, config)
             _bwd_replay_kernel[(B * H, NC)](
                 q,
                 k,

@@ -71,7 +71,7 @@ from .triton_common import FLOAT_DTYPES, check_runtime, contiguous, device_guard
 __all__ = ["decode_step_triton", "step_triton"]
 
 #: target number of elements of one weight tile (one program's registers on a GPU)
-_TILE = 8192
+_TILE = 4096
 
 
 # Long on purpose: one kernel is one launch, and its body stays whole (module docstring).
@@ -277,10 +277,15 @@ def _decode_step_kernel(
 
 def _fused_config(d: int, H: int, R: int) -> dict:
     """Block sizes and ``num_warps`` for one program's tiles: the projection loads two
-    ``BLOCK_D x 2 d_s`` weight tiles per chunk, about ``_TILE`` elements together; a warp per 1,024
-    elements of the largest tile, 16 at most (``r = 32``, ``d_s = 256``: 16,384-element ``eau`` and
-    depth-read tiles; with 8 warps ptxas spilled about 20 kB there, with 16 about 2 kB, none at the
-    paper's ``r = 8``, ``d_s = 32``)."""
+    ``BLOCK_D x 2 d_s`` weight tiles per chunk, about ``_TILE`` elements together; a warp per 256
+    elements of the largest tile, 16 at most.
+
+    Chosen by compiling ahead of time (``lstmem_kernels.aot``; docs/benchmarks.md, 2026-11-27): at the
+    paper's ``r = 8``, ``d_s = 32``, tiles of 8,192 elements with 8 warps spilled 40-52 B/thread on
+    sm_80 with Triton 3.6, and with 16 warps 16 B/thread on sm_80 with Triton 3.9; tiles of 4,096
+    with 16 warps spill with neither, on sm_90a or sm_80. At ``r = 32``, ``d_s = 256`` (16,384-element
+    ``eau`` and depth-read tiles) 16 warps still spill on sm_90a with Triton 3.9 (48 B/thread; 160
+    with 8)."""
     block_h, block_r = triton.next_power_of_2(H), triton.next_power_of_2(R)
     width = 2 * block_h * block_r  # columns of one projection weight tile
     block_d = max(1, min(triton.next_power_of_2(max(d, 1)), _TILE // (2 * width)))
@@ -289,7 +294,7 @@ def _fused_config(d: int, H: int, R: int) -> dict:
         "BLOCK_D": block_d,
         "BLOCK_H": block_h,
         "BLOCK_R": block_r,
-        "num_warps": max(1, min(16, largest // 1024)),
+        "num_warps": max(1, min(16, largest // 256)),
     }
 
 

@@ -678,6 +678,31 @@ def _no_cache_logits(model, start, ids, memory: bool) -> torch.Tensor:
         return model(input_ids=ids, memory_cache=start.clone(), use_cache=False).logits[:, -1].float()
 
 
+def _logit_errors(model, start, prompt, generated, logits_per_step) -> tuple[float, float, float, float]:
+    """For :func:`check_generate_exact`: the largest error of ``generate``'s logits against no-cache
+    forwards from the memory ``start``, the plain backbone's own error (KV-cached steps against
+    no-cache forwards on the same tokens), how far memory moves the logits, and the largest logit."""
+    from transformers import DynamicCache
+
+    memory_err, plain_err, effect, scale = 0.0, 0.0, 0.0, 0.0
+    kv = DynamicCache()
+    with torch.no_grad(), model.disable_adapter():
+        plain_step = model(input_ids=prompt, past_key_values=kv, use_cache=True).logits[:, -1].float()
+    for j, logits in enumerate(logits_per_step):
+        ids = torch.cat([prompt, generated[:, :j]], 1)
+        ref = _no_cache_logits(model, start, ids, memory=True)
+        plain_ref = _no_cache_logits(model, start, ids, memory=False)
+        if j:  # the plain backbone's KV-cached step on the same token
+            with torch.no_grad(), model.disable_adapter():
+                token = generated[:, j - 1 : j]
+                plain_step = model(input_ids=token, past_key_values=kv, use_cache=True).logits[:, -1].float()
+        memory_err = max(memory_err, max_error(logits.float(), ref))
+        plain_err = max(plain_err, max_error(plain_step, plain_ref))
+        effect = max(effect, max_error(ref, plain_ref))
+        scale = max(scale, float(ref.abs().max()))
+    return memory_err, plain_err, effect, scale
+
+
 def check_generate_exact(s: dict, device: torch.device, ctx: ModelContext, log=print) -> dict:
     """``generate`` with memory against recomputation (tests/test_generation.py's contract), greedy.
 
@@ -689,8 +714,6 @@ def check_generate_exact(s: dict, device: torch.device, ctx: ModelContext, log=p
     memory must move the logits by more than that tolerance (else the check says nothing). The final
     memory (float32 states fed bfloat16 activations) uses the kernel tests' tolerance of the model's
     dtype (:data:`TOLERANCES`)."""
-    from transformers import DynamicCache
-
     from lstmem_peft import MemoryCache, write_history
 
     model, dtype = ctx.model, ctx.dtype
@@ -709,22 +732,7 @@ def check_generate_exact(s: dict, device: torch.device, ctx: ModelContext, log=p
             return_dict_in_generate=True, output_logits=True, pad_token_id=0,
         )  # fmt: skip
     generated = out.sequences[:, prompt.shape[1] :]
-    memory_err, plain_err, effect, scale = 0.0, 0.0, 0.0, 0.0
-    kv = DynamicCache()
-    with torch.no_grad(), model.disable_adapter():
-        plain_step = model(input_ids=prompt, past_key_values=kv, use_cache=True).logits[:, -1].float()
-    for j, logits in enumerate(out.logits):
-        ids = torch.cat([prompt, generated[:, :j]], 1)
-        ref = _no_cache_logits(model, start, ids, memory=True)
-        plain_ref = _no_cache_logits(model, start, ids, memory=False)
-        if j:  # the plain backbone's KV-cached step on the same token
-            with torch.no_grad(), model.disable_adapter():
-                token = generated[:, j - 1 : j]
-                plain_step = model(input_ids=token, past_key_values=kv, use_cache=True).logits[:, -1].float()
-        memory_err = max(memory_err, max_error(logits.float(), ref))
-        plain_err = max(plain_err, max_error(plain_step, plain_ref))
-        effect = max(effect, max_error(ref, plain_ref))
-        scale = max(scale, float(ref.abs().max()))
+    memory_err, plain_err, effect, scale = _logit_errors(model, start, prompt, generated, out.logits)
     eps = torch.finfo(dtype).eps
     tolerance = 2 * plain_err + 2 * eps * scale
     # the memory after generate: the start fed the prompt and every generated token but the last
