@@ -61,6 +61,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help, each option's default appended as ``(default: ...)`` unless its help already
+    speaks of its default, or it has none worth showing (``None``, an off switch, an empty list);
+    descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings:
+            return text
+        if action.default is None or action.default is False or action.default in ([], argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (``lstmem eval: error: argument --limit: ...``) ending
     in where the options are listed, with exit status 2."""
@@ -116,8 +130,9 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     """``lstmem bench KIND``: one benchmark's sizes and where its records go, or ``report``."""
     parser.add_argument(
-        "kind", choices=["decode", "generate", "ops", "e2e", "write", "scan", "gpu", "report"]
+        "kind", choices=list(BENCH_KINDS), metavar="KIND", help="the benchmark: " + ", ".join(BENCH_KINDS)
     )
+    parser.epilog = "KIND:\n" + "\n".join(f"  {kind:<9} {what}" for kind, what in BENCH_KINDS.items())
     parser.add_argument(
         "folder", nargs="?", default=None, help="report: the records folder (default: benchmarks/results)"
     )
@@ -163,29 +178,74 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--results", default="benchmarks/RESULTS.md", help="report: the markdown file to write"
     )
-    parser.add_argument("--reps", type=positive_int, default=None)
     parser.add_argument(
-        "--kv-lengths", type=positive_int, nargs="+", default=None, help="decode, gpu: KV cache lengths"
+        "--reps",
+        type=positive_int,
+        default=None,
+        help="timed repetitions of each measurement after warm-up, each side's median, min and max recorded "
+        "(default: decode 10, generate 6, scan 5, write and e2e 3, gpu 20; ops counts and ignores it)",
+    )
+    _bench_size_arguments(parser)
+
+
+def _bench_size_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem bench KIND``: the sizes each benchmark measures at (default: the benchmark's own)."""
+    parser.add_argument(
+        "--kv-lengths",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="decode, gpu: KV cache lengths (default: 256 1024 2048 on a CPU, 8192 16384 32768 65536 131072 on CUDA)",
     )
     parser.add_argument(
-        "--histories", type=positive_int, nargs="+", default=None, help="e2e: history lengths"
+        "--histories",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="e2e: history lengths (default: 2048 4096 on a CPU, 8192 32768 131072 on CUDA)",
     )
     parser.add_argument(
-        "--answer-tokens", type=positive_int, default=None, help="e2e, generate, gpu: generated tokens"
+        "--answer-tokens",
+        type=positive_int,
+        default=None,
+        help="e2e, generate, gpu: generated tokens (default: e2e 32 on a CPU, 2048 on CUDA; generate 32 "
+        "on a CPU, 256 on CUDA; gpu 128)",
     )
-    parser.add_argument("--prompt-tokens", type=positive_int, default=None, help="generate: prompt length")
-    parser.add_argument("--tokens", type=positive_int, default=None, help="write: history tokens")
     parser.add_argument(
-        "--lengths", type=positive_int, nargs="+", default=None, help="scan, gpu: block lengths"
+        "--prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="generate: prompt length (default: 256 on a CPU, 2048 on CUDA)",
     )
     parser.add_argument(
-        "--batches", type=positive_int, nargs="+", default=None, help="scan, gpu: batch sizes"
+        "--tokens",
+        type=positive_int,
+        default=None,
+        help="write: history tokens (default: 4096 on a CPU, 32768 on CUDA)",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="scan, gpu: block lengths (default: scan 63 2048; gpu 2048 8192 32768)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="scan, gpu: batch sizes (default: scan 1 4; gpu 1)",
     )
 
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     """``lstmem eval BENCHMARK DATA``: the run, then each benchmark's own options, then the model."""
-    parser.add_argument("benchmark", choices=["locomo", "hotpotqa", "mab"])
+    parser.add_argument(
+        "benchmark",
+        choices=["locomo", "hotpotqa", "mab"],
+        help="locomo (LoCoMo), hotpotqa (HotpotQA, distractor setting) or mab (MemoryAgentBench)",
+    )
     parser.add_argument(
         "data", help="local file/folder in the benchmark's official format, or a Hub dataset id"
     )
@@ -215,7 +275,10 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
     parser.add_argument(
-        "--limit", type=positive_int, default=None, help="only the first N histories (per family for mab)"
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="only the first N histories (per family for mab; default: all)",
     )
     parser.add_argument(
         "--memory-only", action="store_true", help="history in memory only, not in the prompt"
@@ -232,7 +295,8 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=positive_int,
         default=None,
-        help="answer limit (locomo, hotpotqa); for mab a cap on the per-source limits (smoke runs)",
+        help="answer limit (locomo, hotpotqa; default: the benchmark's own); for mab a cap on the per-source "
+        "limits (smoke runs; default: none)",
     )
     _eval_benchmark_arguments(parser)
     _eval_model_arguments(parser)
@@ -249,10 +313,13 @@ def _eval_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         choices=["AR", "TTL", "LRU", "SF"],
-        help="mab: families to run (AR TTL LRU SF)",
+        help="mab: families to run (default: all four, AR TTL LRU SF)",
     )
     parser.add_argument(
-        "--max-questions", type=positive_int, default=None, help="mab: at most N questions per history"
+        "--max-questions",
+        type=positive_int,
+        default=None,
+        help="mab: at most N questions per history (default: all)",
     )
     parser.add_argument(
         "--entity-map", default=None, help="mab: the snapshot's entity2id.json (default: next to DATA)"
@@ -272,12 +339,19 @@ def _eval_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
         help="mab, paper protocol: pre-clip contexts longer than N characters as δ-mem's suite does (its "
         "first third and last two thirds around a marker; default 120000, the suite's; 0: whole contexts)",
     )
-    parser.add_argument("--split", default=None, help="dataset split when DATA is a Hub id")
+    parser.add_argument(
+        "--split", default=None, help="dataset split when DATA is a Hub id (default: the benchmark's)"
+    )
 
 
 def _eval_model_arguments(parser: argparse.ArgumentParser) -> None:
     """How ``lstmem eval`` loads the model and writes its prompts."""
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype; auto: the checkpoint's",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
         "--no-chat-template",
@@ -308,7 +382,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--name", default=None, help="model id served at /v1/models (default: from the adapter)"
     )
     parser.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
-    parser.add_argument("--api-keys-file", default=None, help="file with one accepted key per line")
+    parser.add_argument(
+        "--api-keys-file", default=None, help="file with one accepted key per line (default: none)"
+    )
     parser.add_argument(
         "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
     )
@@ -321,10 +397,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-batching", action="store_true", help="run requests one at a time")
     parser.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
     parser.add_argument(
-        "--max-tokens", type=positive_int, default=64, help="default max_tokens of chat requests"
+        "--max-tokens", type=positive_int, default=64, help="max_tokens of a chat request that sets none"
     )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype; auto: the checkpoint's",
+    )
     parser.add_argument(
         "--engine",
         default="hf",
@@ -350,12 +431,27 @@ def _data_arguments(parser: argparse.ArgumentParser) -> None:
     """``lstmem data long``: the stage-2 Long dataset (its options: :mod:`lstmem_peft.training.long_data`)."""
     from lstmem_peft.training import long_data
 
-    kinds = parser.add_subparsers(dest="kind", required=True)
+    kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND", help="the dataset to build")
     long_data.add_arguments(
         kinds.add_parser(
-            "long", help="build the paper's stage-2 Long dataset through an OpenAI-compatible endpoint"
+            "long",
+            help="build the paper's stage-2 Long dataset through an OpenAI-compatible endpoint",
+            formatter_class=HelpFormatter,
         )
     )
+
+
+#: ``lstmem bench KIND``: each kind and what it measures (its help).
+BENCH_KINDS: dict[str, str] = {
+    "decode": "one decode forward with memory against the plain backbone, by --kv-lengths",
+    "generate": "generate from an empty memory: a --prompt-tokens prompt, then --answer-tokens tokens",
+    "ops": "operator calls per decode step, with memory and plain (counts, not times)",
+    "e2e": "write a history, prefill a question, generate the answer, by --histories",
+    "write": "writing --tokens of history into memory against the plain forward of the same blocks",
+    "scan": "the recurrence's naive, PyTorch and (CUDA) Triton scans, by --lengths and --batches",
+    "gpu": "the GPU suite (decode, generate, vLLM, kernels); --acceptance: the prepared acceptance run",
+    "report": "RESULTS.md and plots from the JSON records in FOLDER",
+}
 
 
 #: Each subcommand (in ``lstmem --help`` order): its one-line help and the function adding its arguments.
@@ -376,11 +472,13 @@ def build_parser() -> argparse.ArgumentParser:
     taking ``--debug`` before its own arguments."""
     from lstmem_peft.utils.version import __version__
 
-    parser = _Parser(prog="lstmem", description="LSTMem online memory for frozen LMs")
+    parser = _Parser(
+        prog="lstmem", description="LSTMem online memory for frozen LMs", formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     for name, (summary, add_arguments) in SUBCOMMANDS.items():
-        command = sub.add_parser(name, help=summary)
+        command = sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
         command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         add_arguments(command)
     return parser

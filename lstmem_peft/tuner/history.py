@@ -12,7 +12,7 @@ from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 from lstmem_peft.memory.layer import LSTMemLayer
 
 from .context import closing_interrupted_passes, run_memory_only
-from .hooks import MemoryHooks
+from .hooks import MemoryHooks, check_token_ids
 from .model import LSTMemModel
 
 
@@ -118,8 +118,7 @@ def write_history(
     block = config.block_size if block_size is None else block_size
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"block_size must be a positive integer (or None for the adapter's), got {block!r}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, length), got {tuple(input_ids.shape)}")
+    check_token_ids(input_ids)
     if not isinstance(memory_cache, MemoryCache):
         raise TypeError(f"memory_cache must be a MemoryCache, got {type(memory_cache).__name__}")
     B, T = input_ids.shape

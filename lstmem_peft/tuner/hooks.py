@@ -36,6 +36,21 @@ from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, res
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 
 
+def check_token_ids(ids, name: str = "input_ids") -> None:
+    """Refuse token ids that are not an integer tensor of shape ``(batch, length)`` (a string, a list,
+    one unbatched sequence, float ids), naming the expected type and shape and the usual fix."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of token ids with shape (batch, length), e.g. "
+            f"tokenizer(texts, return_tensors='pt').input_ids or torch.tensor([ids]), got {type(ids).__name__}"
+        )
+    if ids.dim() != 2:
+        hint = " (one sequence: ids.unsqueeze(0))" if ids.dim() == 1 else ""
+        raise ValueError(f"{name} must have shape (batch, length), got {tuple(ids.shape)}{hint}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids (torch.long), got {ids.dtype}")
+
+
 def valid_from_attention_mask(mask, batch: int, length: int, past=0) -> torch.Tensor | None:
     """Which of the current ``length`` tokens are real (not padding), from any transformers mask.
 
@@ -376,6 +391,8 @@ class MemoryHooks:
         ref = ids if ids is not None else embeds
         if ref is None:
             raise ValueError("LSTMem needs input_ids or inputs_embeds to size the memory pass")
+        if ids is not None:
+            check_token_ids(ids)
         batch, length = ref.shape[0], ref.shape[1]
         _refuse_packed(kwargs, length)
         kv = kwargs.get("past_key_values")
@@ -491,6 +508,9 @@ class MemoryHooks:
             return generate(*args, **kwargs)
         if args:  # generate(inputs, ...): the prompt is the first positional argument
             kwargs["inputs"], args = args[0], args[1:]
+        for name in ("inputs", "input_ids"):
+            if kwargs.get(name) is not None:
+                check_token_ids(kwargs[name], name)
         adapter = self.active_adapter()
         config = resolve_generation_config(self.model, kwargs)
         refuse_inexact_modes(self.model, config, kwargs)
