@@ -33,14 +33,15 @@ in two launches:
 
 No program walks more than ``n_c - 1 + L`` dependent steps, and each launch runs ``B * H * n_c``
 (or ``B * H * (n_c - 1)``) programs: at batch 1, ``n_h = 4`` and ``T = 2,048`` that is ``L = 32``,
-256 programs of at most 95 steps, where a sequential scan runs 4 programs of 2,048 steps. With a
+256 programs (252 for the summaries) of at most 95 steps, where a sequential scan runs 4 programs of
+2,048 steps. With a
 single chunk (``T`` up to :data:`SINGLE_CHUNK_MAX`, or ``chunk >= T``) the replay alone runs, from
 the initial states: one launch of ``B * H`` programs walking the block, the sequential scan.
 
 The backward is the same scan in reverse time. The adjoints carried from later positions,
 ``dC`` (of ``C_t``) and ``dD`` (of ``D_t``), follow a map that is affine in the pair: per element,
-``dC <- F dC + Q dD + P`` and ``dD <- e dD + N`` (``F`` a row vector, ``Q, P, N`` tiles, ``e`` 1 when
-the chunk is all padding and 0 otherwise, since ``D_t`` at a valid position does not depend on
+``dC <- F dC + Q dD + P`` and ``dD <- E dD + N`` (``F`` and ``E`` row vectors, ``Q, P, N`` tiles; ``E``
+is 1 when the chunk is all padding and 0 otherwise, since ``D_t`` at a valid position does not depend on
 ``D_{t-1}``). ``_bwd_summary_kernel`` composes each chunk's map from the right (grid
 ``(B * H, n_c - 1)``, chunk 0 needs none); ``_bwd_replay_kernel`` (grid ``(B * H, n_c)``) applies the
 summaries of the chunks after its own to the final-state gradients, then walks its chunk backwards
