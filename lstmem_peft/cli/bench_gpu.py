@@ -466,13 +466,19 @@ def settings_for(dry_run: bool, **overrides) -> dict:
     return s
 
 
-def require_gpu(device: str | None, dry_run: bool) -> torch.device:
-    """The CUDA device to run on; without one (and without ``--dry-run``) a one-line refusal."""
+def require_gpu(device: str | None, dry_run: bool, acceptance: bool = False) -> torch.device:
+    """The CUDA device to run on (CPU for a dry run); without one, a one-line refusal that names the
+    fix (``acceptance``: worded for ``lstmem bench gpu --acceptance``)."""
     if dry_run:
         return torch.device("cpu")
     dev = torch.device(device or "cuda")
     if dev.type != "cuda" or not torch.cuda.is_available():
         seen = "torch sees no CUDA device here" if not torch.cuda.is_available() else f"--device {device}"
+        if acceptance:
+            raise UsageError(
+                f"--acceptance needs a CUDA GPU ({seen}). Run lstmem bench gpu --acceptance --dry-run to run "
+                "every step at tiny sizes on CPU (a test of the run itself, no figures)"
+            )
         raise UsageError(
             f"needs a CUDA GPU ({seen}); no figure is written without one. Run lstmem bench gpu --dry-run "
             "to run every step at tiny sizes on CPU (records marked dry_run)"

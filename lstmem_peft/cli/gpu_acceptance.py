@@ -1034,16 +1034,9 @@ def _first_line(err: BaseException) -> str:
 
 def require_device(device: str | None, dry_run: bool) -> torch.device:
     """The CUDA device to run on (CPU for a dry run); without one, a one-line refusal that names the fix."""
-    if dry_run:
-        return torch.device("cpu")
-    dev = torch.device(device or "cuda")
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        seen = "torch sees no CUDA device here" if not torch.cuda.is_available() else f"--device {device}"
-        raise UsageError(
-            f"--acceptance needs a CUDA GPU ({seen}). Run lstmem bench gpu --acceptance --dry-run to run "
-            "every step at tiny sizes on CPU (a test of the run itself, no figures)"
-        )
-    return dev
+    from .bench_gpu import require_gpu
+
+    return require_gpu(device, dry_run, acceptance=True)
 
 
 def _prepare_triton(dry_run: bool) -> str | None:
