@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lstmem_kernels.aot import kernel_resources
+
 START, END = "<!-- compile-report:start -->", "<!-- compile-report:end -->"
 TARGETS = ("sm_90a", "sm_80")
 
@@ -94,16 +96,13 @@ def section(reports: list[dict], command: str) -> str:
     kernels = sorted({row["kernel"] for r in reports for row in r["results"]})
     for kernel in kernels:
         for version, target in columns:
-            rows = [row for row in by_version[version]["results"] if row["kernel"] == kernel]
-            res = [row["targets"][target] for row in rows if not row["targets"][target]["error"]]
-            if not res:
-                lines.append(f"| {short(kernel)} | {version} | {target} | {len(rows)} | error | | | |")
+            n, k = kernel_resources(by_version[version], kernel, target)
+            if k is None:
+                lines.append(f"| {short(kernel)} | {version} | {target} | {n} | error | | | |")
                 continue
-            regs = sorted(c["registers"] for c in res)
             lines.append(
-                f"| {short(kernel)} | {version} | {target} | {len(rows)} | {regs[0]}–{regs[-1]} | "
-                f"{max(c['spill_stores'] + c['spill_loads'] for c in res)} | {max(c['smem'] for c in res)} | "
-                f"{min(c['blocks_per_sm'] for c in res)} |"
+                f"| {short(kernel)} | {version} | {target} | {n} | {k['registers'][0]}–{k['registers'][1]} | "
+                f"{k['spill']} | {k['smem']} | {k['blocks_per_sm']} |"
             )
     header = " | ".join(f"{t} {v}" for v, t in columns)
     lines += [

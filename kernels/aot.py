@@ -753,6 +753,24 @@ def run(which: str = "full", mode: str = "pairwise", targets=tuple(TARGETS), wor
     }
 
 
+def kernel_resources(report: dict, kernel: str, target: str) -> tuple[int, dict | None]:
+    """``kernel``'s distinct launches in ``report`` (what :func:`run` returns) and, over those that
+    compiled for ``target``: the least and most ``registers`` per thread, the largest ``spill`` (bytes
+    stored plus loaded per thread), the most ``smem`` per block and the fewest ``blocks_per_sm``
+    (``None`` when none compiled)."""
+    rows = [r for r in report["results"] if r["kernel"] == kernel]
+    compiled = [r["targets"][target] for r in rows if not r["targets"][target]["error"]]
+    if not compiled:
+        return len(rows), None
+    registers = [c["registers"] for c in compiled]
+    return len(rows), {
+        "registers": (min(registers), max(registers)),
+        "spill": max(c["spill_stores"] + c["spill_loads"] for c in compiled),
+        "smem": max(c["smem"] for c in compiled),
+        "blocks_per_sm": min(c["blocks_per_sm"] for c in compiled),
+    }
+
+
 def _summary(report: dict) -> str:
     lines = [
         f"Triton {report['triton']}, set {report['set']} ({report['grid']}): {report['calls']} calls, "
@@ -762,17 +780,14 @@ def _summary(report: dict) -> str:
         f"{'kernel':<24} {'target':<7} {'n':>4} {'regs':>9} {'spill':>6} {'smem B':>8} {'blocks/SM':>10}",
     ]
     for kernel in report["kernels_seen"]:
-        rows = [r for r in report["results"] if r["kernel"] == kernel]
         for target in report["targets"]:
-            res = [r["targets"][target] for r in rows if not r["targets"][target]["error"]]
-            if not res:
-                lines.append(f"{kernel.split(':')[1]:<24} {target:<7} {len(rows):>4} compile errors")
+            n, k = kernel_resources(report, kernel, target)
+            if k is None:
+                lines.append(f"{kernel.split(':')[1]:<24} {target:<7} {n:>4} compile errors")
                 continue
-            regs = sorted(c["registers"] for c in res)
             lines.append(
-                f"{kernel.split(':')[1]:<24} {target:<7} {len(rows):>4} {regs[0]:>4}-{regs[-1]:<4}"
-                f" {max(c['spill_stores'] + c['spill_loads'] for c in res):>6} {max(c['smem'] for c in res):>8}"
-                f" {min(c['blocks_per_sm'] for c in res):>10}"
+                f"{kernel.split(':')[1]:<24} {target:<7} {n:>4} {k['registers'][0]:>4}-{k['registers'][1]:<4}"
+                f" {k['spill']:>6} {k['smem']:>8} {k['blocks_per_sm']:>10}"
             )
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or ["no problems"]
     return "\n".join(lines)
