@@ -50,8 +50,9 @@ def fresh_dynamo():
     dynamo.reset()
 
 
-def test_compiled_decoding_equals_eager_and_does_not_recompile_per_step():
-    model = make("qwen3", **CONFIG)
+@pytest.mark.parametrize("arch", ["qwen3", "gpt-neox"])  # and a fused q/k/v projection (tuner/attention.py)
+def test_compiled_decoding_equals_eager_and_does_not_recompile_per_step(arch):
+    model = make(arch, **CONFIG)
     prompt, steps = inputs()
     expected, expected_cache = decode(model, prompt, steps)
     # the "eager" backend runs the captured graphs op by op. One difference: eager decoding adds a

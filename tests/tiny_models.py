@@ -2,14 +2,32 @@
 
 import torch
 from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -34,7 +52,69 @@ ARCHITECTURES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON)),
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(no_rope_layers=[1, 0, 1], **COMMON)),
+    # sliding-window attention: a 4-token window, shorter than the tests' prompts and generations
+    "mistral-sliding": lambda: MistralForCausalLM(MistralConfig(sliding_window=4, **COMMON)),
+    # eager attention only; in float64 its softmax (taken in float32) turns the mask into -inf and makes
+    # NaN at left padding (a query that sees no key), so the battery runs it in float32
+    # eager attention only; in float64 its softmax (taken in float32) turns the mask into -inf and makes
+    # NaN at left padding (a query that sees no key), so the battery runs it in float32
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(head_dim=12, sliding_window=4, **COMMON)),
+    "gemma3": lambda: Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            head_dim=12,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            **COMMON,
+        )
+    ),
+    # mixture-of-experts decoders (the experts' loop, not torch's grouped GEMM, which has no float64)
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **COMMON)
+    ),
+    "qwen3-moe": lambda: Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            head_dim=12,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            experts_implementation="eager",
+            **COMMON,
+        )
+    ),
+    # other projection names, and fused query/key/value projections
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON)),  # qkv_proj / o_proj
+    "opt": lambda: OPTForCausalLM(
+        OPTConfig(
+            ffn_dim=96, word_embed_proj_dim=48, **_without(COMMON, "intermediate_size", "num_key_value_heads")
+        )
+    ),  # q_proj / out_proj
+    "gpt-neox": lambda: GPTNeoXForCausalLM(  # query_key_value / dense, per head (q, k, v)
+        GPTNeoXConfig(partial_rotary_factor=0.5, **_without(COMMON, "num_key_value_heads"))
+    ),
+    "falcon": lambda: FalconForCausalLM(  # query_key_value / dense, per key/value group
+        FalconConfig(
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+            **_without(COMMON, "intermediate_size", "num_key_value_heads"),
+        )
+    ),
+    "gpt2": lambda: GPT2LMHeadModel(  # c_attn / c_proj, transformers Conv1D projections
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=48,
+            n_layer=3,
+            n_head=4,
+            n_positions=512,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ),
 }
+
+
+def _without(config: dict, *names: str) -> dict:
+    return {k: v for k, v in config.items() if k not in names}
 
 
 def tiny_model(arch: str = "qwen3", seed: int = 0):
@@ -44,14 +124,15 @@ def tiny_model(arch: str = "qwen3", seed: int = 0):
     return model
 
 
-def history_then_question_logits(model):
-    """Logits of a fixed question after a fixed 40-token history written into a fresh memory."""
+def history_then_question_logits(model, cache=None):
+    """Logits of a fixed question after a fixed 40-token history written into a fresh memory
+    (``cache``, a new ``MemoryCache`` if not given: after the call it holds that memory)."""
     from lstmem_peft import MemoryCache, write_history
 
     g = torch.Generator().manual_seed(0)
     history = torch.randint(3, VOCAB, (2, 40), generator=g)
     question = torch.randint(3, VOCAB, (2, 6), generator=g)
-    cache = MemoryCache()
+    cache = MemoryCache() if cache is None else cache
     with torch.no_grad():
         write_history(model, history, cache, block_size=16, progress=False)
         return model(input_ids=question, memory_cache=cache).logits

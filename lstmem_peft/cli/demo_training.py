@@ -36,8 +36,9 @@ from lstmem_peft.training.data import synthetic_recall_episodes, tokenize_episod
 from lstmem_peft.tuner.history import memory_layers, write_history
 from lstmem_peft.tuner.loading import load_demo_backbone as load_backbone
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer, tiny_qwen3
+from lstmem_peft.utils.positions import TRAINED_POSITIONS_KEY
 
-from .demo_recall import ADAPTERS, NUM_PAIRS, adapter_config, evaluate
+from .demo_recall import ADAPTERS, NUM_PAIRS, WINDOW, adapter_config, evaluate
 
 
 # ---------------------------------------------------------------------- batches
@@ -266,6 +267,8 @@ def build(
     start = time.perf_counter()
     backbone = pretrain_backbone(warm_steps=warm_steps, steps=pretrain_steps)
     record["pretrain_backbone_s"] = round(time.perf_counter() - start, 1)
+    # its config allows 4,096 positions; what it was trained on is what lstmem serve may serve
+    setattr(backbone.config, TRAINED_POSITIONS_KEY, WINDOW)
     backbone.save_pretrained(out / "backbone")
     for name, overrides in ADAPTERS.items():
         start = time.perf_counter()

@@ -386,7 +386,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file", default=None, help="file with one accepted key per line (default: none)"
     )
     parser.add_argument(
-        "--context-window", type=positive_int, default=None, help="prompt window in tokens (default: model's)"
+        "--context-window",
+        type=positive_int,
+        default=None,
+        help=(
+            "prompt window in tokens (default: the positions the backbone was trained for, at most 4096; "
+            "a larger one is refused)"
+        ),
     )
     parser.add_argument(
         "--max-batch", type=positive_int, default=32, help="most sessions per batched forward"

@@ -20,6 +20,7 @@ server does not implement is refused with a 400 error naming it (see :mod:`.prot
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -29,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lstmem_peft.utils.positions import TRAINED_POSITIONS_KEY
 from lstmem_peft.utils.version import __version__
 
 from .metrics import Metrics
@@ -60,6 +62,89 @@ from .serving_memory import ServingMemory
 from .serving_models import ServingModels
 from .store import SessionStore, namespace_for
 
+log = logging.getLogger(__name__)
+
+#: The longest default context window, in tokens: a window is prefilled at every turn, and what
+#: does not fit it is written into memory, which is what this server is for.
+DEFAULT_WINDOW = 4096
+
+
+# ---------------------------------------------------------------------- the context window
+def context_window_of(loaded: LoadedModel, requested: int | None = None) -> int:
+    """The context window the server prompts with, in tokens: never more than the model was
+    trained for.
+
+    The model's *position limit* is the smaller of
+
+    * ``loaded.trained_positions``: the positions the backbone was trained for
+      (:func:`~lstmem_peft.utils.positions.trained_positions`: the config's ``lstmem_trained_positions``, else a
+      run-time rope stretch's ``original_max_position_embeddings``, else ``max_position_embeddings``;
+      the embedded demo's backbone: 64, although its config allows 4,096);
+    * ``loaded.max_positions``: the positions the model takes at all (``max_position_embeddings``;
+      with ``--engine vllm`` at most the engine's ``max_model_len - 1``).
+
+    Both engines follow this one rule (:func:`~.runtime.load_model` gives both the same facts).
+
+    Past the trained positions a model does not fail: it answers with confident garbage. So:
+
+    * no ``requested`` window: the position limit, at most :data:`DEFAULT_WINDOW` (the default is
+      clamped; a warning is logged when the trained length, not the config's limit, set it);
+    * a ``requested`` window over the position limit is **refused** (``ValueError`` naming the
+      limit, where it comes from, the request and the fix), not clamped: whoever asked for a window
+      expects that window, and a smaller one silently changes which messages are in context and
+      which only in memory.
+
+    Input longer than the window is never cut off and dropped: chat messages older than the window,
+    and a completions prompt's head, are written into memory; a latest chat message (or an echoed
+    or scored prompt) that does not fit is refused with 400 ``context_length_exceeded`` naming the
+    window (:mod:`.planning`).
+
+    Args:
+        loaded: the served model.
+        requested: ``--context-window``, or ``None`` for the default.
+
+    Returns:
+        the window, in tokens.
+
+    Raises:
+        ValueError: ``requested`` is over the position limit.
+    """
+    if requested is not None and requested < 1:
+        raise ValueError(f"--context-window must be a positive number of tokens, got {requested}")
+    trained, hard = loaded.trained_positions, loaded.max_positions
+    limits = [n for n in (trained, hard) if n is not None]
+    limit = min(limits) if limits else None
+    default = min(limit, DEFAULT_WINDOW) if limit is not None else DEFAULT_WINDOW
+    if requested is not None and limit is not None and requested > limit:
+        reasons = []
+        if trained is not None and trained == limit:
+            reasons.append(
+                f"the backbone was trained for {trained} positions (its config's {loaded.trained_from}) and "
+                f'answers garbage past them; if it was trained for more, set "{TRAINED_POSITIONS_KEY}" in '
+                "its config.json"
+            )
+        if hard is not None and hard == limit:
+            reasons.append(
+                f"the model takes {hard} positions (max_position_embeddings; with --engine vllm: the engine's "
+                "max_model_len - 1; raise it with --vllm-arg max_model_len=...)"
+            )
+        raise ValueError(
+            f"--context-window {requested} is over the model's position limit {limit}: {'; '.join(reasons)}. "
+            f"Pass --context-window {limit} or less, or leave it out (default {default}); write longer text "
+            "into memory (POST /v1/memory/{session}/write)"
+        )
+    if requested is not None:
+        return requested
+    if trained is not None and trained == default and (hard is None or trained < hard):
+        log.warning(
+            "lstmem serve: context window %d tokens, the positions the backbone was trained for (its config's "
+            "%s; the model takes %s): longer conversations are answered from memory",
+            default,
+            loaded.trained_from,
+            hard if hard is not None else "any number",
+        )
+    return default
+
 
 # ---------------------------------------------------------------------- the app
 def create_app(
@@ -78,25 +163,30 @@ def create_app(
     Args:
         loaded: :class:`~.runtime.LoadedModel`.
         store_dir: where sessions live (created if missing).
-        context_window: tokens of the prompt window (default: the backbone's position limit, at most 4096).
+        context_window: tokens of the prompt window: at most the positions the backbone was trained
+            for (:func:`context_window_of`; over it: ``ValueError``); default: that, at most 4096.
         api_keys: accepted bearer keys; ``None`` or empty: no authentication, one shared namespace.
         max_batch: most sessions per batched forward.
         batch_wait_ms: how long the worker waits for more requests to batch with the first one.
         batching: ``False`` runs requests one at a time (the benchmark's baseline).
         max_body_bytes: larger request bodies get 413.
-        default_max_tokens: ``max_tokens`` of chat requests that give none.
+        default_max_tokens: ``max_tokens`` of chat requests that give none; one that leaves no room for
+            a prompt in the window becomes half the window (with a warning).
 
     Returns:
         the app; ``app.state`` holds ``loaded``, ``store``, ``scheduler`` (started and stopped by
         the app's lifespan) and ``metrics``.
     """
-    limit = loaded.max_positions
-    window = context_window or min(limit or 4096, 4096)
-    if limit is not None and window > limit:
-        raise ValueError(
-            f"--context-window {window} is over the model's position limit {limit} (with --engine vllm: the "
-            "engine's max_model_len - 1; raise it with --vllm-arg max_model_len=...)"
+    window = context_window_of(loaded, context_window)
+    if default_max_tokens >= window:
+        log.warning(
+            "lstmem serve: --max-tokens %d leaves no room for a prompt in the %d-token context window; chat "
+            "requests that set no max_tokens get %d",
+            default_max_tokens,
+            window,
+            window // 2,
         )
+        default_max_tokens = max(1, window // 2)
     metrics = Metrics()
     store = SessionStore(store_dir, loaded.layout)
     scheduler = Scheduler(

@@ -23,6 +23,7 @@ from lstmem_peft.training.data import left_pad
 from lstmem_peft.tuner.history import memory_layers, memory_layout, row_blocks, write_history
 from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
 from lstmem_peft.utils.offline import DEMO_ASSETS
+from lstmem_peft.utils.positions import trained_positions
 
 from .protocol import MAX_LOGPROBS
 
@@ -48,6 +49,10 @@ class LoadedModel:
             (``max_position_embeddings``), or ``None``; with a vLLM engine at most its
             ``max_model_len - 1`` (a prompt and the token it samples), so that the server's context
             window (at most this) never sends vLLM a request it refuses.
+        trained_positions: how many positions the backbone was trained for, or ``None`` when its
+            config says nothing (:func:`trained_positions`); the server's window is at most this too.
+            The embedded demo's config allows 4,096 positions, but it was trained for 64.
+        trained_from: the config key ``trained_positions`` was read from, for messages.
         vocab_size: the token ids the backbone embeds are ``0 .. vocab_size - 1``.
         eos_ids: the token ids that end an answer (:func:`end_of_sequence_ids`).
         adapter_fingerprint: SHA-256 (16 hex) of the memory layers' weights (:func:`memory_fingerprint`).
@@ -71,6 +76,8 @@ class LoadedModel:
     adapter_fingerprint: str
     device: torch.device
     engine: object | None = None
+    trained_positions: int | None = None
+    trained_from: str = ""
 
     def library_model(self) -> torch.nn.Module:
         """``model``, which the default engine answers, scores and writes memory with; an error
@@ -98,6 +105,7 @@ class LoadedModel:
             vocab_size = int(model.get_input_embeddings().num_embeddings)
         except Exception:  # noqa: BLE001  (a model without input embeddings: the tokenizer's size)
             vocab_size = len(tokenizer)
+        trained, trained_from = trained_positions(getattr(model, "config", None))
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -109,6 +117,8 @@ class LoadedModel:
             eos_ids=end_of_sequence_ids(getattr(model, "generation_config", None), tokenizer),
             adapter_fingerprint=memory_fingerprint(memory_layers(model)),
             device=next(model.parameters()).device,
+            trained_positions=trained,
+            trained_from=trained_from,
         )
 
     @classmethod
@@ -121,7 +131,7 @@ class LoadedModel:
 
         * ``layout``: :meth:`MemoryLayout.of_adapter <lstmem_peft.MemoryLayout.of_adapter>` of the
           adapter's config, its memory layers and the backbone's config (as the vLLM model builds it);
-        * ``max_positions``, ``vocab_size``: the backbone's config;
+        * ``max_positions``, ``trained_positions``, ``vocab_size``: the backbone's config;
         * ``eos_ids``: the backbone's generation config (``generation_config.json``, else the one
           transformers derives from its config), else the tokenizer's;
         * ``adapter_fingerprint``: the adapter's memory layers loaded from its safetensors file as
@@ -144,6 +154,7 @@ class LoadedModel:
             generation = GenerationConfig.from_pretrained(model)
         except OSError:  # no generation_config.json: transformers derives one from the config
             generation = GenerationConfig.from_model_config(backbone)
+        trained, trained_from = trained_positions(backbone)
         return cls(
             model=None,
             tokenizer=tokenizer,
@@ -156,6 +167,8 @@ class LoadedModel:
             adapter_fingerprint=memory_fingerprint(layers),
             device=torch.device("cpu"),
             engine=engine,
+            trained_positions=trained,
+            trained_from=trained_from,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import sys
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -20,25 +21,6 @@ class LSTMemPeftType(str, enum.Enum):
     """PEFT's ``PeftType`` is a closed enum; LSTMem registers its own member (name == value)."""
 
     LSTMEM = "LSTMEM"
-
-
-# [query projection, output projection] of the attention block, per transformers model type.
-DEFAULT_TARGET_MODULES: dict[str, list[str]] = {
-    model_type: ["q_proj", "o_proj"]
-    for model_type in (
-        "qwen3",
-        "qwen2",
-        "llama",
-        "mistral",
-        "smollm3",
-        "qwen3_moe",
-        "qwen2_moe",
-        "mixtral",
-        "gemma",
-        "gemma2",
-        "olmo2",
-    )
-}
 
 
 @dataclass
@@ -57,8 +39,11 @@ class LSTMemConfig(PeftConfig):
             middle, last); depth coupling links consecutive memory layers in this order.
         target_modules (`list[str]`, *optional*):
             ``[query projection, output projection]`` module names inside each attention block.
-            Defaults per model type (``["q_proj", "o_proj"]`` for Qwen2/3, Llama, Mistral, SmolLM3);
-            set it for other architectures.
+            By default they are found in the model's structure: ``q_proj``/``o_proj``,
+            ``q_proj``/``out_proj``, ``q_proj``/``dense``, ``qkv_proj``/``o_proj``,
+            ``query_key_value``/``dense`` or ``c_attn``/``c_proj``
+            (:mod:`~lstmem_peft.tuner.attention`); set it for other names. A fused query/key/value
+            projection gets ``Δq`` on its query features only, or is refused if its layout is unknown.
         depth_coupling (`bool`, *optional*, defaults to `True`):
             Feed ``D_t`` of the memory layer below into each layer. ``False`` is the paper's depth
             ablation (``D^(l-1) := 0`` in training and inference).
@@ -90,7 +75,7 @@ class LSTMemConfig(PeftConfig):
     )
     target_modules: list[str] | str | None = field(
         default=None,
-        metadata={"help": "[query projection, output projection] module names; defaults per model type."},
+        metadata={"help": "[query projection, output projection] module names; found by structure if unset."},
     )
     depth_coupling: bool = field(
         default=True, metadata={"help": "Pass D_t of the layer below up (False: ablation)."}
@@ -177,17 +162,26 @@ class LSTMemConfig(PeftConfig):
         """Load the config from a folder or Hub repo (PEFT's ``PeftConfig.from_pretrained``).
 
         A config-only load works from a folder that holds ``adapter_config.json`` alone, with a
-        warning that names the folder: ``PeftModel.from_pretrained`` and ``load_adapter`` load the
-        config this way first and then the weights, and PEFT, finding no weights file in a local
-        folder, goes on to treat the folder as a Hub repo id and fails with an unrelated error. The
-        warning says what is wrong; the project's own loader
-        (:func:`~lstmem_peft.tuner.loading.load_model_and_adapter`) refuses such a folder outright.
+        warning that names the folder. ``PeftModel.from_pretrained`` and ``PeftModel.load_adapter``
+        load the config this way first, then add the adapter, then read the weights; PEFT, finding no
+        weights file in a local folder, would treat the folder as a Hub repo id and fail with an
+        unrelated error. Called by one of them, a folder without weights is refused here instead
+        (``FileNotFoundError`` naming the missing file), before anything is added to the model; and
+        the config remembers the folder, so that weights refused for another base model, rank or head
+        count name it and the adapter PEFT added for them is removed again
+        (:meth:`~lstmem_peft.tuner.model.LSTMemModel._refuse_weights_that_do_not_fit`). The project's own
+        loader (:func:`~lstmem_peft.tuner.loading.load_model_and_adapter`) refuses such a folder too.
         """
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         folder = pretrained_model_name_or_path
         folder = os.path.join(folder, subfolder) if subfolder else folder
+        peft_loading = _called_by_peft_loader(sys._getframe(1))
         if os.path.isdir(folder) and not has_adapter_weights(folder):
             warnings.warn(missing_weights_message(folder), UserWarning, stacklevel=2)
+            if peft_loading:
+                raise FileNotFoundError(missing_weights_message(folder))
+        if peft_loading:
+            config._loading_from = os.fspath(folder)
         return config
 
     @property
@@ -221,6 +215,35 @@ class LSTMemConfig(PeftConfig):
         return self.depth_coupling and depth > 0
 
 
+# PEFT has no hook between reading an adapter's config and reading its weights, so the two checks
+# below recognise its loaders on the call stack, by their code objects (not by name). Read-only: a PEFT
+# release that restructures its loaders makes them answer False, the refusals that need them fall back
+# to PEFT's own errors, and tests/test_refusals.py fails, naming the door.
+def _peft_loader_codes(*, load_adapter: bool = True) -> tuple:
+    from peft import PeftModel
+
+    codes = (PeftModel.from_pretrained.__func__.__code__,)
+    return (*codes, PeftModel.load_adapter.__code__) if load_adapter else codes
+
+
+def _called_by_peft_loader(frame) -> bool:
+    """Whether ``frame`` runs ``PeftModel.from_pretrained`` or ``PeftModel.load_adapter``, which load an
+    adapter's config and then its weights from the same place."""
+    return frame is not None and frame.f_code in _peft_loader_codes()
+
+
+def inside_peft_from_pretrained() -> bool:
+    """Whether this call runs inside ``PeftModel.from_pretrained``, whose ``PeftModel`` (and the adapter
+    in it) is new: a refusal may remove that adapter again, giving the caller its backbone back."""
+    codes = _peft_loader_codes(load_adapter=False)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def has_adapter_weights(folder: str | os.PathLike) -> bool:
     """Whether the local folder ``folder`` holds an adapter weights file (safetensors or ``.bin``)."""
     return any(
@@ -231,8 +254,8 @@ def has_adapter_weights(folder: str | os.PathLike) -> bool:
 def missing_weights_message(folder: str | os.PathLike) -> str:
     return (
         f"{os.fspath(folder)!r} has an adapter_config.json but no adapter weights: neither "
-        f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it. Loading the adapter from it (PeftModel."
-        "from_pretrained, load_adapter) will fail. Save the adapter with model.save_pretrained(folder) (it "
+        f"{SAFETENSORS_WEIGHTS_NAME} nor {WEIGHTS_NAME} is in it, so no adapter can be loaded from it "
+        "(PeftModel.from_pretrained, load_adapter). Save the adapter with model.save_pretrained(folder) (it "
         "writes both config and weights); a config alone builds a fresh adapter with get_peft_model."
     )
 

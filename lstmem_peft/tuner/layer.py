@@ -21,6 +21,7 @@ from torch import nn
 from lstmem_peft.memory.layer import LSTMemLayer
 
 from . import context
+from .attention import QueryColumns, projection_shape
 from .quant import dense_weight
 
 # the slot's getter, bound once: the wrappers ask it in every projection call
@@ -111,25 +112,31 @@ class LSTMemTunerLayer(BaseTunerLayer):
     @property
     def in_features(self) -> int:
         """Input width of the wrapped projection."""
-        return self.get_base_layer().in_features
+        return projection_shape(self.get_base_layer())[1]
 
     @property
     def out_features(self) -> int:
         """Output width of the wrapped projection."""
-        return self.get_base_layer().out_features
+        return projection_shape(self.get_base_layer())[0]
 
 
 class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
-    """Query projection with LSTMem memory. ``forward(x)``: ``(B, T, d) -> (B, T, d_q)``."""
+    """Query projection with LSTMem memory. ``forward(x)``: ``(B, T, d) -> (B, T, n)``, where ``n`` is
+    ``d_q`` for a projection that computes the query alone, or wider for a fused query/key/value
+    projection, whose query features ``query_columns`` locates (:mod:`~lstmem_peft.tuner.attention`):
+    ``Δq`` ``(B, T, d_q)`` is added to those only."""
 
     adapter_layer_names = ("lstmem_memory",)
     # per-adapter facts written at injection (PEFT deletes an adapter's entry with its layers)
     other_param_names = ("lstmem_config", "lstmem_depth")
 
-    def __init__(self, base_layer: nn.Module, layer_idx: int) -> None:
+    def __init__(
+        self, base_layer: nn.Module, layer_idx: int, query_columns: QueryColumns | None = None
+    ) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.layer_idx = layer_idx
+        self.query_columns = query_columns or QueryColumns.whole(projection_shape(base_layer)[0])
         self.lstmem_memory = nn.ModuleDict()
         self.lstmem_config: dict[str, object] = {}  # adapter -> its LSTMemConfig
         self.lstmem_depth: dict[str, int] = {}  # adapter -> depth index among its memory layers
@@ -147,7 +154,7 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         ``output_weight``: the ``(d, d_q)`` dense weight of the output projection.
         """
         base = self.get_base_layer()
-        weight = dense_weight(base)  # (d_q, d) float32
+        weight = self.query_columns.query_rows(dense_weight(base))  # (d_q, d) float32
         stored = getattr(base, "weight", None)
         dtype = stored.dtype if stored is not None and stored.dtype.is_floating_point else torch.float32
         memory = memory_layer(
@@ -162,12 +169,18 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         """``base(x) + Δq``: the memory of this decoder layer runs in the open memory pass (reads,
         then writes) and its ``Δq`` is added; outside a pass, or disabled, ``base(x)``."""
         base = self._modules["base_layer"]
+        columns = self.query_columns
         if _in_captured_graph():
-            return base(x, *args, **kwargs) + _query_correction(x, self.layer_idx, base.out_features)
+            delta = _query_correction(x, self.layer_idx, columns.query_size)
+            return columns.add(base(x, *args, **kwargs), delta)
         model_pass = None if self._disable_adapters else _current_pass()
         out = None if model_pass is None else model_pass.query(self.layer_idx, x)
         result = base(x, *args, **kwargs)
-        return result if out is None else out.add_to(result, 0)
+        if out is None:
+            return result
+        if columns.fused:
+            return columns.add(result, out.correction(0, result.dtype))
+        return out.add_to(result, 0)
 
     def __repr__(self) -> str:
         return "lstmem." + super().__repr__()
@@ -191,7 +204,8 @@ class LSTMemOutputLayer(nn.Module, LSTMemTunerLayer):
         """``base(x) + Δo``, the ``Δo`` its decoder layer's memory left in the open pass."""
         base = self._modules["base_layer"]
         if _in_captured_graph():
-            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, base.out_features)
+            width = projection_shape(base)[0]
+            return base(x, *args, **kwargs) + _output_correction(x, self.layer_idx, width)
         model_pass = None if self._disable_adapters else _current_pass()
         out = None if model_pass is None else model_pass.output(self.layer_idx)
         result = base(x, *args, **kwargs)

@@ -14,21 +14,30 @@ length of one ``generate`` call, is explained in :meth:`~lstmem_peft.tuner.gener
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from lstmem_peft.memory.adapter_files import FULL_MATRICES, effective_from_full
+from lstmem_peft.memory.adapter_files import (
+    FULL_MATRICES,
+    MemoryWidths,
+    effective_from_full,
+    refuse_weights_of_another_shape,
+)
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
-from .config import DEFAULT_TARGET_MODULES, LSTMemConfig
+from .attention import (
+    check_output_projection,
+    find_attention_projections,
+    layer_index,
+    projection_shape,
+    query_columns,
+)
+from .config import LSTMemConfig, inside_peft_from_pretrained
 from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
 from .quant import check_projection, dense_weight
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def _with_output_siblings(state_dict: dict, config: LSTMemConfig) -> dict:
@@ -41,6 +50,24 @@ def _with_output_siblings(state_dict: dict, config: LSTMemConfig) -> dict:
             parent = key.split(marker, 1)[0]
             extra[f"{parent}.{config.output_module}.{LSTMemModel.prefix}"] = None
     return {**state_dict, **extra}
+
+
+def _discard_created_adapter(model: nn.Module, adapter_name: str) -> None:
+    """Undo what PEFT's loader did before its weights were refused: the adapter it added to a
+    ``PeftModel`` (``load_adapter``) is deleted; the only adapter (``PeftModel.from_pretrained``) is
+    unloaded, which gives the backbone the caller passed back its plain projections and no hooks."""
+    peft_config = getattr(model, "peft_config", None)
+    tuner = getattr(model, "base_model", None)
+    if (
+        not isinstance(peft_config, dict)
+        or adapter_name not in peft_config
+        or not isinstance(tuner, BaseTuner)
+    ):
+        return
+    if len(peft_config) == 1:
+        tuner.unload()
+    else:
+        model.delete_adapter(adapter_name)
 
 
 class LSTMemModel(BaseTuner):
@@ -62,24 +89,21 @@ class LSTMemModel(BaseTuner):
 
     prefix: str = "lstmem_"
     tuner_layer_cls = LSTMemTunerLayer
-    target_module_mapping = DEFAULT_TARGET_MODULES
+    target_module_mapping: dict[str, list[str]] = {}  # targets are found by structure (inject_adapter)
 
     # ------------------------------------------------------------------ injection
     def _prepare_adapter_config(self, peft_config: LSTMemConfig, model_config: dict) -> LSTMemConfig:
         """Every door injects through here: validate the config again (its fields may have been
-        changed since it was built) and fill in the target modules of known model types."""
+        changed since it was built). The target modules, when not given, were found from the model's
+        structure by :meth:`inject_adapter` before."""
         if not isinstance(peft_config, LSTMemConfig):
             raise TypeError(f"LSTMemModel needs an LSTMemConfig, got {type(peft_config).__name__}")
         peft_config.__post_init__()
         if peft_config.target_modules is None:
-            model_type = model_config.get("model_type")
-            if model_type not in DEFAULT_TARGET_MODULES:
-                raise ValueError(
-                    f"LSTMem has no default target modules for model type {model_type!r}; pass "
-                    "target_modules=[<query projection name>, <output projection name>] (for most decoder "
-                    "models ['q_proj', 'o_proj'])"
-                )
-            peft_config.target_modules = list(DEFAULT_TARGET_MODULES[model_type])
+            raise ValueError(
+                "LSTMem has no target modules for this model: pass target_modules=[<query projection name>, "
+                "<output projection name>] (for most decoder models ['q_proj', 'o_proj'])"
+            )
         return peft_config
 
     @classmethod
@@ -94,24 +118,71 @@ class LSTMemModel(BaseTuner):
                 leaf, value = effective_from_full(leaf, value)
                 key = f"{head}.{leaf}"
             converted[key] = value
+        cls._refuse_weights_that_do_not_fit(model, config, adapter_name, converted)
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, converted)
         # a W~_pred the model has no parameter for kept its checkpoint key (no adapter name): drop it
         return {k: v for k, v in remapped.items() if not k.endswith(".lstmem_memory.w_pred")}
 
-    @staticmethod
-    def _layer_index(key: str) -> int | None:
-        found = _LAYER_INDEX.findall(f".{key}.")
-        return int(found[-1]) if found else None
+    @classmethod
+    def _refuse_weights_that_do_not_fit(cls, model, config, adapter_name: str, state_dict: dict) -> None:
+        """Before any weight is copied: refuse weights saved for another base model, rank or head count
+        (:func:`~lstmem_peft.memory.adapter_files.refuse_weights_of_another_shape`). An adapter that
+        PEFT's own loader created for these weights is removed again, so that the refused call leaves
+        the model as it was: the one ``PeftModel.from_pretrained`` builds, and the one
+        ``PeftModel.load_adapter`` adds (:meth:`LSTMemConfig.from_pretrained
+        <lstmem_peft.tuner.config.LSTMemConfig.from_pretrained>` marks its config)."""
+        saved: dict[int, dict] = {}
+        for key, value in state_dict.items():
+            head, _, leaf = key.rpartition(".")
+            idx = cls._layer_index(key)
+            if idx is not None and head.endswith(f".{config.query_module}.lstmem_memory"):
+                saved.setdefault(idx, {})[leaf] = value
+        ours = {
+            m.layer_idx: m.lstmem_memory[adapter_name]
+            for m in model.modules()
+            if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory
+        }
+        folder = getattr(config, "_loading_from", None)
+        base_config = getattr(model, "config", None)
+        try:
+            refuse_weights_of_another_shape(
+                {idx: MemoryWidths.of_weights(weights) for idx, weights in saved.items()},
+                {idx: MemoryWidths(m.hidden_size, m.query_size, m.state_size) for idx, m in ours.items()},
+                source=f"the LSTMem adapter {folder or adapter_name!r}",
+                saved_base=config.base_model_name_or_path,
+                model_name=getattr(base_config, "name_or_path", None),
+                model_layers=getattr(base_config, "num_hidden_layers", None),
+                r=config.r,
+                num_heads=config.num_heads,
+            )
+        except ValueError:
+            if folder is not None or inside_peft_from_pretrained():  # the adapter is this load's own
+                _discard_created_adapter(model, adapter_name)
+            raise
+        finally:
+            if folder is not None:
+                config._loading_from = None  # the weights are checked: a later load is the user's own
 
     @staticmethod
-    def _check_target_module_exists(peft_config: LSTMemConfig, key: str) -> bool:
-        name = key.rsplit(".", 1)[-1]
+    def _layer_index(key: str) -> int | None:
+        return layer_index(key)
+
+    def _check_target_module_exists(self, peft_config: LSTMemConfig, key: str) -> bool:
+        """Whether ``key`` is a query projection, or an output projection beside one, in a decoder
+        layer that gets memory (GPT-2's MLP has a ``c_proj`` too, which is not the attention's)."""
+        parent_key, _, name = key.rpartition(".")
         if name not in (peft_config.query_module, peft_config.output_module):
             return False
-        idx = LSTMemModel._layer_index(key)
-        if idx is None:
+        idx = self._layer_index(key)
+        if idx is None or not peft_config.carries_memory(idx):
             return False
-        return peft_config.carries_memory(idx)
+        if name == peft_config.query_module:
+            return True
+        try:
+            parent = self.model.get_submodule(parent_key)
+        except AttributeError:
+            return True
+        return hasattr(parent, peft_config.query_module)
 
     def _create_and_replace(
         self, peft_config, adapter_name, target, target_name, parent, current_key, parameter_name=None
@@ -124,14 +195,17 @@ class LSTMemModel(BaseTuner):
                     f"{current_key}: found the query projection but no sibling {peft_config.output_module!r}; "
                     "LSTMem needs both projections of one attention block: set target_modules=[query, output]"
                 )
+            output_key = f"{current_key.rsplit('.', 1)[0]}.{peft_config.output_module}"
             output_base = output.get_base_layer() if isinstance(output, LSTMemTunerLayer) else output
-            self._check_linear(output_base, f"{current_key.rsplit('.', 1)[0]}.{peft_config.output_module}")
-            output_weight = dense_weight(output_base)  # (d, d_q) float32, dequantised if quantised
+            self._check_linear(output_base, output_key)
             if not isinstance(target, LSTMemQueryLayer):
                 self._check_linear(target, current_key)
-                new = LSTMemQueryLayer(target, idx)
-                self._replace_module(parent, target_name, new, target)
-                target = new
+                target = self._wrap_query(target, target_name, parent, current_key, idx)
+            hidden = projection_shape(target.get_base_layer())[1]
+            check_output_projection(
+                output_key, *projection_shape(output_base), hidden, target.query_columns.query_size
+            )
+            output_weight = dense_weight(output_base)  # (d, d_q) float32, dequantised if quantised
             target.update_layer(adapter_name, peft_config, output_weight)
             if not isinstance(output, LSTMemOutputLayer):
                 # the query projection brings its output projection along: an adapter state dict
@@ -143,6 +217,17 @@ class LSTMemModel(BaseTuner):
             self._check_linear(target, current_key)
             self._replace_module(parent, target_name, LSTMemOutputLayer(target, idx), target)
 
+    def _wrap_query(self, target: nn.Module, target_name: str, parent: nn.Module, key: str, idx: int):
+        """Wrap the query projection ``target``, with where the query sits in its output
+        (:func:`~lstmem_peft.tuner.attention.query_columns`: all of it, or a fused projection's query
+        features; an unknown fused layout is refused here)."""
+        config = getattr(self.model, "config", None)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        columns = query_columns(text_config, key, projection_shape(target)[0])
+        new = LSTMemQueryLayer(target, idx, columns)
+        self._replace_module(parent, target_name, new, target)
+        return new
+
     @staticmethod
     def _check_linear(module: nn.Module, key: str) -> None:
         """Refuse a projection whose dense weight LSTMem cannot read (see :mod:`lstmem_peft.tuner.quant`)."""
@@ -151,13 +236,17 @@ class LSTMemModel(BaseTuner):
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         """PEFT's injection (every door comes through here: the tuner's creation, ``add_adapter``,
         ``load_adapter``, ``inject_adapter_in_model``, transformers' ``load_adapter``), then
-        :meth:`_finish_injection`.
+        :meth:`_finish_injection`. A config without ``target_modules`` gets the attention projections
+        found in the model's structure (:func:`~lstmem_peft.tuner.attention.find_attention_projections`).
 
         With a ``state_dict`` (``inject_adapter_in_model(..., state_dict=...)``) PEFT targets the
         modules whose names carry adapter tensors and warns about config targets that carry none. The
         output projections hold no tensors (the query wrapper owns the memory), so each query
         projection's output sibling is named to PEFT as targeted too: a normal call warns about nothing.
         """
+        config = self.peft_config[adapter_name]
+        if isinstance(config, LSTMemConfig) and config.target_modules is None:
+            config.target_modules = find_attention_projections(model)
         state_dict = kwargs.get("state_dict")
         if state_dict is not None:
             config = self._prepare_adapter_config(

@@ -10,6 +10,7 @@ each quantisation library to dequantise its own weight instead:
 projection                     how its dense weight is obtained
 =============================  ===============================================================
 ``torch.nn.Linear``            the weight itself (float16, bfloat16, float32 or float64)
+transformers ``Conv1D``       its weight, stored ``(in, out)``, transposed (GPT-2's projections)
 bitsandbytes ``Linear4bit``    ``bitsandbytes.functional.dequantize_4bit`` (NF4 and FP4), in
                                either of its CPU layouts (see :func:`bnb_4bit_layout`)
 bitsandbytes ``Linear8bitLt``  ``bitsandbytes.functional.int8_vectorwise_dequant`` (row scales)
@@ -33,13 +34,17 @@ from typing import NoReturn
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .attention import projection_shape
 
 #: Dense weight dtypes a plain ``nn.Linear`` may hold (fp8 and integer weights need their scales).
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 SUPPORTED_PROJECTIONS = (
-    "torch.nn.Linear (float16/bfloat16/float32/float64 weight), bitsandbytes Linear4bit (NF4, FP4) and "
-    "Linear8bitLt, torch.nn.Linear quantised by torchao (a torchao tensor-subclass weight), optimum-quanto QLinear"
+    "torch.nn.Linear (float16/bfloat16/float32/float64 weight), transformers Conv1D (GPT-2's), "
+    "bitsandbytes Linear4bit (NF4, FP4) and Linear8bitLt, torch.nn.Linear quantised by torchao (a torchao "
+    "tensor-subclass weight), optimum-quanto QLinear"
 )
 
 
@@ -65,8 +70,11 @@ def projection_kind(module: nn.Module) -> str | None:
     """Which supported kind of projection ``module`` is, or ``None`` if it is not one.
 
     Returns:
-        ``"linear"``, ``"bnb-4bit"``, ``"bnb-8bit"``, ``"torchao"``, ``"quanto"`` or ``None``.
+        ``"linear"``, ``"conv1d"``, ``"bnb-4bit"``, ``"bnb-8bit"``, ``"torchao"``, ``"quanto"`` or ``None``.
     """
+    if isinstance(module, Conv1D):
+        dense = type(module.weight) in (nn.Parameter, torch.Tensor) and module.weight.dtype in DENSE_DTYPES
+        return "conv1d" if dense else None
     bnb = _bnb()
     if bnb is not None:
         if isinstance(module, bnb.nn.Linear4bit):
@@ -150,7 +158,7 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
             "backbone use get_peft_model(base, LSTMemConfig.from_pretrained(path)) and then "
             "set_peft_model_state_dict(model, safetensors.torch.load_file(<path>/adapter_model.safetensors))"
         )
-    expected = (module.out_features, module.in_features)
+    expected = projection_shape(module)
     if tuple(dense.shape) != expected:
         raise ValueError(
             f"the dequantised weight of this {type(module).__name__} has shape {tuple(dense.shape)}, but the "
@@ -188,6 +196,8 @@ def _dequantize(module: nn.Module, kind: str) -> torch.Tensor:
         dense = weight.dequantize()
     elif kind == "quanto":
         dense = module.qweight.dequantize()
+    elif kind == "conv1d":
+        dense = weight.detach().t().to(torch.float32, copy=True)  # stored (in, out)
     else:
         dense = weight.detach().to(torch.float32, copy=True)  # a copy: callers may change it freely
     return dense.to(torch.float32)
