@@ -60,6 +60,16 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def resolve_backend(backend: Backend, tensor: torch.Tensor) -> str:
+    """The member that runs for ``backend`` on ``tensor``'s device: ``"auto"`` is Triton for CUDA
+    tensors when Triton is installed, else the vectorised PyTorch member; the others name
+    themselves. The one place the ``"auto"`` rule is written."""
+    _check_backend(backend)
+    if backend != "auto":
+        return backend
+    return "triton" if tensor.is_cuda and triton_available() else "torch"
+
+
 def lstmem_scan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,8 +107,7 @@ def lstmem_scan(
     if valid is not None and valid.shape != q.shape[:2]:
         raise ValueError(f"valid must have shape {tuple(q.shape[:2])}, got {tuple(valid.shape)}")
     args = (q, k, w, f, o, depth, valid, initial_cell, initial_hidden)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and triton_available() else "torch"
+    backend = resolve_backend(backend, q)
     if backend == "naive":
         return scan_naive(*args)
     if backend == "triton":
@@ -152,8 +161,7 @@ def lstmem_step(
             "lstmem_step updates the states in place and has no gradient; under autograd scan the token with "
             "lstmem_scan (inputs with a time axis of length 1), or call it inside torch.no_grad()"
         )
-    if backend == "auto":
-        backend = "triton" if k.is_cuda and triton_available() else "torch"
+    backend = resolve_backend(backend, k)
     if backend == "torch":
         return step_torch(q, k, w, f, o, cell, hidden, depth, valid, out=out)
     if out is not None:  # these members step in place: on copies of the states
@@ -173,10 +181,7 @@ def fused_decode_step_applies(backend: str, x: torch.Tensor, weight_dtype: torch
     """Whether a memory layer whose kernels run on ``backend`` hands its one-token decode step to
     :func:`lstmem_decode_step`: ``"triton"`` (not with float64 weights, which the kernel refuses), or
     ``"auto"`` on CUDA tensors with Triton installed."""
-    _check_backend(backend)
-    if weight_dtype == torch.float64:
-        return False
-    return backend == "triton" or (backend == "auto" and x.is_cuda and triton_available())
+    return weight_dtype != torch.float64 and resolve_backend(backend, x) == "triton"
 
 
 # Long for its docstring: the op's whole contract (the math, every argument's shape, the slots).

@@ -661,12 +661,12 @@ def nothing_loads(monkeypatch):
     import types
 
     from lstmem_peft.cli import bench, demo
-    from lstmem_peft.eval import runner
+    from lstmem_peft.tuner import loading
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model loaded (or a server started) before the inputs were checked")
 
-    monkeypatch.setattr(runner, "load_model", loaded)
+    monkeypatch.setattr(loading, "load_model_and_adapter", loaded)
     monkeypatch.setattr(demo, "run", loaded)
     monkeypatch.setattr(bench, "run", loaded)
     monkeypatch.setitem(sys.modules, "lstmem_peft.serve", types.SimpleNamespace(serve=loaded))

@@ -77,31 +77,6 @@ def test_initialisation_follows_appendix_c4():
         torch.testing.assert_close(target[:, :8].norm(dim=0), torch.full((8,), 0.05))
 
 
-def test_adapter_files_with_the_full_matrices_load_as_their_effective_maps():
-    """Files written when the layer stored W_pred^full = [P_time | P_dep] and W_gate^full =
-    [G_z | G_time | G_dep | G_e] load: P_dep and [G_z | G_dep | G_e] are kept, and the forward
-    equals the full matrices applied to the zero-padded inputs of App. C.2 whatever P_time and G_time
-    hold (they only ever multiply zeros)."""
-    layer = make_layer()
-    ds = layer.state_size
-    g = torch.Generator().manual_seed(5)
-    w_pred_full, w_gate_full = torch.randn(ds, 2 * ds, generator=g), torch.randn(4 * ds, 4 * ds, generator=g)
-    old = {k: v for k, v in layer.state_dict().items() if k not in ("w_pred", "w_gate")}
-    old |= {"w_pred_full": w_pred_full, "w_gate_full": w_gate_full}
-    for depth_input in (True, False):
-        fresh = make_layer()
-        fresh.set_depth_input(depth_input)
-        fresh.load_state_dict(old, strict=True)
-        p, z, rdep, e = (torch.randn(5, ds, generator=g) for _ in range(4))
-        full_pred = torch.cat([torch.zeros_like(p), p], -1) @ w_pred_full.T
-        if depth_input:
-            torch.testing.assert_close(p @ fresh.effective_pred().T, full_pred)
-        else:  # no depth input: p^dep = 0, and no W~_pred is kept
-            assert fresh.w_pred is None and not fresh.effective_pred().any()
-        full_gate = torch.cat([z, torch.zeros_like(z), rdep, e], -1) @ w_gate_full.T
-        torch.testing.assert_close(torch.cat([z, rdep, e], -1) @ fresh.effective_gate().T, full_gate)
-
-
 def test_a_layer_without_depth_input_registers_no_prediction_map():
     layer = make_layer()
     names = lambda: {n for n, _ in layer.named_parameters()}  # noqa: E731
@@ -536,3 +511,27 @@ def test_weights_derived_for_training_have_no_step_maps_and_their_one_token_is_s
     for name in ("read", "cell", "hidden", "hidden_seq"):
         torch.testing.assert_close(getattr(scanned, name), getattr(stepped, name), rtol=1e-12, atol=1e-12)
     assert_close_to_reference(scanned, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)
+
+
+def test_importing_the_layer_registers_no_process_wide_hook():
+    """The optimizer hook that keeps cached weights current is registered by the first layer that
+    caches them (decoding without gradients), not by importing the module."""
+    import subprocess
+    import sys
+
+    script = (
+        "from torch.optim import optimizer as o\n"
+        "before = len(o._global_optimizer_post_hooks)\n"
+        "import lstmem_peft.memory.layer as m\n"
+        "import torch\n"
+        "assert len(o._global_optimizer_post_hooks) == before, 'registered at import'\n"
+        "layer = m.LSTMemLayer(hidden_size=16, query_size=16, num_heads=2, head_dim=4, layer_idx=0)\n"
+        "with torch.no_grad():\n"
+        "    layer.derived_weights()\n"
+        "assert len(o._global_optimizer_post_hooks) == before + 1\n"
+        "with torch.no_grad():\n"
+        "    m.LSTMemLayer(hidden_size=16, query_size=16, num_heads=2, head_dim=4, layer_idx=1).derived_weights()\n"
+        "assert len(o._global_optimizer_post_hooks) == before + 1, 'registered twice'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -196,37 +196,3 @@ def test_lstmem_eval_with_an_adapter_folder_without_weights_prints_one_line(tmp_
     assert err.startswith("lstmem eval: error: ") and str(tmp_path / "adapter") in err
     assert "adapter_model.safetensors" in err and "FileNotFoundError" in err
     assert not (tmp_path / "out").exists()
-
-
-def test_an_adapter_file_with_the_paper_s_full_matrices_loads_as_the_same_function(tmp_path):
-    """Files written before the layers stored the effective maps hold ``w_pred_full = [P_time | P_dep]``
-    in every layer and ``w_gate_full = [G_z | G_time | G_dep | G_e]``. They load through PEFT and give
-    the same logits whatever ``P_time`` and ``G_time`` hold (they only ever multiply zeros)."""
-    from peft import PeftModel
-    from safetensors.torch import save_file
-    from tiny_models import tiny_model
-
-    model = make(seed=3)
-    expected = history_then_question_logits(model)
-    model.save_pretrained(tmp_path)
-    path = tmp_path / "adapter_model.safetensors"
-    tensors = load_file(str(path))
-    g = torch.Generator().manual_seed(0)
-    old = {}
-    for key, value in tensors.items():
-        head, _, leaf = key.rpartition(".")
-        if leaf == "w_gate":
-            ds = value.shape[0] // 4
-            g_z, rest = value[:, :ds], value[:, ds:]
-            old[f"{head}.w_gate_full"] = torch.cat([g_z, torch.randn(4 * ds, ds, generator=g), rest], 1)
-        elif leaf != "w_pred":
-            old[key] = value
-    for key, value in tensors.items():  # every layer had a W_pred^full, with or without depth input
-        head, _, leaf = key.rpartition(".")
-        if leaf == "w_gate":
-            ds = value.shape[0] // 4
-            p_dep = tensors.get(f"{head}.w_pred", torch.zeros(ds, ds))
-            old[f"{head}.w_pred_full"] = torch.cat([torch.randn(ds, ds, generator=g), p_dep], 1)
-    save_file(old, str(path), metadata={"format": "pt"})
-    loaded = PeftModel.from_pretrained(tiny_model("qwen3", 3), tmp_path).eval()
-    assert torch.equal(history_then_question_logits(loaded), expected)

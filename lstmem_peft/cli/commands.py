@@ -418,6 +418,7 @@ def _eval_options(args) -> dict:
 def _eval(args) -> int:
     from lstmem_peft.eval import runner
     from lstmem_peft.eval.outputs import markdown_table
+    from lstmem_peft.tuner import loading
 
     options = _eval_options(args)
     if args.benchmark == "locomo":
@@ -452,7 +453,9 @@ def _eval(args) -> int:
         print(markdown_table(summary))
         print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
         return 0
-    model, tokenizer = runner.load_model(args.model, args.adapter, args.dtype, args.device)
+    model, tokenizer = loading.load_model_and_adapter(
+        args.model, args.adapter, dtype=args.dtype, device=args.device
+    )
     if args.benchmark == "mab" and args.chunk_tokenizer == "model":  # histories are built when iterated
         benchmark.count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
     decoding = runner.Decoding(greedy=args.greedy)

@@ -16,7 +16,7 @@ from .mab import MemoryAgentBench
 from .outputs import markdown_table, plot_scores, protocols_table
 from .prompts import PromptBuilder
 from .protocol import Benchmark, History, Question, question_weighted, require_fields
-from .runner import Decoding, evaluate, load_model, rescore
+from .runner import Decoding, evaluate, rescore
 from .scorers import PROTOCOLS
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "PromptBuilder",
     "Question",
     "evaluate",
-    "load_model",
     "markdown_table",
     "plot_scores",
     "protocols_table",

@@ -196,16 +196,6 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
             yield question, text.strip()
 
 
-# ---------------------------------------------------------------------- loading
-def load_model(model_id: str, adapter: str | None = None, dtype: str = "auto", device: str | None = None):
-    """A causal LM (Hub id or local folder), its tokenizer, and optionally an LSTMem adapter on it
-    (:func:`lstmem_peft.tuner.loading.load_model_and_adapter`). Returns ``(model, tokenizer)``; with
-    ``adapter`` the model is the ``PeftModel``."""
-    from lstmem_peft.tuner.loading import load_model_and_adapter
-
-    return load_model_and_adapter(model_id, adapter, dtype=dtype, device=device)
-
-
 # ---------------------------------------------------------------------- entry points
 def evaluate(
     model,

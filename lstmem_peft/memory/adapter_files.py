@@ -1,6 +1,5 @@
-"""What an LSTMem layer checks and converts when an adapter file (or a checkpoint) is loaded into it:
-the paper's full matrices of older files become the effective maps the layer registers, and weights
-that hold NaN or inf are refused; and how an adapter file's tensors are found by decoder layer when
+"""What an LSTMem layer checks when an adapter file (or a checkpoint) is loaded into it: weights that
+hold NaN or inf are refused; and how an adapter file's tensors are found by decoder layer when
 they are loaded without PEFT (the vLLM plugin, the server's fingerprint); and the refusal of weights
 saved for another base model, rank or head count, which names that cause."""
 
@@ -10,35 +9,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-
-#: Adapter files written before the layer stored the effective maps carry the paper's full matrices
-#: under these names: ``w_pred_full = [P_time | P_dep]`` ``(d_s, 2 d_s)`` and ``w_gate_full = [G_z |
-#: G_time | G_dep | G_e]`` ``(4 d_s, 4 d_s)``.
-FULL_MATRICES = {"w_pred_full": "w_pred", "w_gate_full": "w_gate"}
-
-
-def effective_from_full(name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """The parameter name and value a full matrix of an older adapter file becomes: ``P_dep`` of
-    ``w_pred_full``, ``[G_z | G_dep | G_e]`` of ``w_gate_full``. ``P_time`` and ``G_time`` only ever
-    multiplied zeros (App. C.2), so the layer computes the same function."""
-    if name == "w_pred_full":
-        ds = full.shape[0]
-        return "w_pred", full[:, ds:]
-    ds = full.shape[0] // 4
-    return "w_gate", torch.cat([full[:, :ds], full[:, 2 * ds :]], dim=1)
-
-
-def from_full_matrices(layer, state_dict: dict, prefix: str, *args) -> None:
-    """Before a state dict is loaded into ``layer``: the full matrices of an older file become the
-    effective maps (:func:`effective_from_full`); ``w_pred`` is dropped in a layer without depth input."""
-    for old in FULL_MATRICES:
-        full = state_dict.pop(prefix + old, None)
-        if full is None:
-            continue
-        name, value = effective_from_full(old, full)
-        if name == "w_pred" and layer.w_pred is None:
-            continue
-        state_dict.setdefault(prefix + name, value)
 
 
 def refuse_nonfinite_weights(layer, incompatible_keys) -> None:

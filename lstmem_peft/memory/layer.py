@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step, lstmem_scan, lstmem_step
 
 from . import constants as K
-from .adapter_files import from_full_matrices, refuse_nonfinite_weights
+from .adapter_files import refuse_nonfinite_weights
 
 
 def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -228,7 +228,6 @@ class LSTMemLayer(nn.Module):
         #: ``LSTMemConfig.scan_backend``
         self.backend = "auto"
         self.reset_parameters()
-        self._register_load_state_dict_pre_hook(from_full_matrices, with_module=True)
         self.register_load_state_dict_post_hook(refuse_nonfinite_weights)
         self.register_load_state_dict_post_hook(_forget_derived)
 
@@ -380,10 +379,10 @@ class LSTMemLayer(nn.Module):
         Inside a ``torch.compile`` graph (``traceable_memory()``) the cached weights are graph inputs,
         so a compiled step derives nothing: the cache cannot be checked there (a version counter is
         not part of a graph), so it is kept current where parameters change: after every optimizer
-        step (a global optimizer hook derives the cached layers' weights again), on
-        ``load_state_dict``, ``.to()`` and ``set_depth_input`` (dropped), and by any eager forward. A
-        parameter written by hand between compiled steps is seen after one eager forward or
-        :meth:`refresh_derived`.
+        step (a global optimizer hook, registered when the first layer caches, derives the cached
+        layers' weights again), on ``load_state_dict``, ``.to()`` and ``set_depth_input`` (dropped),
+        and by any eager forward. A parameter written by hand between compiled steps is seen after
+        one eager forward or :meth:`refresh_derived`.
 
         A write through ``p.data`` (``p.data.copy_(...)``) moves neither the version counter nor the
         storage, so nothing sees it: write parameters in place under ``torch.no_grad()`` instead,
@@ -401,7 +400,7 @@ class LSTMemLayer(nn.Module):
         with torch.no_grad():
             weights = self.weights()
         self.__dict__["_derived"] = (key, weights)
-        _CACHED_LAYERS.add(self)
+        _cache(self)
         return weights
 
     def refresh_derived(self) -> None:
@@ -722,6 +721,7 @@ class LSTMemLayer(nn.Module):
 
 #: layers whose derived weights are cached (kept current after optimizer steps)
 _CACHED_LAYERS: weakref.WeakSet[LSTMemLayer] = weakref.WeakSet()
+_optimizer_hook = None  # torch's handle, once a layer has cached its weights
 
 
 def _refresh_after_optimizer_step(optimizer, args, kwargs) -> None:
@@ -731,7 +731,14 @@ def _refresh_after_optimizer_step(optimizer, args, kwargs) -> None:
         layer.refresh_derived()
 
 
-register_optimizer_step_post_hook(_refresh_after_optimizer_step)
+def _cache(layer: LSTMemLayer) -> None:
+    """Keep ``layer``'s cached weights current after every optimizer step. The process-wide hook
+    this needs is registered here, when the first layer caches its weights (decoding or evaluating
+    without gradients), not when this module is imported: a process that never caches never has it."""
+    global _optimizer_hook
+    _CACHED_LAYERS.add(layer)
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(_refresh_after_optimizer_step)
 
 
 def _forget_derived(module: LSTMemLayer, incompatible_keys) -> None:

@@ -9,7 +9,11 @@ embedded demo model): write a history of facts ``kNN vNN ;`` into a session
 (``POST /v1/memory/{session}/write``), ask ``? kNN`` with the session (``POST
 /v1/chat/completions`` with ``X-Session-Id``: the answer from memory, greedy, one token) and
 without one (no history), see gold (the newest value written for that key) beside both answers,
-and watch the session's charts gain a point per write and question. ``/?demo=N&ask=M`` does it
+and watch the session's charts gain a point per write and question. A select beside the question
+sets what asking writes into the session's memory (``lstmem_write``): ``none`` by default here,
+since the question probes memory and a question written into the demo's memory can overwrite the
+fact it asks about; ``messages`` writes the question, ``messages_and_answer`` the question and the
+answer. ``/?demo=N&ask=M`` does it
 unattended: a random history of ``N`` facts, then ``M`` questions about it.
 """
 
@@ -45,7 +49,11 @@ max="512" style="width:5em"><button id="dgen">New random history</button></div>
 <textarea id="dhist" rows="3"></textarea>
 <div><button id="dwrite">Write into memory</button> <span id="dstatus" class="muted"></span></div>
 <div style="margin-top:6px">question <input id="dq" value="? k07" size="10"><button id="dask">Ask</button>
-<button id="dask3">Ask 3 written keys</button></div>
+<button id="dask3">Ask 3 written keys</button>
+<label title="lstmem_write: what asking with the session writes into its memory">writes
+<select id="dwritepolicy"><option value="none" selected>nothing (read only)</option>
+<option value="messages">the question</option>
+<option value="messages_and_answer">the question and the answer</option></select></label></div>
 <table id="dtable"><thead><tr><th>question</th><th>gold (newest written)</th><th>from memory</th>
 <th>without history</th></tr></thead><tbody></tbody></table></details>
 <div id="title" class="muted">Pick a session on the left.</div>
@@ -114,7 +122,8 @@ async function show(id) {
     chart('output gate o (mean)', per((t, l) => t.gates ? t.gates.out_gate[l] : null)) +
     chart('depth gate g (mean)', per((t, l) => t.gates ? t.gates.depth_gate[l] : null));
   document.getElementById('conv').innerHTML = T.map((t, i) =>
-    `<div class="turn"><div class="who">#${i+1} ${esc(t.kind)}, ${t.written} tokens written</div>` +
+    `<div class="turn"><div class="who">#${i+1} ${esc(t.kind)}, ${t.written} tokens written` +
+    `${t.write ? ' (lstmem_write ' + esc(t.write) + ')' : ''}</div>` +
     `${esc(t.input)}</div>` +
     (t.answer ? `<div class="turn ans"><div class="who">answer</div>${esc(t.answer)}</div>` : '')).join('');
 }
@@ -157,8 +166,9 @@ async function demoWrite() {
 async function answer(q, sid) {
   const headers = {...hdr(), 'Content-Type': 'application/json'};
   if (sid) headers['X-Session-Id'] = sid;
-  const r = await fetch('/v1/chat/completions', {method: 'POST', headers, body: JSON.stringify({
-    model: await model(), messages: [{role: 'user', content: q}], max_tokens: 1, temperature: 0})});
+  const body = {model: await model(), messages: [{role: 'user', content: q}], max_tokens: 1, temperature: 0};
+  if (sid) body.lstmem_write = $('dwritepolicy').value;  // what asking writes into the session
+  const r = await fetch('/v1/chat/completions', {method: 'POST', headers, body: JSON.stringify(body)});
   const j = await r.json();
   return r.ok ? j.choices[0].message.content.trim() : 'error ' + r.status;
 }

@@ -3,7 +3,10 @@ go into the prompt, and which are written into memory before and after the answe
 
 The scheduler (:mod:`.scheduler`) runs the plan: ``before`` is written first (memory is the only
 place the answer can read it), the answer is generated from ``prompt`` with memory read-only, then
-``after`` is written. Pure functions of the session's record, the request and the window: no model.
+``after`` is written (and the answer, with ``write="messages_and_answer"``). With ``write="none"``
+``before`` goes into a copy of memory that the answer reads and that is then dropped, and nothing
+is written. Pure functions of the session's record, the request, the window and the write policy:
+no model.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .protocol import ServeError
+from .protocol import DEFAULT_WRITE, ServeError
 from .runtime import ChatFormat, message_hash, tokens_after
 from .store import Session
 
@@ -26,9 +29,13 @@ class Plan:
         prompt: token ids of the prompt in the context window.
         after: token ids written after answering, ahead of the answer: the new messages (or text)
             that are in the prompt.
-        new_messages: record entries of the messages written now (chat), in order.
+        new_messages: record entries of the request's new messages (chat), in order: ``{"hash",
+            "role", "tokens", "written"}``; ``written`` is ``False`` under ``write="none"`` (the
+            message was read, not written: a later request that sends it again skips it all the same).
         text_chain: completions only: the text chain the record covers after the turn (the prompt's
-            text; the completion joins it when a later prompt carries it).
+            text; the completion joins it when a later prompt carries it, or at once with
+            ``write="messages_and_answer"``).
+        write: the write policy (:data:`~.protocol.WritePolicy`) the scheduler applies.
     """
 
     before: list[int]
@@ -36,6 +43,7 @@ class Plan:
     after: list[int] = field(default_factory=list)
     new_messages: list[dict] = field(default_factory=list)
     text_chain: str | None = None
+    write: str = DEFAULT_WRITE
 
     @property
     def new_tokens(self) -> list[int]:
@@ -54,10 +62,19 @@ def _fit(budget: int, what: str) -> None:
         )
 
 
-def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: int, max_tokens: int) -> Plan:
-    """Which messages are new, and the prompt, for a chat turn.
+def plan_chat(
+    fmt: ChatFormat,
+    session: Session,
+    messages: list[dict],
+    window: int,
+    max_tokens: int,
+    write: str = DEFAULT_WRITE,
+) -> Plan:
+    """Which messages are new, and the prompt, for a chat turn under the write policy ``write``.
 
-    The session's record lists the messages written so far (hash of role and content). If the
+    The session's record lists the messages taken in so far (hash of role and content), written or,
+    by a turn with ``write="none"``, only read: either way a request that sends them again skips
+    them, so a read-only turn's messages are never written later by surprise. If the
     request's messages start with that list, only the rest is new. If they share no first message
     with it, all of them are new (a client that sends only its latest turn). If they share a first
     part and then differ, the conversation was edited: memory cannot un-write, so this is refused
@@ -102,19 +119,33 @@ def plan_chat(fmt: ChatFormat, session: Session, messages: list[dict], window: i
             code="context_length_exceeded",
             param="messages",
         )
-    new_messages = [{"hash": hashes[i], "role": messages[i]["role"], "tokens": len(encoded[i])} for i in new]
+    new_messages = [
+        {
+            "hash": hashes[i],
+            "role": messages[i]["role"],
+            "tokens": len(encoded[i]),
+            "written": write != "none",
+        }
+        for i in new
+    ]
     before = [t for i in new if i < first for t in encoded[i]]
     after = [t for i in new if i >= first for t in encoded[i]]
-    return Plan(before, prompt + opening, after, new_messages)
+    return Plan(before, prompt + opening, after, new_messages, write=write)
 
 
 def plan_completion(
-    fmt: ChatFormat, session: Session, prompt: str | list[int], window: int, max_tokens: int
+    fmt: ChatFormat,
+    session: Session,
+    prompt: str | list[int],
+    window: int,
+    max_tokens: int,
+    write: str = DEFAULT_WRITE,
 ) -> Plan:
-    """Which part of a completions prompt is new, and what stays in context.
+    """Which part of a completions prompt is new, and what stays in context, under ``write``.
 
-    If the text written by earlier completions of the session (prompt plus answer) is a prefix of
-    ``prompt``, only the rest is new; otherwise the whole prompt is. The context gets the prompt's
+    If the text taken in by earlier completions of the session (prompts, written or only read under
+    ``write="none"``, and completions written with them) is a prefix of ``prompt``, only the rest is
+    new; otherwise the whole prompt is. The context gets the prompt's
     last ``window - max_tokens`` tokens (the rest lives in memory). Of the new text's tokens, the
     last ones, as many as the context holds, are written after answering (``after``); any before
     them are written before answering (``before``).
@@ -147,4 +178,4 @@ def plan_completion(
         new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
         new_ids = tokens if new_ids is None else new_ids
     split = len(new_ids) - min(len(new_ids), len(context))
-    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt)
+    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt, write=write)

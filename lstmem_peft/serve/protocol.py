@@ -9,10 +9,12 @@ Requests: every field a request may carry is declared: an unknown field, or a kn
 server does not implement (``tools``, ``logit_bias``, a ``response_format`` other than text,
 ``suffix``, nonzero penalties, ...), is refused with a 400 error that names it, never ignored
 (``user`` and ``metadata`` are accepted: they tag a request and change nothing it generates). Values
-out of range are 400 errors too. Sizes are bounded: ``n`` (:data:`MAX_N`), stop strings
-(:data:`MAX_STOP` of at most :data:`MAX_STOP_CHARS` characters), prompts per completions request
-(:data:`MAX_PROMPTS`) and ``logprobs`` / ``top_logprobs`` (:data:`MAX_LOGPROBS`); ``max_tokens`` is
-bounded by the context window (checked by the serving classes).
+out of range are 400 errors too. One field is this server's own: ``lstmem_write``
+(:data:`WritePolicy`), what a chat or completions turn writes into memory. Sizes are bounded: ``n``
+(:data:`MAX_N`), stop strings (:data:`MAX_STOP` of at most :data:`MAX_STOP_CHARS` characters),
+prompts per completions request (:data:`MAX_PROMPTS`) and ``logprobs`` / ``top_logprobs``
+(:data:`MAX_LOGPROBS`); ``max_tokens`` is bounded by the context window (checked by the serving
+classes).
 
 Responses: a completion (:class:`ChatCompletionResponse`, :class:`CompletionResponse`) or a stream
 of chunks (:class:`ChatCompletionChunk`, :class:`CompletionChunk`), each with OpenAI's ``usage`` and
@@ -33,6 +35,22 @@ MAX_PROMPTS = 128  # prompts per /v1/completions request, times n
 MAX_LOGPROBS = 20
 
 FinishReason = Literal["stop", "length"]
+
+#: What a chat or completions turn writes into its session's memory (the ``lstmem_write`` field):
+#: ``none`` reads memory and leaves it as it was, ``messages`` (the default) writes the request's new
+#: messages (or prompt text), ``messages_and_answer`` writes them and then the answer. See
+#: :mod:`lstmem_peft.serve.scheduler` for the rule and docs/serving.md for why the default is ``messages``.
+WritePolicy = Literal["none", "messages", "messages_and_answer"]
+WRITE_POLICIES: tuple[str, ...] = ("none", "messages", "messages_and_answer")
+DEFAULT_WRITE: WritePolicy = "messages"
+WRITE_DESCRIPTION = (
+    "lstmem: what this turn writes into the session's memory. 'none': the answer reads memory and nothing is "
+    "written (the new messages are recorded as read, so a conversation sent again later does not write them); "
+    "'messages' (default): the request's new messages (completions: the new prompt text) are written, and an "
+    "answer is written when a later request sends it back; 'messages_and_answer': the new messages and then "
+    "the answer (completions: the completion) are written by this turn (needs n = 1). OpenAI SDKs pass it in "
+    "extra_body."
+)
 
 
 # ---------------------------------------------------------------------- errors
@@ -140,6 +158,8 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # not a sampling parameter: what the turn writes into memory (chat and completions share it)
+    lstmem_write: WritePolicy = Field(DEFAULT_WRITE, description=WRITE_DESCRIPTION)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -311,6 +331,10 @@ class MemoryUsage(BaseModel):
     memory_tokens_written: int = Field(description="tokens this request wrote into memory")
     session_tokens_written: int = Field(description="tokens the session's memory holds after the request")
     batch_size: int = Field(description="requests in the largest batch this one ran in")
+    write: WritePolicy = Field(
+        description="the write policy applied (the request's lstmem_write; 'none' for a completion that only "
+        "scores its prompt, which never writes)"
+    )
 
 
 class ModelCard(BaseModel):
@@ -518,6 +542,9 @@ class TurnRecord(BaseModel):
     input: str = Field(description="the end of what was sent (at most 500 characters)")
     answer: str = Field(description="the first choice's answer (empty for writes and imports)")
     written: int = Field(description="tokens this commit wrote")
+    write: WritePolicy | None = Field(
+        None, description="chat and completion turns: the write policy applied (lstmem_write)"
+    )
     prompt_tokens: int
     batch: int = Field(description="requests in the batch it ran in")
     gates: GateMeans | None
@@ -533,7 +560,10 @@ class MemoryInfo(BaseModel):
     exists: bool = Field(description="whether anything was committed")
     tokens_written: int
     commit: int = Field(description="commits so far (0: nothing committed)")
-    messages_written: int = Field(description="chat messages in the record")
+    messages_written: int = Field(
+        description="chat messages written into memory (messages a turn with lstmem_write 'none' read are "
+        "recorded, not counted)"
+    )
     layout: LayoutInfo
     fingerprint: str = Field(description="of the layout: a memory file must match it to load")
     adapter_fingerprint: str = Field(description="SHA-256 (16 hex) of the memory layers' weights")

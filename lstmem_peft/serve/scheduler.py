@@ -37,6 +37,28 @@ rest after it; a completion is written when a later prompt carries it. So a ques
 is answered from memory as the in-process "write the history, then read the question"
 (``lstmem_peft.cli.demo.evaluate``) does, and memory holds each message once, in order.
 
+**The write policy** (the request's ``lstmem_write``, :data:`.protocol.WritePolicy`) decides what
+steps 2 and 4 commit; the answer is the same under all three (same prompt, same memory read):
+
+* ``messages`` (the default): as above.
+* ``none``: step 2 writes into a copy of the memory that the answer reads and that is then dropped;
+  step 4 writes nothing. The session's memory is committed as it was: the same object, so the store
+  keeps the same memory file, byte for byte (only ``record.json`` gains the turn). The new messages
+  go into the record marked ``written: false``: taken in, not written. The prefix matching skips
+  them like written ones, so a client that later sends the whole conversation again, under any
+  policy, does not write them. The answer is not recorded: sent back later, it is a new message of
+  that request, written or not by that request's policy (as every answer under ``messages``).
+  A completion's prompt text joins the record's text chain the same way (read, not written).
+* ``messages_and_answer``: step 4 writes the new in-context messages and then the answer, in one
+  ``write_history`` call, in conversation order. The answer is written as a client would send it
+  back: ``ChatFormat.message("assistant", text)`` in chat, ``encode_text(text)`` for a completion
+  (its text after the stop cut). It is recorded (chat: a record entry, hash of role and text;
+  completions: it joins the text chain), so a client that sends it back does not write it twice.
+  It needs ``n == 1`` (the serving classes refuse more): the one choice is the one the client keeps.
+  (``none`` and ``messages`` record no answer, so they take any ``n``.)
+
+The response's ``lstmem`` field names the policy applied and counts the tokens written.
+
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
 went away before the commit (the job is marked cancelled, decoding of its rows stops early and
 nothing is committed).
@@ -56,7 +78,7 @@ from lstmem_peft.memory.cache import MemoryCache
 
 from .generation import Answer, Sampling, generate_rows, score_rows
 from .planning import Plan, plan_chat, plan_completion
-from .protocol import ServeError
+from .protocol import DEFAULT_WRITE, ServeError
 from .runtime import ChatFormat, LoadedModel, fresh_memory, message_hash, state_norms, write_rows
 from .store import Session, SessionStore
 
@@ -148,12 +170,15 @@ class _Turn:
         session: the session as it was before the turn.
         plan: what the turn writes and prompts with.
         streams: with ``job.stream``, one :class:`_StreamState` per choice.
+        answer_ids: with ``write="messages_and_answer"``, the answer's tokens as written after the
+            turn's new in-context messages (:meth:`Scheduler._answer_tokens`); else empty.
     """
 
     job: Job
     session: Session
     plan: Plan
     streams: list[_StreamState] | None = None
+    answer_ids: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------- the scheduler
@@ -285,13 +310,17 @@ class Scheduler:
             return session.memory
         return fresh_memory(self.loaded.layout, self.loaded.device)
 
-    def _commit(self, job: Job, session: Session, memory: MemoryCache, turn: dict, **changes) -> Session:
-        """Durably commit the next version of a session (nothing for a session-less request)."""
+    def _commit(
+        self, job: Job, session: Session, memory: MemoryCache | None, turn: dict, **changes
+    ) -> Session:
+        """Durably commit the next version of a session (nothing for a session-less request).
+        ``memory`` ``None``: nothing was ever written (a read-only turn on a new session)."""
+        shown = memory if memory is not None else self._memory(session)
         turn = {
             **turn,
             "time": time.time(),
-            "tokens_written": int(memory.tokens_written[0]),
-            "norms": state_norms(memory),
+            "tokens_written": int(shown.tokens_written[0]),
+            "norms": state_norms(shown),
         }
         new = replace(session, memory=memory, turns=session.turns + [turn], **changes)
         if job.session is not None:
@@ -299,7 +328,7 @@ class Scheduler:
         return new
 
     def _commit_or_report(
-        self, job: Job, session: Session, memory: MemoryCache, turn: dict, **changes
+        self, job: Job, session: Session, memory: MemoryCache | None, turn: dict, **changes
     ) -> Session | None:
         """:meth:`_commit`; a commit that fails is logged and sent to the job as a 500 error, and
         gives ``None`` (the session stays at its previous version, on disk and in RAM)."""
@@ -320,17 +349,40 @@ class Scheduler:
             return
         start = time.perf_counter()
         # new messages older than the prompt: written first, memory is where the answer reads them
+        # (under write "none" into a copy that is dropped after answering: write_rows returns new rows)
         memories, gates_in = write_rows(
             self.loaded, [self._memory(t.session) for t in turns], [t.plan.before for t in turns]
         )
         answers = self._answer(turns, memories)
-        # then the new messages that were in the prompt (read, not yet written), once; the answer is
-        # written when the client sends it back as part of its conversation (or prompt)
-        finals, gates_out = write_rows(self.loaded, memories, [t.plan.after for t in turns])
+        for turn, choices in zip(turns, answers, strict=True):
+            turn.answer_ids = self._answer_tokens(turn, choices)
+        # then the new messages that were in the prompt (read, not yet written), once, and with
+        # "messages_and_answer" the answer after them; otherwise the answer is written when the client
+        # sends it back as part of its conversation (or prompt)
+        finals, gates_out = write_rows(
+            self.loaded,
+            memories,
+            [[] if t.plan.write == "none" else t.plan.after + t.answer_ids for t in turns],
+        )
         elapsed = time.perf_counter() - start
         for i, turn in enumerate(turns):
-            gates = _merge_gates(gates_in[i], gates_out[i], len(turn.plan.before), len(turn.plan.after))
+            if turn.plan.write == "none":  # the session's memory as it was: the copy is dropped
+                self._finish_turn(turn, turn.session.memory, answers[i], None, len(turns), elapsed)
+                continue
+            after = len(turn.plan.after) + len(turn.answer_ids)
+            gates = _merge_gates(gates_in[i], gates_out[i], len(turn.plan.before), after)
             self._finish_turn(turn, finals[i], answers[i], gates, len(turns), elapsed)
+
+    def _answer_tokens(self, turn: _Turn, choices: list[Answer]) -> list[int]:
+        """The tokens of the answer a ``messages_and_answer`` turn writes (else none): the answer as a
+        client sends it back, its text after the stop cut: a chat message
+        (``ChatFormat.message("assistant", text)``) or a completion's text (``encode_text``)."""
+        if turn.plan.write != "messages_and_answer":
+            return []
+        (answer,) = choices  # n == 1: the serving classes refuse more with this policy
+        if turn.job.payload["mode"] == "chat":
+            return self.fmt.message("assistant", answer.text)
+        return self.fmt.encode_text(answer.text)
 
     def _plan_turns(self, jobs: list[Job]) -> list[_Turn]:
         """Each job's plan (:mod:`.planning`); a job whose request does not fit gets its error and
@@ -340,11 +392,12 @@ class Scheduler:
         for job in jobs:
             session = self._session(job)
             p = job.payload
+            write = p.get("write", DEFAULT_WRITE)
             try:
                 if p["mode"] == "chat":
-                    plan = plan_chat(self.fmt, session, p["messages"], self.window, max_tokens)
+                    plan = plan_chat(self.fmt, session, p["messages"], self.window, max_tokens, write)
                 else:
-                    plan = plan_completion(self.fmt, session, p["prompt"], self.window, max_tokens)
+                    plan = plan_completion(self.fmt, session, p["prompt"], self.window, max_tokens, write)
             except ServeError as err:
                 job.emit(("error", err))
                 continue
@@ -379,36 +432,29 @@ class Scheduler:
     def _finish_turn(
         self,
         turn: _Turn,
-        memory: MemoryCache,
+        memory: MemoryCache | None,
         choices: list[Answer],
         gates: dict | None,
         batch: int,
         elapsed: float,
     ) -> None:
-        """Commit one turn (its new memory and record) and send its result; a turn whose request
-        was cancelled meanwhile commits nothing."""
+        """Commit one turn (its new memory, or under write "none" the session's memory as it was,
+        and its record) and send its result; a turn whose request was cancelled meanwhile commits
+        nothing."""
         job, plan, session = turn.job, turn.plan, turn.session
         if job.cancelled.is_set():
             job.emit(
                 ("error", ServeError(499, "request cancelled; the session was not changed", code="cancelled"))
             )
             return
-        if job.payload["mode"] == "chat":
-            changes = {"messages": session.messages + plan.new_messages}
-        else:
-            chain = plan.text_chain
-            changes = {
-                "completion_text": {
-                    "length": len(chain),
-                    "sha256": hashlib.sha256(chain.encode()).hexdigest(),
-                }
-            }
-        written = len(plan.before) + len(plan.after)
+        changes = self._record_changes(turn, choices)
+        written = 0 if plan.write == "none" else len(plan.before) + len(plan.after) + len(turn.answer_ids)
         record = {
             "kind": job.payload["mode"],
             "input": job.payload.get("display", ""),
             "answer": choices[0].text,
             "written": written,
+            "write": plan.write,
             "prompt_tokens": len(plan.prompt),
             "batch": batch,
             "gates": gates,
@@ -423,11 +469,35 @@ class Scheduler:
             "choices": choices,
             "prompt_tokens": len(plan.prompt),
             "written": written,
+            "write": plan.write,
             "tokens_written": new.tokens_written,
             "batch": batch,
             "seconds": elapsed,
         }
         job.emit(("done", result))
+
+    def _record_changes(self, turn: _Turn, choices: list[Answer]) -> dict:
+        """What the turn adds to the session's record: chat, its new messages (marked read, not
+        written, under write "none") and with "messages_and_answer" the answer; completions, the
+        text chain (the prompt, and with "messages_and_answer" the completion after it)."""
+        plan, session = turn.plan, turn.session
+        if turn.job.payload["mode"] == "chat":
+            entries = list(plan.new_messages)
+            if plan.write == "messages_and_answer":
+                text = choices[0].text
+                entries.append(
+                    {
+                        "hash": message_hash("assistant", text),
+                        "role": "assistant",
+                        "tokens": len(turn.answer_ids),
+                        "written": True,
+                    }
+                )
+            return {"messages": session.messages + entries}
+        chain = plan.text_chain + (choices[0].text if plan.write == "messages_and_answer" else "")
+        return {
+            "completion_text": {"length": len(chain), "sha256": hashlib.sha256(chain.encode()).hexdigest()}
+        }
 
     # ------------------------------------------------------------------ memory writes
     def _run_writes(self, jobs: list[Job]) -> None:
@@ -449,6 +519,7 @@ class Scheduler:
                         "hash": message_hash(m["role"], m["content"]),
                         "role": m["role"],
                         "tokens": len(self.fmt.message(m["role"], m["content"])),
+                        "written": True,
                     }
                     for m in job.payload["messages"]
                 ]
@@ -538,6 +609,7 @@ class Scheduler:
                         "choices": [answer] * job.sampling.n,
                         "prompt_tokens": len(prompts[i]),
                         "written": 0,
+                        "write": "none",  # scoring reads memory and writes nothing, whatever was asked
                         "tokens_written": sessions[i].tokens_written,
                         "batch": len(ok),
                         "seconds": time.perf_counter() - start,

@@ -140,6 +140,19 @@ class ServingGeneration(ServingBase):
             raise ServeError(400, "stream_options needs stream=true", param="stream_options")
 
     @staticmethod
+    def check_write(body) -> None:
+        """``lstmem_write`` ``messages_and_answer`` writes and records the turn's answer: it needs
+        ``n`` 1, the one choice the conversation goes on with."""
+        if body.lstmem_write == "messages_and_answer" and body.n > 1:
+            raise ServeError(
+                400,
+                f"lstmem_write {body.lstmem_write!r} takes n=1 (got n={body.n}): the turn writes its one "
+                "answer; send n=1, or lstmem_write 'messages' or 'none' for several choices",
+                param="n",
+                code="unsupported_parameter",
+            )
+
+    @staticmethod
     def check_stream_logprobs(logprobs: bool, stream: bool) -> None:
         """Log-probabilities come from a scoring forward after the answer: not in a stream."""
         if logprobs and stream:
@@ -264,12 +277,14 @@ def usage(results: list[dict]) -> Usage:
 
 
 def memory_usage(results: list[dict], session: str | None) -> MemoryUsage:
-    """The ``lstmem`` field: tokens written by the request, held by the session after it, batch size."""
+    """The ``lstmem`` field: the write policy applied, tokens written by the request, held by the
+    session after it, batch size."""
     return MemoryUsage(
         session=session,
         memory_tokens_written=sum(r["written"] for r in results),
         session_tokens_written=results[-1]["tokens_written"],
         batch_size=max(r["batch"] for r in results),
+        write=results[0]["write"],
     )
 
 

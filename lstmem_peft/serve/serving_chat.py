@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: a chat turn on a session's memory (:class:`ServingChat`).
 
-The request's messages become one ``turn`` job: the scheduler skips the messages the session wrote
-before, writes the new ones by the turn rule (:mod:`.scheduler`) and answers from memory read-only.
+The request's messages become one ``turn`` job: the scheduler skips the messages the session took
+in before, answers from memory read-only and writes what the request's ``lstmem_write`` policy says
+(the new messages by default) by the turn rule (:mod:`.scheduler`).
 The answer is a :class:`~.protocol.ChatCompletionResponse`, or with ``stream`` a series of
 :class:`~.protocol.ChatCompletionChunk` events: the role, the text as it comes, ``finish_reason``.
 """
@@ -65,13 +66,19 @@ class ServingChat(ServingGeneration):
         if body.top_logprobs is not None and not body.logprobs:
             raise ServeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_stream_logprobs(bool(body.logprobs), body.stream)
+        self.check_write(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         job = Job(
             "turn",
             namespace,
             session,
-            {"mode": "chat", "messages": messages, "display": messages[-1]["content"]},
+            {
+                "mode": "chat",
+                "messages": messages,
+                "display": messages[-1]["content"],
+                "write": body.lstmem_write,
+            },
             sampling=self.sampling_of(body, max_tokens, logprobs),
             stream=body.stream,
         )

@@ -2,8 +2,9 @@
 (:class:`ServingCompletions`).
 
 Each prompt is one job: a ``turn`` (the same turn as chat, on text: the part of the prompt the
-session has not written is written by the turn rule of :mod:`.scheduler`), or with ``max_tokens``
-0 and ``echo`` a ``score`` job that reads memory and writes nothing. The answer is a
+session has not taken in is written by the turn rule of :mod:`.scheduler`, under the request's
+``lstmem_write`` policy), or with ``max_tokens`` 0 and ``echo`` a ``score`` job that reads memory
+and writes nothing, whatever the policy. The answer is a
 :class:`~.protocol.CompletionResponse` (choice ``i * n + c`` for choice ``c`` of prompt ``i``), or
 with ``stream`` (one prompt) a series of :class:`~.protocol.CompletionChunk` events.
 """
@@ -60,6 +61,7 @@ class ServingCompletions(ServingGeneration):
         prompts = body.prompts()
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         self._check_request(body, prompts, max_tokens, session)
+        self.check_write(body)
         self._check_token_ids(prompts)
         texts = [
             p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
@@ -72,7 +74,7 @@ class ServingCompletions(ServingGeneration):
                 "score" if max_tokens == 0 else "turn",
                 namespace,
                 session,
-                {"mode": "completion", "prompt": p, "display": text[-500:]},
+                {"mode": "completion", "prompt": p, "display": text[-500:], "write": body.lstmem_write},
                 sampling=sampling,
                 stream=body.stream,
             )

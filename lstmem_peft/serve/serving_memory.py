@@ -78,7 +78,7 @@ class ServingMemory(ServingBase):
             exists=s.version > 0,
             tokens_written=s.tokens_written,
             commit=s.version,
-            messages_written=len(s.messages),
+            messages_written=sum(m.get("written", True) for m in s.messages),
             layout=LayoutInfo(**{**asdict(layout), "layer_indices": list(layout.layer_indices)}),
             fingerprint=layout.fingerprint(),
             adapter_fingerprint=self.loaded.adapter_fingerprint,

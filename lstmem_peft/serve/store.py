@@ -13,6 +13,9 @@ reaches another key's sessions. A commit is crash-consistent because the record 
 2. ``record.json``, which names that file and its SHA-256, is replaced atomically the same way;
 3. only then is the previous memory file removed.
 
+A commit that wrote nothing (a turn with ``lstmem_write`` ``none``) skips step 1 and 3: the record
+names the same memory file, which stays as it was, byte for byte.
+
 A crash before step 2 leaves the old record naming the old, intact memory file (the new file is an
 orphan, removed at the next load); a crash after it leaves the new pair. Either way the session is
 one committed version, never a mix.
@@ -84,8 +87,11 @@ class Session:
     Attributes:
         namespace, session: where it lives.
         memory: one-row :class:`MemoryCache`, or ``None`` before anything was written.
-        messages: ``[{"hash", "role", "tokens"}]``, the chat messages written so far, in order.
-        completion_text: ``{"length", "sha256"}`` of the completions-prompt text written so far.
+        messages: ``[{"hash", "role", "tokens", "written"}]``, the chat messages taken in so far, in
+            order: written into memory, or (``written`` false) only read by a turn with
+            ``lstmem_write`` ``none``; an entry without ``written`` (an older record) was written.
+        completion_text: ``{"length", "sha256"}`` of the completions text taken in so far (written,
+            or read by a turn with ``lstmem_write`` ``none``).
         turns: the turn history (what the page plots): one dict per commit.
         version: commit counter (names the memory file).
         memory_file: the memory file's name in the session folder, or ``None``.
@@ -215,7 +221,11 @@ class SessionStore:
 
     # ------------------------------------------------------------------ writing
     def commit(self, new: Session) -> None:
-        """Make ``new`` (the next version of its session) durable, then current in RAM."""
+        """Make ``new`` (the next version of its session) durable, then current in RAM.
+
+        A version whose memory is the current version's own object (a turn that wrote nothing:
+        ``lstmem_write`` ``none``) keeps the current memory file, untouched: only the record is
+        replaced."""
         folder = self.folder(new.namespace, new.session)
         folder.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -223,7 +233,11 @@ class SessionStore:
         previous_file = None if old is None else old.memory_file
         new.version = (0 if old is None else old.version) + 1
         record = new.record()
-        if new.memory is not None:
+        if new.memory is not None and old is not None and new.memory is old.memory and previous_file:
+            new.memory_file = previous_file
+            record["memory_file"] = previous_file
+            record["memory_sha256"] = _sha256(folder / previous_file)
+        elif new.memory is not None:
             new.memory_file = f"memory-{new.version:08d}.safetensors"
             target = folder / new.memory_file
             _atomic_write(target, new.memory.save)

@@ -19,12 +19,7 @@ from contextlib import contextmanager
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from lstmem_peft.memory.adapter_files import (
-    FULL_MATRICES,
-    MemoryWidths,
-    effective_from_full,
-    refuse_weights_of_another_shape,
-)
+from lstmem_peft.memory.adapter_files import MemoryWidths, refuse_weights_of_another_shape
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 from .attention import (
@@ -108,20 +103,10 @@ class LSTMemModel(BaseTuner):
 
     @classmethod
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name: str, state_dict: dict) -> dict:
-        """PEFT's key remapping, after the full matrices of an older adapter file (``w_pred_full``,
-        ``w_gate_full``) became the effective maps the layers register (:func:`~lstmem_peft.memory.layer.
-        effective_from_full`); a ``W~_pred`` for a layer without depth input (which has none) is dropped."""
-        converted = {}
-        for key, value in state_dict.items():
-            head, _, leaf = key.rpartition(".")
-            if leaf in FULL_MATRICES and head.endswith("lstmem_memory"):
-                leaf, value = effective_from_full(leaf, value)
-                key = f"{head}.{leaf}"
-            converted[key] = value
-        cls._refuse_weights_that_do_not_fit(model, config, adapter_name, converted)
-        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, converted)
-        # a W~_pred the model has no parameter for kept its checkpoint key (no adapter name): drop it
-        return {k: v for k, v in remapped.items() if not k.endswith(".lstmem_memory.w_pred")}
+        """PEFT's key remapping, after weights saved for another base model, rank or head count are
+        refused (:meth:`_refuse_weights_that_do_not_fit`)."""
+        cls._refuse_weights_that_do_not_fit(model, config, adapter_name, state_dict)
+        return super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
 
     @classmethod
     def _refuse_weights_that_do_not_fit(cls, model, config, adapter_name: str, state_dict: dict) -> None:

@@ -84,9 +84,6 @@ MEMORY_WRITE = "lstmem_memory_write"
 # adapter's blocks with block-end feedback, as lstmem_peft.write_history) and saves it to the
 # out-session (lstmem_peft/integrations/vllm/history.py)
 HISTORY = "lstmem_history"
-# the keys of earlier versions, whose values were file paths; refused at admission with a pointer to
-# the keys above
-LEGACY_PATH_KEYS = {"lstmem_memory_in": SESSION_IN, "lstmem_memory_out": SESSION_OUT}
 # the environment variable, read by every vLLM process, that names the session directory
 SESSION_DIR_ENV = "LSTMEM_SESSION_DIR"
 SESSION_SUFFIX = ".safetensors"

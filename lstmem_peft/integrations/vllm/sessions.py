@@ -7,9 +7,8 @@ are session *names*, never paths: a name is a ``lstmem serve`` session id
 not starting with ``.``), and session ``NAME`` is the file ``NAME.safetensors`` of the session
 directory (:func:`~lstmem_peft.integrations.vllm.session_file`), which only the operator chooses: the
 environment variable ``LSTMEM_SESSION_DIR`` of the processes that run vLLM. Without it, sessions are
-off and a request that names one is refused. The keys of earlier versions, ``lstmem_memory_in`` /
-``lstmem_memory_out``, took file paths; they are refused with a pointer to the new keys. Names are
-one namespace shared by every client of the server (vLLM has no notion of callers): give sessions
+off and a request that names one is refused, as is any other ``lstmem_`` key. Names are one
+namespace shared by every client of the server (vLLM has no notion of callers): give sessions
 unguessable names where clients must not reach each other's (``lstmem serve`` keeps callers apart).
 
 Files are :meth:`lstmem_peft.MemoryCache.save` files of one row. A session directory belongs to one
@@ -86,7 +85,6 @@ from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 from . import (
     HISTORY,
-    LEGACY_PATH_KEYS,
     MEMORY_WRITE,
     SESSION_DIR_ENV,
     SESSION_FILE_CHECK,
@@ -118,18 +116,12 @@ def request_sessions(extra_args) -> tuple[str | None, str | None]:
     """The in- and out-session names a request's ``extra_args`` give (``None``: not given).
 
     Raises:
-        ValueError: a key of earlier versions (``lstmem_memory_in`` / ``lstmem_memory_out``, paths),
-            another ``lstmem_`` key, or a name that is not a string.
+        ValueError: another ``lstmem_`` key, or a name that is not a string.
     """
     extra = extra_args or {}
     if not isinstance(extra, dict):
         return None, None
     for key in extra:
-        if key in LEGACY_PATH_KEYS:
-            raise ValueError(
-                f"{key} took a file path, which the LSTMem vLLM plugin no longer accepts: name a session with "
-                f"{LEGACY_PATH_KEYS[key]} instead (a file of the server's session directory, LSTMEM_SESSION_DIR)"
-            )
         if (
             isinstance(key, str)
             and key.startswith("lstmem_")
