@@ -4,7 +4,7 @@ walk of one program, counted through the scan's real host code (nothing is launc
     python benchmarks/scan_parallelism.py            # markdown table on stdout
 
 The counts are the same on any machine: they follow from the chunk plan
-(``lstmem_kernels.triton_scan.chunk_length``) and the grids the host code asks for. They say how
+(``lstmem_kernels.scan.chunked.chunk_length``) and the grids the host code asks for. They say how
 much of a GPU a launch can occupy (an H100 has 132 SMs) and how long its critical path is; what a
 launch costs in time needs a GPU. The row "sequential" is what the scan was before the chunked
 scan (2026-11-27): one program per (batch, head) walking the whole block, forward and backward.
@@ -18,7 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors pass the kernels' 
 
 import torch  # noqa: E402
 
-from lstmem_kernels import triton_scan  # noqa: E402
+from lstmem_kernels.scan import chunked as triton_scan  # noqa: E402
 
 KERNELS = ("_fwd_summary_kernel", "_fwd_replay_kernel", "_bwd_summary_kernel", "_bwd_replay_kernel")
 

@@ -1,4 +1,6 @@
-"""LSTMem scan and decode-step operators (torch + Triton; no transformers import).
+"""LSTMem scan and decode-step operators (torch + Triton; no transformers import), as two op
+families, one folder each: :mod:`.scan` (a block) and :mod:`.step` (one token), each with its
+reference, PyTorch and Triton members behind one signature; :mod:`.backend` picks the member.
 
 >>> import torch
 >>> from lstmem_kernels import lstmem_scan
@@ -10,16 +12,9 @@
 torch.Size([1, 5, 4, 8, 8])
 """
 
-from .naive import scan_naive, step_naive
-from .ops import (
-    BACKENDS,
-    fused_decode_step_applies,
-    lstmem_decode_step,
-    lstmem_scan,
-    lstmem_step,
-    triton_available,
-)
-from .parallel import scan_parallel, step_torch
+from .backend import BACKENDS, resolve_backend, triton_available
+from .scan import lstmem_scan, scan_naive, scan_parallel
+from .step import fused_decode_step_applies, lstmem_decode_step, lstmem_step, step_naive, step_torch
 
 __all__ = [
     "BACKENDS",
@@ -27,6 +22,7 @@ __all__ = [
     "lstmem_decode_step",
     "lstmem_scan",
     "lstmem_step",
+    "resolve_backend",
     "scan_naive",
     "scan_parallel",
     "step_naive",

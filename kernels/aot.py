@@ -247,19 +247,17 @@ def scenario(label: str, paper: bool) -> Iterator[None]:
 
 
 def _kernel_modules() -> list:
-    """The ``lstmem_kernels.triton_*`` modules (imported)."""
+    """Every module of ``lstmem_kernels`` (imported, subpackages included; this one aside): the
+    Triton members of the op families and their shared helpers are among them."""
     import lstmem_kernels
 
-    return [
-        importlib.import_module(f"lstmem_kernels.{m.name}")
-        for m in pkgutil.iter_modules(lstmem_kernels.__path__)
-        if m.name.startswith("triton_")
-    ]
+    names = [m.name for m in pkgutil.walk_packages(lstmem_kernels.__path__, "lstmem_kernels.")]
+    return [importlib.import_module(name) for name in names if name != __name__]
 
 
 def defined_kernels() -> list[str]:
-    """Every ``@triton.jit`` function defined (not imported) in a ``lstmem_kernels.triton_*`` module,
-    as ``"module:qualname"``."""
+    """Every ``@triton.jit`` function defined (not imported) in a module of ``lstmem_kernels``, as
+    ``"module:qualname"``."""
     import triton
 
     found = []

@@ -12,9 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from lstmem_kernels.naive import scan_naive, step_naive  # noqa: E402
-from lstmem_kernels.triton_scan import scan_triton  # noqa: E402
-from lstmem_kernels.triton_step import step_triton  # noqa: E402
+from lstmem_kernels.scan.chunked import scan_triton  # noqa: E402
+from lstmem_kernels.scan.naive import scan_naive  # noqa: E402
+from lstmem_kernels.step.fused import step_triton  # noqa: E402
+from lstmem_kernels.step.naive import step_naive  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLOAT_NAMES = ("q", "k", "w", "f", "o", "depth", "initial_cell", "initial_hidden")
@@ -262,7 +263,7 @@ def test_scan_rejects_float64_and_bad_rank():
         scan_triton(*(torch.zeros(2, 3, 4, device=DEVICE) for _ in range(5)))
 
 
-# The chunked parallel scan (module docstring of lstmem_kernels.triton_scan): chunk lengths that cut
+# The chunked parallel scan (module docstring of lstmem_kernels.scan.chunked): chunk lengths that cut
 # the block into many chunks, padding runs across chunk ends, whole chunks of padding.
 CHUNKED_CASES = [
     # id, B, T, H, R, dtype, chunk, depth, valid, initial
@@ -338,7 +339,7 @@ def test_the_result_does_not_depend_on_the_chunk_length():
 def test_the_paper_block_runs_in_parallel(monkeypatch):
     """At batch 1, n_h 4 and a 2,048-token block every launch runs at least 128 programs and no
     program walks more than 100 dependent steps (a sequential scan: 4 programs of 2,048 steps)."""
-    from lstmem_kernels import triton_scan
+    from lstmem_kernels.scan import chunked as triton_scan
 
     launches = []
 
@@ -376,7 +377,7 @@ def test_the_paper_block_runs_in_parallel(monkeypatch):
 
 
 def test_chunk_length_rule():
-    from lstmem_kernels.triton_scan import SINGLE_CHUNK_MAX, chunk_length
+    from lstmem_kernels.scan.chunked import SINGLE_CHUNK_MAX, chunk_length
 
     assert chunk_length(1) == 1 and chunk_length(SINGLE_CHUNK_MAX) == SINGLE_CHUNK_MAX  # one chunk
     for T in (SINGLE_CHUNK_MAX + 1, 2048, 2049, 8192, 131072):

@@ -10,7 +10,7 @@ runs; each has its own time budget, and the whole run an overall deadline (``--b
 Checks (pass or fail, each case with its largest error and its tolerance):
 
 ``kernel-scan``
-    The Triton block scan (``lstmem_kernels.triton_scan.scan_triton``), forward and backward, against
+    The Triton block scan (``lstmem_kernels.scan.chunked.scan_triton``), forward and backward, against
     the float64 token loop (``scan_naive``): float32 and bfloat16, padding, initial states, depth;
     T = 1, 63, 2049 and a 2,048-token block at the paper's n_h 4, r 8; with a small and the default
     chunk when the function takes a ``chunk=`` keyword. Tolerances: the kernel tests' (:data:`TOLERANCES`).
@@ -266,7 +266,7 @@ def _triton_mode() -> str:
     unset) and ours after: such kernels fail on their first call of ``tl.sigmoid`` and the like."""
     import triton.language.standard
 
-    from lstmem_kernels import triton_scan
+    from lstmem_kernels.scan import chunked as triton_scan
 
     library = _jit_kind(triton.language.standard) or "compiled"
     ours = _jit_kind(triton_scan) or library
@@ -275,7 +275,7 @@ def _triton_mode() -> str:
 
 def scan_chunk_keyword() -> dict:
     """Whether ``scan_triton`` takes ``chunk=`` (``inspect.signature``), and its default."""
-    from lstmem_kernels.triton_scan import scan_triton
+    from lstmem_kernels.scan.chunked import scan_triton
 
     parameter = inspect.signature(scan_triton).parameters.get("chunk")
     if parameter is None:
@@ -362,7 +362,7 @@ def outputs_and_grads(scan: Callable, inputs: dict, as_dtype=None) -> tuple[tupl
 
 def check_scan(s: dict, device: torch.device, log=print) -> dict:
     """The Triton scan against the float64 token loop, outputs and gradients, case by case."""
-    from lstmem_kernels.triton_scan import scan_triton
+    from lstmem_kernels.scan.chunked import scan_triton
 
     H, R = s["heads"], s["rank"]
     chunking = scan_chunk_keyword()

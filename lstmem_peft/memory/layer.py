@@ -224,7 +224,7 @@ class LSTMemLayer(nn.Module):
         # memory layer, nor without depth coupling); without one there is no W~_pred
         self.depth_input = True
         #: the recurrence's kernel: ``"auto"`` (Triton for CUDA tensors when installed, else PyTorch),
-        #: ``"torch"``, ``"triton"`` or ``"naive"`` (:mod:`lstmem_kernels.ops`); set at injection from
+        #: ``"torch"``, ``"triton"`` or ``"naive"`` (:mod:`lstmem_kernels.backend`); set at injection from
         #: ``LSTMemConfig.scan_backend``
         self.backend = "auto"
         self.reset_parameters()

@@ -1,7 +1,7 @@
 """Triton kernels for one token: the whole decode step of one memory layer (one launch per layer and
 token, :func:`decode_step_triton`), and the recurrence's step alone (:func:`step_triton`: one
 program per ``(batch, head)`` reads the states, produces the read from the old hidden state and
-writes the new states back in place, in the states' dtype). As in :mod:`triton_scan`, each kernel's
+writes the new states back in place, in the states' dtype). As in :mod:`lstmem_kernels.scan.chunked`, each kernel's
 body stays whole: one kernel is one launch.
 
 For one token per sequence, a memory layer (``LSTMemLayer.forward`` in ``lstmem_peft``) projects its
@@ -52,7 +52,7 @@ bfloat16 or float16, states any float dtype (stored back in the dtype of the out
 
 No product uses ``tl.dot``: every dimension is small (``r`` may be below 16) and broadcast products
 reduced with ``tl.sum`` also run well under the interpreter. ``triton.language`` has no ``tanh``;
-as in :mod:`triton_scan` it is written inline (``2 / (1 + exp(-2x)) - 1``, exponent clamped to 80),
+as in :mod:`lstmem_kernels.scan.chunked` it is written inline (``2 / (1 + exp(-2x)) - 1``, exponent clamped to 80),
 and so is the sigmoid (``1 / (1 + exp(-x))``, same clamp), rather than called as jit helpers: the
 interpreter re-patches ``triton.language`` on every nested jit call.
 
@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import FLOAT_DTYPES, check_runtime, contiguous, device_guard, tile_config, validate
+from ..triton_common import FLOAT_DTYPES, check_runtime, contiguous, device_guard, tile_config, validate
 
 __all__ = ["decode_step_triton", "step_triton"]
 
@@ -504,7 +504,7 @@ def step_triton(
 ) -> torch.Tensor:
     """One decode step (a single kernel launch), updating ``cell`` and ``hidden`` **in place**.
 
-    Same semantics as :func:`naive.step_naive`; not differentiable.
+    Same semantics as :func:`~lstmem_kernels.step.naive.step_naive`; not differentiable.
 
     Args:
         q, k, w, f, o: ``(B, H, R)`` per-token inputs, one dtype among float32, bfloat16, float16.

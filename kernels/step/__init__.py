@@ -1,118 +1,26 @@
-"""Public entry points: one signature, three implementations.
-
-``backend="auto"`` picks the Triton kernels for CUDA tensors (when Triton is installed) and the
-vectorised PyTorch path otherwise; ``"naive"``, ``"torch"`` and ``"triton"`` force one.
-
-The Triton scan is the paper's parallel scan over time, in chunks (:mod:`triton_scan`). Its rule for
-short blocks lives there too (:func:`triton_scan.chunk_length`): a block of up to 64 tokens is one
-chunk, one launch of one program per ``(batch, head)`` walking the block, which is the sequential
-scan; there is no separate sequential member.
-
-:func:`lstmem_scan` and :func:`lstmem_step` run the recurrence alone; :func:`lstmem_decode_step`
-runs a memory layer's whole decode step (projections, reads, gates, recurrence, read-out), which its
-Triton member does in one kernel launch.
-"""
+"""The step family: one token of the recurrence (:func:`lstmem_step`: :mod:`.naive`, the
+specification; :mod:`.pytorch`, the CPU default; the Triton step in :mod:`.fused`), and a memory
+layer's whole decode step in one Triton launch (:func:`lstmem_decode_step`, also on a serving
+engine's state slots), with :func:`fused_decode_step_applies` saying when a layer hands its step to
+it."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from .naive import scan_naive, step_naive
-from .parallel import scan_parallel, step_torch
-
-Backend = Literal["auto", "naive", "torch", "triton"]
-BACKENDS = ("auto", "naive", "torch", "triton")
+from ..backend import Backend, check_backend, resolve_backend
+from .naive import step_naive
+from .pytorch import step_torch
 
 
-def triton_available() -> bool:
-    """Whether ``lstmem_kernels.triton_scan`` can be imported (Triton installed)."""
+def _fused():
     try:
-        from . import triton_scan  # noqa: F401  (importable means available)
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_step():
-    try:
-        from . import triton_step
+        from . import fused
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
             "backend='triton' needs the `triton` package: pip install 'lstmem-peft[triton]'"
         ) from err
-    return triton_step
-
-
-def _triton():
-    try:
-        from . import triton_scan
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "backend='triton' needs the `triton` package: pip install 'lstmem-peft[triton]'"
-        ) from err
-    return triton_scan
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def resolve_backend(backend: Backend, tensor: torch.Tensor) -> str:
-    """The member that runs for ``backend`` on ``tensor``'s device: ``"auto"`` is Triton for CUDA
-    tensors when Triton is installed, else the vectorised PyTorch member; the others name
-    themselves. The one place the ``"auto"`` rule is written."""
-    _check_backend(backend)
-    if backend != "auto":
-        return backend
-    return "triton" if tensor.is_cuda and triton_available() else "torch"
-
-
-def lstmem_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    f: torch.Tensor,
-    o: torch.Tensor,
-    depth: torch.Tensor | None = None,
-    valid: torch.Tensor | None = None,
-    initial_cell: torch.Tensor | None = None,
-    initial_hidden: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scan the LSTMem cell/hidden recurrence over a block.
-
-    Args:
-        q, k, w, f, o: ``(B, T, H, R)`` read query, write key, gated residual ``i*e``, forget and
-            output gates.
-        depth: ``(B, T, H, R, R)`` depth term ``g * D^{(l-1)}_t``, or ``None`` for zeros.
-        valid: ``(B, T)`` bool, ``False`` at padding (state carried over), or ``None``.
-        initial_cell, initial_hidden: ``(B, H, R, R)``, or ``None`` for zeros.
-        backend: see the module docstring.
-
-    Returns:
-        ``read (B, T, H, R)`` (``D_{t-1} q_t``), ``hidden (B, T, H, R, R)`` (``D_t``),
-        ``final_cell`` and ``final_hidden`` ``(B, H, R, R)``; all in ``q.dtype``.
-    """
-    _check_backend(backend)
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape (B, T, H, R), got {tuple(q.shape)}")
-    for name, t in (("k", k), ("w", w), ("f", f), ("o", o)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)}")
-    if depth is not None and depth.shape != (*q.shape, q.shape[-1]):
-        raise ValueError(f"depth must have shape {(*q.shape, q.shape[-1])}, got {tuple(depth.shape)}")
-    if valid is not None and valid.shape != q.shape[:2]:
-        raise ValueError(f"valid must have shape {tuple(q.shape[:2])}, got {tuple(valid.shape)}")
-    args = (q, k, w, f, o, depth, valid, initial_cell, initial_hidden)
-    backend = resolve_backend(backend, q)
-    if backend == "naive":
-        return scan_naive(*args)
-    if backend == "triton":
-        return _triton().scan_triton(*args)
-    return scan_parallel(*args)
+    return fused
 
 
 def lstmem_step(
@@ -153,7 +61,7 @@ def lstmem_step(
 
     Not differentiable (an in-place update): for gradients, scan the token with :func:`lstmem_scan`.
     """
-    _check_backend(backend)
+    check_backend(backend)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, w, f, o, cell, hidden, depth)
     ):
@@ -171,7 +79,7 @@ def lstmem_step(
     k, w, f, o = (t.flatten(-2) if t.ndim == 4 else t for t in (k, w, f, o))  # rows, columns -> (B, H, R)
     query = torch.zeros_like(k) if q is None else q  # these members always read; a read of zeros is free
     if backend == "triton":
-        read = _triton_step().step_triton(query, k, w, f, o, cell, hidden, depth, valid)
+        read = _fused().step_triton(query, k, w, f, o, cell, hidden, depth, valid)
     else:
         read = step_naive(query, k, w, f, o, cell, hidden, depth, valid)
     return None if q is None else read
@@ -264,7 +172,7 @@ def lstmem_decode_step(
             "lstmem_decode_step has no gradient; call it inside torch.no_grad(), or under autograd run "
             "the memory layer's forward (which scans the token with lstmem_scan)"
         )
-    return _triton_step().decode_step_triton(
+    return _fused().decode_step_triton(
         x,
         w_in,
         b_in,

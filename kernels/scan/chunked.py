@@ -1,7 +1,7 @@
 """Triton kernels for the LSTMem block scan, forward and backward: the paper's parallel scan over
-time (App. C.3), computed in chunks. The one-token steps are in :mod:`triton_step`.
+time (App. C.3), computed in chunks. The one-token steps are in :mod:`lstmem_kernels.step.fused`.
 
-The recurrence (see :mod:`naive`, the specification) is, per sequence ``b``, head ``h`` and
+The recurrence (see :mod:`lstmem_kernels.scan.naive`, the specification) is, per sequence ``b``, head ``h`` and
 time ``t``, with ``R x R`` states ``C`` (cell) and ``D`` (hidden) and gates acting row-wise::
 
     read_t = D_{t-1} q_t
@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import contiguous, device_guard, tile_config, validate
+from ..triton_common import contiguous, device_guard, tile_config, validate
 
 __all__ = ["SINGLE_CHUNK_MAX", "chunk_length", "scan_triton"]
 
@@ -767,7 +767,7 @@ def scan_triton(
     initial_hidden: torch.Tensor | None = None,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton implementation of :func:`naive.scan_naive` (the chunked parallel scan of the module
+    """Triton implementation of :func:`~lstmem_kernels.scan.naive.scan_naive` (the chunked parallel scan of the module
     docstring), differentiable in every float input.
 
     Args:
