@@ -243,7 +243,7 @@ def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded
     assert same_memory(after, memory)
 
 
-def test_resent_conversation_is_written_once_and_an_edited_one_is_refused(server, http):
+def test_resent_conversation_is_written_once_and_an_edited_one_rolls_back(server, http):
     client, sid = server.client(), "prefix"
     messages = [{"role": "user", "content": HISTORY}]
     first = client.chat.completions.create(
@@ -263,11 +263,15 @@ def test_resent_conversation_is_written_once_and_an_edited_one_is_refused(server
     assert second.model_extra["lstmem"]["session_tokens_written"] == written + expected
     info = http.get(f"/v1/memory/{sid}").json()
     assert info["messages_written"] == 3 and info["commit"] == 2
+    # an edited answer: the turn rolls back to version 1, from before the answer was taken in
+    # (tests/test_serve_versions.py checks rollbacks bit for bit)
     edited = [messages[0], {"role": "assistant", "content": "v00"}, messages[2]]
-    with pytest.raises(openai.ConflictError) as err:
-        client.chat.completions.create(model=MODEL, messages=edited, max_tokens=3, extra_headers=session(sid))
-    assert err.value.code == "conversation_diverged"
-    assert http.get(f"/v1/memory/{sid}").json()["commit"] == 2
+    third = client.chat.completions.create(
+        model=MODEL, messages=edited, max_tokens=3, extra_headers=session(sid)
+    )
+    assert (third.model_extra["lstmem"]["rolled_back_to"], third.model_extra["lstmem"]["version"]) == (1, 3)
+    assert http.get(f"/v1/memory/{sid}").json()["commit"] == 3
+    assert [v["version"] for v in http.get(f"/v1/memory/{sid}/versions").json()["data"]] == [1, 3]
 
 
 def test_request_without_session_stores_nothing(server, http):
@@ -509,7 +513,7 @@ def test_the_openapi_schema_declares_each_response_and_the_answers_conform(loade
     routes = [
         (path, method) for path, item in spec["paths"].items() if path.startswith("/v1/") for method in item
     ]
-    assert len(routes) == 10
+    assert len(routes) == 13
     for path, method in routes:
         responses = spec["paths"][path][method]["responses"]
         assert "422" not in responses and responses["4XX"]["content"] == responses["5XX"]["content"] == error
@@ -553,6 +557,13 @@ def test_the_openapi_schema_declares_each_response_and_the_answers_conform(loade
                 client.post("/v1/completions", json={**scoring, "echo": True, "logprobs": 2}),
             ),
             ("GET", "/v1/memory/{session}", client.get("/v1/memory/s")),
+            ("GET", "/v1/memory/{session}/versions", client.get("/v1/memory/s/versions")),
+            (
+                "POST",
+                "/v1/memory/{session}/fork",
+                client.post("/v1/memory/s/fork", json={"version": 1, "to": "f"}),
+            ),
+            ("DELETE", "/v1/memory/{session}/versions/{version}", client.delete("/v1/memory/s/versions/1")),
             ("GET", "/v1/sessions", client.get("/v1/sessions")),
             ("GET", "/v1/models", client.get("/v1/models")),
             ("GET", "/v1/models/{model_id}", client.get(f"/v1/models/{MODEL}")),
@@ -576,7 +587,7 @@ def test_the_openapi_schema_declares_each_response_and_the_answers_conform(loade
 
     answers = in_process(app, every_route)
     statuses = [response.status_code for _, _, response in answers]
-    assert statuses == [200] * 11 + [404, 400, 404], statuses
+    assert statuses == [200] * 14 + [404, 400, 404], statuses
     assert {(path, method.lower()) for method, path, _ in answers} == set(routes)
     info = answers[4][2].json()
     assert [t["kind"] for t in info["turns"]] == ["write", "chat"] and len(info["layers"]) == len(
@@ -847,6 +858,7 @@ def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded,
     reopened = store_module.SessionStore(tmp_path / "store", loaded.layout).get("public", "s")
     assert reopened.version == 2  # the write and the last turn; the failed ones left nothing behind
     assert sorted(p.name for p in (tmp_path / "store" / "public" / "s").iterdir()) == [
+        "memory-00000001.safetensors",  # version 1, kept (tests/test_serve_versions.py)
         "memory-00000002.safetensors",
         "record.json",
     ]

@@ -360,6 +360,8 @@ def _serve(args) -> int:
         batching=not args.no_batching,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.max_tokens,
+        session_versions=args.session_versions,
+        session_version_bytes=args.session_version_bytes,
         engine=args.engine,
         vllm_options=vllm_options,
     )

@@ -376,6 +376,18 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)"
     )
     parser.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
+    parser.add_argument(
+        "--session-versions",
+        type=positive_int,
+        default=16,
+        help="versions kept per session for rollback (edit, regenerate) and fork; the oldest are pruned first",
+    )
+    parser.add_argument(
+        "--session-version-bytes",
+        type=positive_int,
+        default=64 << 20,
+        help="most bytes of memory files kept per session (default 64 MiB); the newest version is always kept",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     parser.add_argument(

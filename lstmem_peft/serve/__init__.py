@@ -49,7 +49,8 @@ def serve(
 
     ``engine``/``vllm_options``: see :func:`~lstmem_peft.serve.runtime.load_model`. ``options`` go to
     :func:`~lstmem_peft.serve.app.create_app` (``context_window``, ``max_batch``, ``batch_wait_ms``,
-    ``batching``, ``max_body_bytes``, ``default_max_tokens``).
+    ``batching``, ``max_body_bytes``, ``default_max_tokens``, ``session_versions``,
+    ``session_version_bytes``).
     """
     import torch
     import uvicorn

@@ -24,7 +24,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,12 +36,15 @@ from lstmem_peft.utils.version import __version__
 from .metrics import Metrics
 from .page import PAGE
 from .protocol import (
+    MAX_VERSION,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    ForkRequest,
+    ForkResponse,
     Health,
     MemoryDeleteResponse,
     MemoryImportResponse,
@@ -52,6 +55,8 @@ from .protocol import (
     ModelList,
     ServeError,
     SessionList,
+    VersionDeleteResponse,
+    VersionList,
 )
 from .runtime import LoadedModel
 from .scheduler import Scheduler
@@ -60,7 +65,7 @@ from .serving_chat import ServingChat
 from .serving_completions import ServingCompletions
 from .serving_memory import ServingMemory
 from .serving_models import ServingModels
-from .store import SessionStore, namespace_for
+from .store import DEFAULT_VERSION_BYTES, DEFAULT_VERSIONS, SessionStore, namespace_for
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +162,8 @@ def create_app(
     batching: bool = True,
     max_body_bytes: int = 1 << 20,
     default_max_tokens: int = 64,
+    session_versions: int = DEFAULT_VERSIONS,
+    session_version_bytes: int = DEFAULT_VERSION_BYTES,
 ) -> FastAPI:
     """Build the app around a loaded model.
 
@@ -172,6 +179,8 @@ def create_app(
         max_body_bytes: larger request bodies get 413.
         default_max_tokens: ``max_tokens`` of chat requests that give none; one that leaves no room for
             a prompt in the window becomes half the window (with a warning).
+        session_versions: most versions kept per session (:mod:`.store`; the newest is always kept).
+        session_version_bytes: most bytes of memory files kept per session.
 
     Returns:
         the app; ``app.state`` holds ``loaded``, ``store``, ``scheduler`` (started and stopped by
@@ -188,7 +197,9 @@ def create_app(
         )
         default_max_tokens = max(1, window // 2)
     metrics = Metrics()
-    store = SessionStore(store_dir, loaded.layout)
+    store = SessionStore(
+        store_dir, loaded.layout, max_versions=session_versions, max_version_bytes=session_version_bytes
+    )
     scheduler = Scheduler(
         loaded,
         store,
@@ -505,6 +516,30 @@ async def memory_export(session: str, request: Request, namespace: str = Depends
 )
 async def memory_import(session: str, request: Request, namespace: str = Depends(caller_namespace)):
     return await _memory(request).import_(namespace, session, request)
+
+
+@router.get("/v1/memory/{session}/versions", response_model=VersionList, responses=ERRORS)
+async def memory_versions(session: str, request: Request, namespace: str = Depends(caller_namespace)):
+    return _memory(request).versions(namespace, session)
+
+
+@router.delete(
+    "/v1/memory/{session}/versions/{version}", response_model=VersionDeleteResponse, responses=ERRORS
+)
+async def memory_version_delete(
+    session: str,
+    request: Request,
+    version: int = Path(ge=1, le=MAX_VERSION),
+    namespace: str = Depends(caller_namespace),
+):
+    return await _memory(request).prune(namespace, session, version)
+
+
+@router.post("/v1/memory/{session}/fork", response_model=ForkResponse, responses=ERRORS)
+async def memory_fork(
+    session: str, body: ForkRequest, request: Request, namespace: str = Depends(caller_namespace)
+):
+    return await _memory(request).fork(namespace, session, body)
 
 
 @router.get("/v1/sessions", response_model=SessionList, responses=ERRORS)

@@ -36,6 +36,10 @@ class Plan:
             text; the completion joins it when a later prompt carries it, or at once with
             ``write="messages_and_answer"``).
         write: the write policy (:data:`~.protocol.WritePolicy`) the scheduler applies.
+        rollback: the kept version the turn continues from, when it is not the session's newest (an
+            edited or regenerated conversation: :func:`plan_chat`; a completions prompt that extends
+            an older version's text: :func:`plan_completion`); ``None``: the newest. ``before``,
+            ``after`` and ``new_messages`` are relative to that version.
     """
 
     before: list[int]
@@ -44,6 +48,7 @@ class Plan:
     new_messages: list[dict] = field(default_factory=list)
     text_chain: str | None = None
     write: str = DEFAULT_WRITE
+    rollback: int | None = None
 
     @property
     def new_tokens(self) -> list[int]:
@@ -75,10 +80,20 @@ def plan_chat(
     The session's record lists the messages taken in so far (hash of role and content), written or,
     by a turn with ``write="none"``, only read: either way a request that sends them again skips
     them, so a read-only turn's messages are never written later by surprise. If the
-    request's messages start with that list, only the rest is new. If they share no first message
-    with it, all of them are new (a client that sends only its latest turn). If they share a first
-    part and then differ, the conversation was edited: memory cannot un-write, so this is refused
-    (409): reset the session or start another.
+    request's messages start with that list and add at least one, only the rest is new. If they
+    share no first message with it, all of them are new (a client that sends only its latest turn);
+    so is one message alone while the record holds more, even when it repeats the record's first
+    message (the same client asking that again: never a rollback, which would drop later versions).
+
+    Otherwise the turn **rolls back** (``Plan.rollback``): the request shares its first ``k``
+    messages with the record and then differs (an edited message), or adds nothing to it (a
+    regenerated answer: the conversation sent again without the answer, or cut shorter). Memory
+    cannot un-write, but the session keeps versions (:mod:`.store`): the turn continues from the
+    newest kept version whose messages are a prefix of the request's, holding at most
+    ``min(k, len(messages) - 1)`` of them, so at least the last message is new; the request's
+    messages after that version's are the turn's new messages, exactly as if the later turns had
+    never happened. If no kept version qualifies (pruned), the request is refused (409, naming the
+    oldest kept version and the fixes: fork a kept version, or reset).
 
     The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
     the latest message must fit, or the request is refused (400). New messages before the prompt
@@ -89,15 +104,13 @@ def plan_chat(
     k = 0
     while k < min(len(written), len(hashes)) and written[k] == hashes[k]:
         k += 1
-    if 0 < k < len(written):
-        raise ServeError(
-            409,
-            f"the conversation differs from what session {session.session!r} has written from message {k} on "
-            f"(it wrote {len(written)} messages); memory cannot un-write a turn: send the conversation as it was "
-            "written plus new messages, or DELETE /v1/memory/{session} to reset",
-            code="conversation_diverged",
-            param="messages",
-        )
+    if len(hashes) == 1 and len(written) > 1:
+        # one message that repeats the record's first, which holds more: a client that sends only its
+        # newest message asks that again. It is new; rolling back would drop every later version
+        k = 0
+    rollback = None
+    if k > 0 and (k < len(written) or k == len(hashes)):  # edited, or nothing new: roll back
+        rollback, k = _rollback_target(session, k, len(hashes))
     encoded = [fmt.message(m["role"], m["content"]) for m in messages]
     new = list(range(k, len(messages)))
     opening = fmt.generation_prompt()
@@ -130,7 +143,38 @@ def plan_chat(
     ]
     before = [t for i in new if i < first for t in encoded[i]]
     after = [t for i in new if i >= first for t in encoded[i]]
-    return Plan(before, prompt + opening, after, new_messages, write=write)
+    return Plan(before, prompt + opening, after, new_messages, write=write, rollback=rollback)
+
+
+def _rollback_target(session: Session, shared: int, sent: int) -> tuple[int, int]:
+    """The version a chat turn rolls back to and how many messages it holds: the newest rollback
+    target (:meth:`~.store.Session.targets`) holding at most ``min(shared, sent - 1)`` messages;
+    none: 409 naming the oldest kept version and the fixes."""
+    bound = min(shared, sent - 1)
+    fits = [t for t in session.targets() if t["messages"] <= bound]
+    if fits:
+        return fits[-1]["version"], fits[-1]["messages"]
+    taken = len(session.messages)
+    how = (
+        f"differs from what session {session.session!r} has taken in from message {shared} on"
+        if shared < taken and shared < sent
+        else f"sends no message that session {session.session!r} has not taken in (a regenerated answer)"
+    )
+    oldest = session.versions[0] if session.versions else None
+    kept = (
+        f"its oldest kept version, {oldest['version']}, holds {oldest['messages']} of its {taken} messages"
+        if oldest is not None
+        else "it keeps no version"
+    )
+    raise ServeError(
+        409,
+        f"the conversation {how}, and no kept version holds a prefix of it to roll back to: {kept} (older "
+        "versions were pruned: lstmem serve --session-versions / --session-version-bytes keep more). Fork a kept "
+        "version into a new session (POST /v1/memory/{session}/fork) and continue there, send the conversation "
+        "as it is plus new messages, or DELETE /v1/memory/{session} to reset",
+        code="conversation_diverged",
+        param="messages",
+    )
 
 
 def plan_completion(
@@ -145,7 +189,10 @@ def plan_completion(
 
     If the text taken in by earlier completions of the session (prompts, written or only read under
     ``write="none"``, and completions written with them) is a prefix of ``prompt``, only the rest is
-    new; otherwise the whole prompt is. The context gets the prompt's
+    new. Otherwise, if the non-empty text of an older kept version is (the newest such: an edited
+    continuation), the turn rolls back to that version (``Plan.rollback``) and the rest is new; else
+    the whole prompt is. (A prompt equal to the newest text adds nothing and is answered from the
+    newest version: unlike chat, completions do not roll back to regenerate.) The context gets the prompt's
     last ``window - max_tokens`` tokens (the rest lives in memory). Of the new text's tokens, the
     last ones, as many as the context holds, are written after answering (``after``); any before
     them are written before answering (``before``).
@@ -156,16 +203,14 @@ def plan_completion(
     tokens = None if isinstance(prompt, str) else list(prompt)
     if tokens is not None:
         prompt = fmt.tokenizer.decode(tokens, skip_special_tokens=False)
-    chain = session.completion_text
-    length = chain["length"]
-    if (
-        length
-        and len(prompt) >= length
-        and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]
-    ):
-        new_text = prompt[length:]
+    rollback, length = None, 0
+    if _extends(prompt, session.completion_text):
+        length = session.completion_text["length"]
     else:
-        new_text = prompt
+        older = [t for t in session.targets()[:-1] if _extends(prompt, t["completion_text"])]
+        if older:
+            rollback, length = older[-1]["version"], older[-1]["completion_text"]["length"]
+    new_text = prompt[length:]
     budget = window - max_tokens
     _fit(budget, "prompt")
     ids = fmt.encode_text(prompt) if tokens is None else tokens
@@ -178,4 +223,14 @@ def plan_completion(
         new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
         new_ids = tokens if new_ids is None else new_ids
     split = len(new_ids) - min(len(new_ids), len(context))
-    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt, write=write)
+    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt, write=write, rollback=rollback)
+
+
+def _extends(prompt: str, chain: dict) -> bool:
+    """Whether ``prompt`` starts with the non-empty text ``chain`` (``{"length", "sha256"}``) names."""
+    length = chain["length"]
+    return bool(
+        length
+        and len(prompt) >= length
+        and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]
+    )

@@ -335,6 +335,16 @@ class MemoryUsage(BaseModel):
         description="the write policy applied (the request's lstmem_write; 'none' for a completion that only "
         "scores its prompt, which never writes)"
     )
+    version: int | None = Field(
+        None,
+        description="the session's version this request committed (null: no session, or a completion that "
+        "only scores its prompt and commits nothing)",
+    )
+    rolled_back_to: int | None = Field(
+        None,
+        description="the older version the turn continued from (an edited or regenerated conversation: the "
+        "versions after it were dropped); null: it continued the newest version",
+    )
 
 
 class ModelCard(BaseModel):
@@ -584,6 +594,61 @@ class MemoryImportResponse(BaseModel):
 
     session: str
     tokens_written: int = Field(description="tokens the imported memory holds")
+
+
+#: The largest version number a request may name (a session's commit counter never gets near it).
+MAX_VERSION = 2**53
+
+
+class VersionInfo(BaseModel):
+    """One kept version of a session (``GET /v1/memory/{session}/versions``)."""
+
+    version: int = Field(description="its number: the session's commit counter when it was committed")
+    current: bool = Field(description="whether it is the newest version (never pruned)")
+    messages: int = Field(description="chat messages it had taken in")
+    turns: int = Field(description="commits in its record (the turn history up to it)")
+    tokens_written: int = Field(description="tokens its memory holds")
+    bytes: int = Field(description="size of its memory file (0: nothing written; a file may be shared)")
+    time: float = Field(description="Unix time of its commit")
+
+
+class VersionList(BaseModel):
+    """``GET /v1/memory/{session}/versions``: the kept versions, oldest first, and the bounds."""
+
+    object: Literal["list"] = "list"
+    session: str
+    current: int = Field(description="the newest version (0: nothing committed)")
+    max_versions: int = Field(description="most versions kept per session (--session-versions)")
+    max_version_bytes: int = Field(
+        description="most memory-file bytes kept per session (--session-version-bytes)"
+    )
+    data: list[VersionInfo]
+
+
+class ForkRequest(BaseModel):
+    """``POST /v1/memory/{session}/fork``: a new session from a kept version of this one."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1, le=MAX_VERSION, description="the kept version to fork")
+    to: str = Field(description="the new session's id (letters, digits, '.', '_', '-'); it must not exist")
+
+
+class ForkResponse(BaseModel):
+    """``POST /v1/memory/{session}/fork``."""
+
+    session: str = Field(description="the new session")
+    source: str
+    version: int = Field(description="the version forked: the new session's one version, the same number")
+    tokens_written: int
+
+
+class VersionDeleteResponse(BaseModel):
+    """``DELETE /v1/memory/{session}/versions/{version}``."""
+
+    session: str
+    version: int
+    deleted: bool = True
+    versions: list[int] = Field(description="the versions still kept")
 
 
 class SessionSummary(BaseModel):

@@ -59,6 +59,18 @@ steps 2 and 4 commit; the answer is the same under all three (same prompt, same 
 
 The response's ``lstmem`` field names the policy applied and counts the tokens written.
 
+**Versions** (:mod:`.store`): every commit is a new version of its session. A turn whose request
+edits or regenerates the conversation (:func:`.planning.plan_chat`), or extends an older version's
+completions text (:func:`.planning.plan_completion`), *rolls back*: it runs, by the same four steps,
+on that version's memory and record (:meth:`~.store.SessionStore.at_version`, read from its file)
+instead of the newest; its commit continues the line from there and drops the versions after it.
+So a rolled-back turn leaves the session exactly as the kept turns and the new one, replayed into a
+fresh session, would. The response's ``lstmem.rolled_back_to`` names that version, and
+``lstmem.version`` the one the turn committed. Forks (``fork`` jobs:
+:meth:`~.store.SessionStore.fork`) and prunes of a version (``prune`` jobs) run on this worker too,
+so they never race a turn of their session. Nothing here depends on the engine: ``--engine vllm``
+reads and writes the same store through the same jobs.
+
 A failure anywhere before the commit leaves the session as it was; so does a stream whose client
 went away before the commit (the job is marked cancelled, decoding of its rows stops early and
 nothing is committed).
@@ -92,7 +104,7 @@ class Job:
 
     Attributes:
         kind: ``turn`` (chat or completion), ``score`` (a completion with ``max_tokens=0``: reads
-            memory, writes nothing), ``write``, ``reset`` or ``import``.
+            memory, writes nothing), ``write``, ``reset``, ``import``, ``fork`` or ``prune``.
         namespace, session: the session (``session=None``: a fresh memory that is not stored).
         payload: kind-specific (see the ``_run_*`` methods).
         sampling: decoding parameters (turns).
@@ -322,7 +334,9 @@ class Scheduler:
             "tokens_written": int(shown.tokens_written[0]),
             "norms": state_norms(shown),
         }
-        new = replace(session, memory=memory, turns=session.turns + [turn], **changes)
+        # a memory the turn did not change keeps its file (the store shares it); a new one gets its own
+        kept_file = session.memory_file if memory is not None and memory is session.memory else None
+        new = replace(session, memory=memory, memory_file=kept_file, turns=session.turns + [turn], **changes)
         if job.session is not None:
             self.store.commit(new)
         return new
@@ -398,8 +412,16 @@ class Scheduler:
                     plan = plan_chat(self.fmt, session, p["messages"], self.window, max_tokens, write)
                 else:
                     plan = plan_completion(self.fmt, session, p["prompt"], self.window, max_tokens, write)
+                if plan.rollback is not None:  # an edited or regenerated conversation: an older version
+                    session = self.store.at_version(session, plan.rollback)
             except ServeError as err:
                 job.emit(("error", err))
+                continue
+            except (OSError, ValueError) as err:  # a version's file is missing or damaged
+                log.exception("rollback of session %s failed", job.session)
+                job.emit(
+                    ("error", ServeError(500, f"could not read the version: {err}", type="server_error"))
+                )
                 continue
             turns.append(_Turn(job, session, plan))
         return turns
@@ -473,6 +495,8 @@ class Scheduler:
             "tokens_written": new.tokens_written,
             "batch": batch,
             "seconds": elapsed,
+            "version": new.version if job.session is not None else None,
+            "rollback": plan.rollback,
         }
         job.emit(("done", result))
 
@@ -540,6 +564,18 @@ class Scheduler:
         for job in jobs:
             existed = self.store.delete(job.namespace, job.session)
             job.emit(("done", {"deleted": existed}))
+
+    def _run_forks(self, jobs: list[Job]) -> None:
+        """``payload``: ``{"version", "to"}``: a new session ``to`` from a kept version of the job's."""
+        for job in jobs:
+            forked = self.store.fork(job.namespace, job.session, job.payload["version"], job.payload["to"])
+            job.emit(("done", {"version": forked.version, "tokens_written": forked.tokens_written}))
+
+    def _run_prunes(self, jobs: list[Job]) -> None:
+        """``payload``: ``{"version"}``: drop that kept version (never the newest)."""
+        for job in jobs:
+            pruned = self.store.prune(job.namespace, job.session, job.payload["version"])
+            job.emit(("done", {"versions": [v["version"] for v in pruned.versions]}))
 
     def _run_imports(self, jobs: list[Job]) -> None:
         for job in jobs:

@@ -278,13 +278,15 @@ def usage(results: list[dict]) -> Usage:
 
 def memory_usage(results: list[dict], session: str | None) -> MemoryUsage:
     """The ``lstmem`` field: the write policy applied, tokens written by the request, held by the
-    session after it, batch size."""
+    session after it, batch size, the version committed and the version a turn rolled back to."""
     return MemoryUsage(
         session=session,
         memory_tokens_written=sum(r["written"] for r in results),
         session_tokens_written=results[-1]["tokens_written"],
         batch_size=max(r["batch"] for r in results),
         write=results[0]["write"],
+        version=results[-1].get("version"),
+        rolled_back_to=next((r["rollback"] for r in results if r.get("rollback") is not None), None),
     )
 
 

@@ -1,8 +1,9 @@
 """The memory routes, this server's own (:class:`ServingMemory`): write text or messages into a
-session, read what it holds, reset, export and import its memory file, list the sessions.
+session, read what it holds, reset, export and import its memory file, list the sessions, list,
+prune and fork its versions.
 
-Writes, resets and imports are scheduler jobs (the worker owns every session change, so they
-queue behind the session's turns); reads, exports and the list read the store directly.
+Writes, resets, imports, forks and prunes are scheduler jobs (the worker owns every session change,
+so they queue behind the session's turns); reads, exports and the lists read the store directly.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from lstmem_peft.memory.cache import MemoryCache
 
 from .metrics import Metrics
 from .protocol import (
+    ForkRequest,
+    ForkResponse,
     LayerStats,
     LayoutInfo,
     MemoryDeleteResponse,
@@ -29,6 +32,9 @@ from .protocol import (
     SessionList,
     SessionSummary,
     TurnRecord,
+    VersionDeleteResponse,
+    VersionInfo,
+    VersionList,
 )
 from .runtime import LoadedModel, state_norms
 from .scheduler import Job, Scheduler
@@ -161,6 +167,54 @@ class ServingMemory(ServingBase):
                 ) from None
         finally:
             os.unlink(tmp)
+
+    def versions(self, namespace: str, session: str) -> VersionList:
+        """``GET /v1/memory/{session}/versions``: the kept versions, oldest first (none for a session
+        that does not exist, as ``GET /v1/memory/{session}`` answers ``exists: false``)."""
+        valid_session(session)
+        s = self.store.get(namespace, session)
+        return VersionList(
+            session=session,
+            current=s.version,
+            max_versions=self.store.max_versions,
+            max_version_bytes=self.store.max_version_bytes,
+            data=[
+                VersionInfo(
+                    version=v["version"],
+                    current=v["version"] == s.version,
+                    messages=v["messages"],
+                    turns=v["turns"],
+                    tokens_written=v["tokens_written"],
+                    bytes=v["bytes"],
+                    time=v["time"],
+                )
+                for v in s.versions
+            ],
+        )
+
+    async def prune(self, namespace: str, session: str, version: int) -> VersionDeleteResponse:
+        """``DELETE /v1/memory/{session}/versions/{version}``: drop a kept version (404 when it is
+        not kept, 409 for the newest, which is always kept)."""
+        valid_session(session)
+        result = await self.run(Job("prune", namespace, session, {"version": version}))
+        return VersionDeleteResponse(session=session, version=version, versions=result["versions"])
+
+    async def fork(self, namespace: str, session: str, body: ForkRequest) -> ForkResponse:
+        """``POST /v1/memory/{session}/fork``: a new session (``to``, in the caller's namespace) whose
+        one version is a kept version of this one (404 when it is not kept, 409 when ``to`` exists)."""
+        valid_session(session)
+        try:
+            valid_session(body.to)
+        except ServeError as err:
+            raise ServeError(400, err.message, code="invalid_session_id", param="to") from None
+        payload = {"version": body.version, "to": body.to}
+        result = await self.run(Job("fork", namespace, session, payload))
+        return ForkResponse(
+            session=body.to,
+            source=session,
+            version=result["version"],
+            tokens_written=result["tokens_written"],
+        )
 
     def sessions(self, namespace: str) -> SessionList:
         """``GET /v1/sessions``: the caller's committed sessions."""
