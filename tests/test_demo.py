@@ -36,6 +36,20 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
     assert summary["recall_in_context"] >= 0.9
     assert summary["recall_no_history"] <= 2 * summary["chance"]
     assert summary["recall_memory"] >= 0.8 > summary["bag_of_values"]
+    # and over a conversation whose every question is written (issue 36), for both kinds of client
+    assert "Conversations:" in result.stdout and "full, resend" in result.stdout
+    for client in ("newest", "resend"):
+        recall = summary[f"conversation_recall_{client}"]
+        assert len(recall) == 4 and min(recall) >= 0.75 and recall[0] - min(recall) <= 0.15, (client, recall)
+
+
+def test_demo_train_runs_the_chat_phase_of_the_shipped_adapters():
+    """``lstmem demo --train`` trains as the shipped adapters were: 600 steps, then the chat phase."""
+    from lstmem_peft.cli.demo_training import CHAT_STEPS
+    from lstmem_peft.cli.parser import build_parser
+
+    args = build_parser().parse_args(["demo", "--train"])
+    assert args.steps == 600 and args.chat_steps == CHAT_STEPS
 
 
 @pytest.mark.slow

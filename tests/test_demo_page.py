@@ -125,6 +125,10 @@ def test_the_page_runs_the_demo_unattended_in_headless_chromium(tmp_path):
             cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
             assert re.fullmatch(r"\? k\d\d", cells[0]) and re.fullmatch(r"v\d\d", cells[1])
             assert row.count('class="right"') + row.count('class="wrong"') == 2
+        assert [re.findall(r"<td>(Q\d)</td>", row) for row in rows] == [["Q1"], ["Q2"], ["Q3"]]
+        assert re.search(
+            r"recall from memory by question position \(session try, this page\): Q1 [01]/1", shown
+        )
         assert "Session try" in shown and "polyline" in shown and "25 tokens written" in shown
     finally:
         server.terminate()

@@ -43,14 +43,10 @@ from safetensors.torch import load_file
 
 from lstmem_peft import LSTMemConfig
 from lstmem_peft.cli.demo import demo_tokenizer
-from lstmem_peft.training import trainer as trainer_module
+from lstmem_peft.training import distributed as distributed_module
 from lstmem_peft.training.data import synthetic_recall_episodes, tokenize_episode
-from lstmem_peft.training.trainer import (
-    LSTMemTrainer,
-    LSTMemTrainingConfig,
-    check_distributed_setup,
-    shard_backbone,
-)
+from lstmem_peft.training.distributed import check_distributed_setup, shard_backbone
+from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
 from lstmem_peft.utils.offline import tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -416,7 +412,7 @@ def test_shard_backbone_shards_the_backbone_and_leaves_the_adapter(tmp_path, pro
     params = dict(model.named_parameters())
     assert all(isinstance(p, DTensor) for n, p in params.items() if "lstmem_memory" not in n)
     assert not any(isinstance(p, DTensor) for n, p in params.items() if "lstmem_memory" in n)
-    assert trainer_module.fsdp2_sharded(model)
+    assert distributed_module.fsdp2_sharded(model)
     args = LSTMemTrainingConfig(**config, history_mode="stage1")
     with pytest.raises(ValueError, match="history_mode='stage1' cannot train on an FSDP2-sharded backbone"):
         LSTMemTrainer(model=model, args=args, train_dataset=data, processing_class=tok)

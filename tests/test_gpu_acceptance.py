@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lstmem_peft.cli import gpu_acceptance as acc
+from lstmem_peft.cli import gpu_cases
 from lstmem_peft.cli.commands import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,18 +24,18 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_tolerances_are_the_kernel_tests():
     from test_triton_kernels import TOLERANCES
 
-    assert acc.TOLERANCES == TOLERANCES
+    assert gpu_cases.TOLERANCES == TOLERANCES
 
 
 def test_close_case_follows_the_kernel_tests_rule():
     """``|a - e| <= atol max(1, max|e|) + rtol |e|``, with the error and the tolerance at the worst element."""
     e = torch.tensor([10.0, 0.0])
-    atol, rtol = acc.TOLERANCES[torch.float32]
-    inside = acc.close_case("in", e + torch.tensor([0.0, 0.99 * atol * 10]), e, torch.float32)
-    outside = acc.close_case("out", e + torch.tensor([0.0, 1.01 * atol * 10]), e, torch.float32)
+    atol, rtol = gpu_cases.TOLERANCES[torch.float32]
+    inside = gpu_cases.close_case("in", e + torch.tensor([0.0, 0.99 * atol * 10]), e, torch.float32)
+    outside = gpu_cases.close_case("out", e + torch.tensor([0.0, 1.01 * atol * 10]), e, torch.float32)
     assert inside["passed"] and not outside["passed"]
     assert outside["tolerance"] == pytest.approx(atol * 10) and outside["max_error"] == pytest.approx(1.01e-4)
-    assert not acc.close_case("nan", torch.tensor([float("nan")]), torch.tensor([1.0]), torch.float32)[
+    assert not gpu_cases.close_case("nan", torch.tensor([float("nan")]), torch.tensor([1.0]), torch.float32)[
         "passed"
     ]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_kernels import aot
+from lstmem_kernels import aot, aot_drive
 
 triton = pytest.importorskip("triton")
 
@@ -120,14 +120,14 @@ def test_problems_flag_errors_spills_at_the_paper_sizes_shared_memory_and_occupa
 
 def test_pairwise_covers_every_pair_of_values_and_both_extremes():
     factors = {"dtype": ["f32", "bf16", "f16"], "a": [False, True], "b": [None, "x", "y"], "c": [False, True]}
-    rows = aot.pairwise(factors)
+    rows = aot_drive.pairwise(factors)
     names = list(factors)
     for i, first in enumerate(names):
         for second in names[i + 1 :]:
             for u in factors[first]:
                 for v in factors[second]:
                     assert any(r[first] == u and r[second] == v for r in rows), (first, u, second, v)
-    assert aot.extremes(factors)[0] in rows and aot.extremes(factors)[1] in rows
+    assert aot_drive.extremes(factors)[0] in rows and aot_drive.extremes(factors)[1] in rows
     assert len(rows) < 3 * 2 * 3 * 2  # fewer than the product
 
 

@@ -214,7 +214,7 @@ def test_greedy_answer_and_memory_equal_in_process_generate(server, http, loaded
     from the memory before the turn (the question is read, not yet written), and its memory after the
     turn is that memory plus the question, written once after answering, bit for bit (the answer is
     written when the client sends it back)."""
-    from lstmem_peft.serve.runtime import ChatFormat
+    from lstmem_peft.utils.chat import ChatFormat
 
     sid = "exact"
     assert http.post(f"/v1/memory/{sid}/write", json={"text": HISTORY}).status_code == 200
@@ -673,7 +673,7 @@ def test_concurrent_sessions_are_batched_and_equal_running_alone(server, http, l
     """32 sessions x 3 turns at once through AsyncOpenAI: batches form, nothing is lost, and every
     session ends with the answers and memory of its turns run alone in process (generate reading the
     memory before the turn, then write_history of the new messages: the answer sent back, the question)."""
-    from lstmem_peft.serve.runtime import ChatFormat
+    from lstmem_peft.utils.chat import ChatFormat
 
     sessions, facts = 32, HISTORY.split(" ; ")
     histories = [" ; ".join(facts[i % 5 : i % 5 + 3]) for i in range(sessions)]
@@ -751,7 +751,7 @@ def test_kill9_and_restart_keep_every_session_bit_exact(server, http, loaded, tm
     """SIGKILL the server: after a restart on the same store every session's memory file is the same
     bytes, and continuing a conversation gives what in-process generate gives from that memory (the
     greedy-exactness test shows that is what a server that never stopped answers)."""
-    from lstmem_peft.serve.runtime import ChatFormat
+    from lstmem_peft.utils.chat import ChatFormat
 
     conversation = [{"role": "user", "content": "? k21"}]
     http.post("/v1/memory/durable/write", json={"text": HISTORY})
@@ -831,7 +831,7 @@ def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded,
                 r = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
             assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
 
-            real_write = store_module._atomic_write
+            real_write = store_module.write_atomically
 
             def dies_at_the_record(path, write):
                 if path.name == "record.json":
@@ -839,7 +839,7 @@ def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded,
                 real_write(path, write)
 
             with monkeypatch.context() as patch:
-                patch.setattr(store_module, "_atomic_write", dies_at_the_record)
+                patch.setattr(store_module, "write_atomically", dies_at_the_record)
                 r = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
             assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
             after = (await client.get("/v1/memory/s")).json()
@@ -904,8 +904,9 @@ def test_the_prompt_is_the_latest_turns_that_fit_the_window_and_only_new_ones_ar
     written are written."""
     from lstmem_peft.serve.planning import plan_chat
     from lstmem_peft.serve.protocol import ServeError
-    from lstmem_peft.serve.runtime import ChatFormat, message_hash
+    from lstmem_peft.serve.runtime import message_hash
     from lstmem_peft.serve.store import Session
+    from lstmem_peft.utils.chat import ChatFormat
 
     fmt = ChatFormat(loaded.tokenizer)
     messages = [
@@ -1009,8 +1010,9 @@ def test_a_turn_writes_new_messages_outside_the_window_before_answering_and_the_
     """``plan_chat`` / ``plan_completion`` split the new tokens: those older than the prompt are
     written before answering (``before``), those in the prompt after it (``after``), in order."""
     from lstmem_peft.serve.planning import plan_chat, plan_completion
-    from lstmem_peft.serve.runtime import ChatFormat, message_hash
+    from lstmem_peft.serve.runtime import message_hash
     from lstmem_peft.serve.store import Session
+    from lstmem_peft.utils.chat import ChatFormat
 
     fmt = ChatFormat(loaded.tokenizer)
     messages = [
@@ -1056,7 +1058,7 @@ def test_messages_beyond_the_window_are_written_before_the_answer_reads_memory(l
     answer; answer and memory equal the in-process turn (``reference_turn``), and the question's
     answer is the one memory-only recall gives."""
     from lstmem_peft.serve import app as app_module
-    from lstmem_peft.serve.runtime import ChatFormat
+    from lstmem_peft.utils.chat import ChatFormat
 
     fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     history, question = HISTORY.removeprefix("<s> "), "? k21"
@@ -1587,8 +1589,8 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
     import hashlib
 
     from lstmem_peft.serve.planning import plan_completion
-    from lstmem_peft.serve.runtime import ChatFormat
     from lstmem_peft.serve.store import Session
+    from lstmem_peft.utils.chat import ChatFormat
 
     fmt, tok = ChatFormat(loaded.tokenizer), loaded.tokenizer
     ids = tok("<s> k07 v19 ; ? k07 v19", add_special_tokens=False)["input_ids"]
@@ -1604,12 +1606,16 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
 
 
 @pytest.mark.parametrize("name", ["s\n", "../s", "/tmp/s", ".s", "a/b", "", "x" * 129])
-def test_the_store_refuses_session_ids_that_are_not_plain_names(name):
+def test_the_store_refuses_session_ids_that_are_not_plain_names(name, tmp_path):
     """One rule for names that become files (the store's and vLLM's session directory): the whole id
     must match, so a trailing newline (which ``$`` would let through) is refused too."""
-    from lstmem_peft.integrations.vllm import SessionIdError, check_session_id
-    from lstmem_peft.integrations.vllm import check_session_id as vllm_check
+    from lstmem_peft.memory.cache import MemoryLayout
+    from lstmem_peft.memory.sessions import SessionIdError, session_file
+    from lstmem_peft.serve.store import SessionStore
 
-    assert check_session_id is vllm_check
+    store = SessionStore(tmp_path / "store", MemoryLayout(layer_indices=(0,), num_heads=1, head_dim=1))
     with pytest.raises(SessionIdError, match="invalid session id"):
-        check_session_id(name)
+        store.get("public", name)
+    with pytest.raises(SessionIdError, match="invalid session id"):
+        session_file(str(tmp_path / "vllm"), name)
+    assert not any((tmp_path / "store").iterdir())  # nothing reached the disk

@@ -37,12 +37,15 @@ SID = {"X-Session-Id": "cut"}
 
 @pytest.fixture(scope="module")
 def endless():
-    """The demo model, answering until ``max_tokens``: no end-of-sequence ids, and a window of
-    4,096 positions (past the 64 it was trained for: the answers are noise, which is all a cut
+    """The demo model, answering until ``max_tokens``: no end-of-sequence ids, the end-of-sequence
+    token never generated (the demo adapters end an answer with it and then repeat it), and a window
+    of 4,096 positions (past the 64 it was trained for: the answers are noise, which is all a cut
     stream needs)."""
     from lstmem_peft.serve.runtime import load_model
 
     loaded = load_model(device="cpu")
+    config = loaded.library_model().get_base_model().generation_config
+    config.suppress_tokens = [loaded.tokenizer.eos_token_id]
     return dataclasses.replace(loaded, eos_ids=frozenset(), trained_positions=None)
 
 

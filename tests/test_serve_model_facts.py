@@ -38,13 +38,13 @@ from lstmem_peft.serve.generation import (  # noqa: E402
     score_rows,
 )
 from lstmem_peft.serve.runtime import (  # noqa: E402
-    ChatFormat,
     LoadedModel,
     fresh_memory,
     load_model,
     load_tokenizer,
     write_rows,
 )
+from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 from lstmem_peft.utils.offline import char_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -410,7 +410,7 @@ def test_a_crash_mid_commit_leaves_the_last_complete_version(loaded, tmp_path, m
     store = str(tmp_path / "store")
     folder = tmp_path / "store" / "public" / "s"
     app = create_app(loaded, store)
-    real_write = store_module._atomic_write
+    real_write = store_module.write_atomically
 
     def dies_at_the_record(path, write):
         if path.name == "record.json":
@@ -423,7 +423,7 @@ def test_a_crash_mid_commit_leaves_the_last_complete_version(loaded, tmp_path, m
         files = memory_files(folder)
         edited = messages[:-2] + [user("? k30")]
         with monkeypatch.context() as patch:
-            patch.setattr(store_module, "_atomic_write", dies_at_the_record)
+            patch.setattr(store_module, "write_atomically", dies_at_the_record)
             r = await client.post("/v1/chat/completions", json=chat(edited), headers=sid("s"))
         assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
         return versions, files, (await client.get("/v1/memory/s/versions")).json()

@@ -37,7 +37,8 @@ from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import ChatFormat, LoadedModel, load_model, trained_positions  # noqa: E402
+from lstmem_peft.serve.runtime import LoadedModel, load_model, trained_positions  # noqa: E402
+from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 from lstmem_peft.utils.offline import DEMO_ASSETS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

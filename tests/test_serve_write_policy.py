@@ -26,7 +26,8 @@ from test_serve import in_process, reference_turn  # noqa: E402  (the same in-pr
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import ChatFormat, load_model  # noqa: E402
+from lstmem_peft.serve.runtime import load_model  # noqa: E402
+from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -348,12 +349,13 @@ def test_a_streamed_turn_writes_its_answer_before_the_stream_ends(loaded, tmp_pa
 
 
 def test_the_page_sends_the_policy_chosen_beside_the_question():
-    """The page's control: a select of the three policies beside the question (read only by
-    default: the demo's question probes memory), sent as ``lstmem_write`` with the session."""
+    """The page's control: a select of the three policies beside the question (``messages`` by
+    default, as a chat: the shipped adapters are trained for it), sent as ``lstmem_write`` with the
+    session."""
     from lstmem_peft.serve.page import PAGE
 
     control = PAGE[PAGE.index('id="dask"') : PAGE.index("</select>")]
     for policy in POLICIES:
         assert f'<option value="{policy}"' in control
-    assert '<option value="none" selected>' in control
+    assert '<option value="messages" selected>' in control
     assert "body.lstmem_write = $('dwritepolicy').value" in PAGE

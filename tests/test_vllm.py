@@ -33,8 +33,8 @@ from lstmem_peft.integrations.vllm import (  # noqa: E402
     SESSION_IN,
     SESSION_OUT,
     engine_args,
-    session_file,
 )
+from lstmem_peft.memory.sessions import session_file  # noqa: E402
 
 VOCAB = 256
 NEW_TOKENS = 8
@@ -525,12 +525,12 @@ def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from lstmem_peft.integrations.vllm import MEMORY_OP, SCHEDULER, WORKER
-    from lstmem_peft.integrations.vllm import model as vllm_model
-    from lstmem_peft.integrations.vllm.model import check_engine_config
+    from lstmem_peft.integrations.vllm import checks as vllm_checks
+    from lstmem_peft.integrations.vllm.checks import check_engine_config
     from lstmem_peft.integrations.vllm.scheduler import LSTMemScheduler
 
     backend = {"scan_backend": "auto"}
-    monkeypatch.setattr(vllm_model, "_adapter_of", lambda hf_config: (LSTMemConfig(**backend), "unused"))
+    monkeypatch.setattr(vllm_checks, "adapter_of", lambda hf_config: (LSTMemConfig(**backend), "unused"))
 
     def config(
         pipeline: int = 1,
@@ -597,7 +597,7 @@ def test_vllm_splits_its_graph_at_the_memory_op_and_keeps_full_cuda_graphs_for_d
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from lstmem_peft.integrations.vllm import MEMORY_OP, register
-    from lstmem_peft.integrations.vllm.model import LSTMemAttentionBackend
+    from lstmem_peft.integrations.vllm.backend import LSTMemAttentionBackend
 
     register()
     register()  # idempotent
@@ -671,7 +671,8 @@ def test_a_decode_step_a_full_graph_replays_reads_fixed_buffers_and_padding_writ
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from lstmem_peft.integrations.vllm.model import EngineMemory, LSTMemMetadataBuilder
+    from lstmem_peft.integrations.vllm.backend import LSTMemMetadataBuilder
+    from lstmem_peft.integrations.vllm.engine_memory import EngineMemory
 
     def builder(mode):
         config = _graph_config(mode)
@@ -731,7 +732,8 @@ def test_a_step_with_a_one_token_history_chunk_is_never_a_full_graph():
     from vllm.config import CUDAGraphMode
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
-    from lstmem_peft.integrations.vllm.model import EngineMemory, keep_history_chunks_out_of_full_graphs
+    from lstmem_peft.integrations.vllm.backend import keep_history_chunks_out_of_full_graphs
+    from lstmem_peft.integrations.vllm.engine_memory import EngineMemory
     from lstmem_peft.integrations.vllm.runner_view import V1RunnerView
 
     config = _graph_config(CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -908,7 +910,7 @@ def test_a_session_file_that_fails_in_the_worker_fails_its_request_only(setup):
 
 
 def test_a_memory_from_another_adapter_is_refused(setup, tmp_path):
-    from lstmem_peft.integrations.vllm.sessions import load_session
+    from lstmem_peft.integrations.vllm.session_files import load_session
 
     model, llm, root = setup
     other = get_peft_model(

@@ -11,11 +11,9 @@ from lstmem_peft.integrations.vllm import (
     SCHEDULER,
     SESSION_FILE_CHECK,
     WORKER,
-    SessionIdError,
-    check_session_id,
     engine_args,
-    session_file,
 )
+from lstmem_peft.memory.sessions import SessionIdError, check_session_id, session_file
 
 
 def test_engine_args_select_the_lstmem_architecture_as_a_hybrid_model(tmp_path):

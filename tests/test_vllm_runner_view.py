@@ -43,13 +43,10 @@ from lstmem_peft.integrations.vllm import (  # noqa: E402
     SESSION_FILE_CHECK,
     SESSION_IN,
     SESSION_OUT,
-    session_file,
 )
-from lstmem_peft.integrations.vllm import sessions as vllm_sessions  # noqa: E402
-from lstmem_peft.integrations.vllm.model import (  # noqa: E402
-    EngineMemory,
-    keep_history_chunks_out_of_full_graphs,
-)
+from lstmem_peft.integrations.vllm import worker_sessions as vllm_sessions  # noqa: E402
+from lstmem_peft.integrations.vllm.backend import keep_history_chunks_out_of_full_graphs  # noqa: E402
+from lstmem_peft.integrations.vllm.engine_memory import EngineMemory  # noqa: E402
 from lstmem_peft.integrations.vllm.runner_view import (  # noqa: E402
     RUNNER_ENV,
     V1RunnerView,
@@ -57,6 +54,7 @@ from lstmem_peft.integrations.vllm.runner_view import (  # noqa: E402
     runner_view,
 )
 from lstmem_peft.memory.cache import MemoryLayout  # noqa: E402
+from lstmem_peft.memory.sessions import session_file  # noqa: E402
 
 LAYOUT = MemoryLayout(layer_indices=(0, 2), num_heads=2, head_dim=3, identity="runner-view-test")
 PREFIXES = ["model.layers.0.lstmem", "model.layers.2.lstmem"]

@@ -1,6 +1,10 @@
 """The ``lstmem`` command (:mod:`.commands`, its arguments in :mod:`.parser`) and what only it runs:
-the demo (:mod:`.demo`, with :mod:`.demo_recall`, :mod:`.demo_training` and :mod:`.demo_sweep`) and
-the benchmarks (:mod:`.bench`, :mod:`.bench_gpu`, their records and report in :mod:`.bench_records`).
+the demo (:mod:`.demo`, with :mod:`.demo_recall`, :mod:`.demo_conversation`, :mod:`.demo_training`
+and :mod:`.demo_sweep`), the benchmarks (:mod:`.bench`, :mod:`.bench_gpu` with
+:mod:`.gpu_decode_variants`, their records and report in :mod:`.bench_records`) and the GPU
+acceptance (:mod:`.gpu_acceptance`, its checks in :mod:`.gpu_kernel_checks` and
+:mod:`.gpu_model_checks`, with :mod:`.gpu_cases`, :mod:`.gpu_timings`, :mod:`.gpu_step_limits` and
+:mod:`.gpu_table`).
 Nothing else of the package imports this folder.
 
 Building the parser imports neither torch nor PEFT (``lstmem --version`` and ``--help`` answer at

@@ -192,6 +192,7 @@ def _demo(args) -> int:
         num_episodes=args.episodes,
         ablations=not args.no_ablations,
         train_steps=args.steps,
+        chat_steps=args.chat_steps,
         show=args.show,
         show_facts=args.facts,
         sweep_facts=None if args.sweep is None else (tuple(args.sweep) or SWEEP_FACTS),

@@ -13,6 +13,8 @@ read) or the sweep (``--sweep``). The parts live beside it:
 
 * :mod:`.demo_recall`: the task, the adapters and the measurements (:func:`evaluate`,
   :func:`evaluate_updates`: a later turn gives some keys new values; the newest wins);
+* :mod:`.demo_conversation`: recall at each question position of a conversation written into
+  memory as ``lstmem serve`` writes it, for both kinds of chat client;
 * :mod:`.demo_training`: how the embedded backbone and adapters were made (:func:`train_adapter`,
   :func:`build`; ``python -m lstmem_peft.cli.demo build`` remakes the shipped files and records its
   timings and scores in ``assets/demo/build.json``);
@@ -33,6 +35,7 @@ from lstmem_peft.tuner.loading import load_model_and_adapter
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer
 
 # The demo's parts this command runs.
+from .demo_conversation import CLIENTS, evaluate_conversation, format_conversation
 from .demo_recall import (
     ADAPTERS,
     NUM_PAIRS,
@@ -49,7 +52,7 @@ from .demo_recall import (
     write_histories,
 )
 from .demo_sweep import run_sweep
-from .demo_training import build, load_backbone, publish, train_adapter
+from .demo_training import CHAT_STEPS, build, load_backbone, publish, train_adapter, train_for_chat
 
 
 # ---------------------------------------------------------------------- the tables
@@ -201,10 +204,11 @@ def format_episodes(shown: list[dict], window: int = WINDOW) -> str:
 
 
 # ---------------------------------------------------------------------- the command
-def _load_models(names, train, model_id, train_steps, seed):
+def _load_models(names, train, model_id, train_steps, seed, chat_steps=CHAT_STEPS):
     """The adapters ``names`` (keys of :data:`ADAPTERS`), each on a fresh copy of the backbone: trained
-    now with ``train`` (the time recorded), else the shipped ones on the embedded backbone or fresh
-    ones on ``model_id``. Returns ``(models, tokenizer or None for the demo's, timings)``."""
+    now with ``train`` (the time recorded; on the embedded backbone then ``chat_steps`` updates for
+    chat, as the shipped ones were), else the shipped ones on the embedded backbone or fresh ones on
+    ``model_id``. Returns ``(models, tokenizer or None for the demo's, timings)``."""
     timings, models, tokenizer = {}, {}, None
     if model_id is not None:
         from transformers import AutoTokenizer
@@ -221,6 +225,8 @@ def _load_models(names, train, model_id, train_steps, seed):
             model, _ = train_adapter(
                 load(), ADAPTERS[name], max_steps=train_steps, seed=seed, tokenizer=tokenizer
             )
+            if model_id is None and chat_steps:
+                model, _ = train_for_chat(model, max_steps=chat_steps)
             timings[f"train_{name}_s"] = round(time.perf_counter() - start, 1)
             print(f"trained adapter '{name}' in {timings[f'train_{name}_s']} s")
         elif model_id is None:
@@ -245,12 +251,14 @@ def run(
     sweep_facts=None,
     window: int = WINDOW,
     out: str | Path = ".",
+    chat_steps: int = CHAT_STEPS,
 ) -> dict:
     """What ``lstmem demo`` does; returns the summary printed as the last line.
 
     ``show``: first print that many episodes (``show_facts`` facts each). ``sweep_facts``: instead
     of the 8-fact table, run the history-length sweep over these lengths (``num_episodes`` each)
-    and write its record and plot into ``out``.
+    and write its record and plot into ``out``. ``chat_steps``: with ``train`` on the embedded
+    backbone, the updates of the chat phase (0: none).
     """
     threads = torch.get_num_threads()
     if model_id is None and not train:
@@ -270,18 +278,30 @@ def run(
             sweep_facts,
             window,
             out,
+            chat_steps,
         )
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(
-    train, model_id, num_episodes, ablations, train_steps, seed, show, show_facts, sweep_facts, window, out
+    train,
+    model_id,
+    num_episodes,
+    ablations,
+    train_steps,
+    seed,
+    show,
+    show_facts,
+    sweep_facts,
+    window,
+    out,
+    chat_steps,
 ):
     """:func:`run` under its thread setting: the adapters, the episodes (``show``), then the sweep or
     the 8-fact and update tables; the summary is printed as one JSON line."""
     names = list(ADAPTERS) if ablations else ["full"]
-    models, tokenizer, timings = _load_models(names, train, model_id, train_steps, seed)
+    models, tokenizer, timings = _load_models(names, train, model_id, train_steps, seed, chat_steps)
     if show:
         print(format_episodes(show_episodes(models["full"], tokenizer, show, show_facts, window), window))
     if sweep_facts:
@@ -300,6 +320,16 @@ def _run(
             models["full"], tokenizer, num_episodes
         )
     print(format_updates(updates))
+    conversations = {}
+    if model_id is None:  # the demo's facts and questions, in the demo's chat format
+        conversations = {
+            f"{name}, {client}": evaluate_conversation(
+                model, tokenizer, client, num_sessions=max(1, num_episodes // 2)
+            )
+            for name, model in models.items()
+            for client in CLIENTS
+        }
+        print(format_conversation(conversations))
     full = results["full"]
     summary = {
         "recall_memory": full["recall_memory"],
@@ -321,6 +351,11 @@ def _run(
             f"update_newest_{k}": v["update_newest"]
             for k, v in updates.items()
             if k in ADAPTERS and k != "full"
+        },
+        **{
+            f"conversation_recall_{client}": conversations[f"full, {client}"]["recall_by_position"]
+            for client in CLIENTS
+            if conversations
         },
         **timings,
     }

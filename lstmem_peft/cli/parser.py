@@ -97,6 +97,13 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
     )
     parser.add_argument(
+        "--chat-steps",
+        type=_count,
+        default=150,
+        help="with --train on the embedded model: then train this many steps on conversations (default "
+        "150, as the shipped adapters; 0: none)",
+    )
+    parser.add_argument(
         "--no-ablations", action="store_true", help="skip the depth-coupling and feedback ablations"
     )
     parser.add_argument(

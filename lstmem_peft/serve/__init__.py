@@ -9,7 +9,7 @@ this package. Shaped as vLLM's OpenAI server is, from the HTTP side down:
   one serving class per endpoint family, over :mod:`.serving_base` (shared checks, streaming);
 * :mod:`.scheduler`: the worker thread that batches jobs and runs turns (:mod:`.planning`: what a
   turn writes and prompts with);
-* :mod:`.runtime` (model loading, chat format, batched memory writes), :mod:`.generation` (answers
+* :mod:`.runtime` (model loading, message identity, batched memory writes), :mod:`.generation` (answers
   and log-probabilities read from memory), :mod:`.store` (sessions on disk), :mod:`.metrics`
   (Prometheus), :mod:`.page` (the page at ``/``).
 """

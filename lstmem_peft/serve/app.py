@@ -36,24 +36,26 @@ from lstmem_peft.utils.version import __version__
 from .metrics import Metrics
 from .page import PAGE
 from .protocol import (
-    MAX_VERSION,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    ServeError,
+)
+from .protocol_memory import (
+    MAX_VERSION,
     ForkRequest,
     ForkResponse,
-    Health,
     MemoryDeleteResponse,
     MemoryImportResponse,
     MemoryInfo,
     MemoryWriteRequest,
     MemoryWriteResponse,
-    ModelCard,
-    ModelList,
-    ServeError,
     SessionList,
     VersionDeleteResponse,
     VersionList,

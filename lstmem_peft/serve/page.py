@@ -10,11 +10,13 @@ embedded demo model): write a history of facts ``kNN vNN ;`` into a session
 /v1/chat/completions`` with ``X-Session-Id``: the answer from memory, greedy, one token) and
 without one (no history), see gold (the newest value written for that key) beside both answers,
 and watch the session's charts gain a point per write and question. A select beside the question
-sets what asking writes into the session's memory (``lstmem_write``): ``none`` by default here,
-since the question probes memory and a question written into the demo's memory can overwrite the
-fact it asks about; ``messages`` writes the question, ``messages_and_answer`` the question and the
-answer. ``/?demo=N&ask=M`` does it
-unattended: a random history of ``N`` facts, then ``M`` questions about it.
+sets what asking writes into the session's memory (``lstmem_write``): ``messages`` (the question,
+the server's default) unless changed, ``messages_and_answer`` (the question and the answer) or
+``none`` (read only). Each question's position since the session's last write from the page is in
+the table, and below it the recall from memory by question position so far (the shipped adapters
+are trained for a conversation: a written question does not erase the facts it asks about).
+``/?demo=N&ask=M`` does it unattended: a random history of ``N`` facts, then ``M`` questions about
+it.
 """
 
 PAGE = r"""<!doctype html>
@@ -49,13 +51,14 @@ max="512" style="width:5em"><button id="dgen">New random history</button></div>
 <textarea id="dhist" rows="3"></textarea>
 <div><button id="dwrite">Write into memory</button> <span id="dstatus" class="muted"></span></div>
 <div style="margin-top:6px">question <input id="dq" value="? k07" size="10"><button id="dask">Ask</button>
-<button id="dask3">Ask 3 written keys</button>
+<button id="dask3">Ask 4 written keys</button>
 <label title="lstmem_write: what asking with the session writes into its memory">writes
-<select id="dwritepolicy"><option value="none" selected>nothing (read only)</option>
-<option value="messages">the question</option>
-<option value="messages_and_answer">the question and the answer</option></select></label></div>
+<select id="dwritepolicy"><option value="messages" selected>the question (the default)</option>
+<option value="messages_and_answer">the question and the answer</option>
+<option value="none">nothing (read only)</option></select></label></div>
 <table id="dtable"><thead><tr><th>question</th><th>gold (newest written)</th><th>from memory</th>
-<th>without history</th></tr></thead><tbody></tbody></table></details>
+<th>without history</th><th title="the question's position since the session's last write">Q</th></tr></thead>
+<tbody></tbody></table><div id="dbypos" class="muted"></div></details>
 <div id="title" class="muted">Pick a session on the left.</div>
 <div id="summary"></div><h2>Memory across turns</h2><div id="charts"></div>
 <h2>Conversation</h2><div id="conv"></div></div>
@@ -131,6 +134,7 @@ async function show(id) {
 const $ = id => document.getElementById(id);
 const two = i => String(i).padStart(2, '0');
 const written = {};  // session -> {key: newest value written from this page}
+const asked = {};  // session -> {n: questions since its last write, by: [[right, asked] per position]}
 let modelId = null;
 async function model() {
   if (modelId) return modelId;
@@ -156,6 +160,7 @@ async function demoWrite() {
   const j = await r.json();
   if (!r.ok) { $('dstatus').textContent = 'write failed: ' + (j.error ? j.error.message : r.status); return false; }
   const mine = written[sid] = written[sid] || {};
+  (asked[sid] = asked[sid] || {n: 0, by: []}).n = 0;  // positions count from this write
   for (const m of text.matchAll(/\b(k\d\d)\s+(v\d\d)\b/g)) mine[m[1]] = m[2];
   $('dstatus').textContent = `${j.tokens_written} tokens written; the session holds ${j.session_tokens_written}`;
   const keys = Object.keys(mine);
@@ -178,8 +183,13 @@ async function demoAsk(q) {
   const mem = await answer(q, sid), none = await answer(q, null);
   const mark = a => a === gold ? 'right">' + esc(a) + ' &#10003;' : 'wrong">' + esc(a) + ' &#10007;';
   const cell = a => `<td class="${mark(a)}</td>`;
+  const s = asked[sid] = asked[sid] || {n: 0, by: []}, pos = s.n++;
+  const at = s.by[pos] = s.by[pos] || [0, 0];
+  at[0] += mem === gold ? 1 : 0; at[1] += 1;
   $('dtable').tBodies[0].insertAdjacentHTML('beforeend',
-    `<tr class="demo-row"><td>${esc(q)}</td><td>${esc(gold)}</td>${cell(mem)}${cell(none)}</tr>`);
+    `<tr class="demo-row"><td>${esc(q)}</td><td>${esc(gold)}</td>${cell(mem)}${cell(none)}<td>Q${pos + 1}</td></tr>`);
+  $('dbypos').textContent = `recall from memory by question position (session ${sid}, this page): ` +
+    s.by.map((c, i) => `Q${i + 1} ${c[0]}/${c[1]}`).join(' \u00b7 ');
   await load(sid);
 }
 async function demoAskWritten(n) {
@@ -189,7 +199,7 @@ async function demoAskWritten(n) {
 $('dgen').onclick = () => { $('dhist').value = randomHistory(Math.max(1, +$('dn').value || 8)); };
 $('dwrite').onclick = demoWrite;
 $('dask').onclick = () => demoAsk($('dq').value.trim());
-$('dask3').onclick = () => demoAskWritten(3);
+$('dask3').onclick = () => demoAskWritten(4);
 $('dhist').value = randomHistory(8);
 (async () => {
   const params = new URLSearchParams(location.search);
@@ -198,7 +208,7 @@ $('dhist').value = randomHistory(8);
     $('dn').value = +params.get('demo') || 8;
     if (params.get('session')) $('dsid').value = params.get('session');
     $('dhist').value = randomHistory(+$('dn').value);
-    if (await demoWrite()) await demoAskWritten(+params.get('ask') || 3);
+    if (await demoWrite()) await demoAskWritten(+params.get('ask') || 4);
   } else {
     load();
   }

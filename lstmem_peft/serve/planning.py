@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from lstmem_peft.utils.chat import ChatFormat, prompt_start
+
 from .protocol import DEFAULT_WRITE, ServeError
-from .runtime import ChatFormat, message_hash, tokens_after
+from .runtime import message_hash, tokens_after
 from .store import Session
 
 
@@ -116,14 +118,9 @@ def plan_chat(
     opening = fmt.generation_prompt()
     budget = window - max_tokens - len(opening)
     _fit(budget, "prompt")
-    prompt: list[int] = []
-    first = len(encoded)  # the first message in the prompt
-    for ids in reversed(encoded):
-        if len(prompt) + len(ids) > budget:
-            break
-        prompt = ids + prompt
-        first -= 1
-    if not prompt:
+    first = prompt_start(encoded, budget)  # the first message in the prompt
+    prompt = [t for ids in encoded[first:] for t in ids]
+    if first == len(encoded):
         raise ServeError(
             400,
             f"the latest message is {len(encoded[-1])} tokens but the context window leaves {budget} for the prompt "

@@ -1,5 +1,6 @@
 """The model side of the server: loading (the library model; with ``--engine vllm`` only what the
-server must know about it, read from the files), the chat format, and batched memory writes.
+server must know about it, read from the files), message identity in a session's record, and batched
+memory writes. (How messages become tokens: :mod:`lstmem_peft.utils.chat`.)
 
 Everything here runs on the scheduler's single worker thread (the model is never entered by two
 threads at once). Memory is handled only through the library's public API: a batch of sessions is
@@ -329,51 +330,10 @@ def check_saved_memory_id(adapter: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------- chat format
+# ---------------------------------------------------------------------- messages in a record
 def message_hash(role: str, content: str) -> str:
     """The identity of a chat message in a session's record (role and exact content)."""
     return hashlib.sha256(json.dumps([role, content]).encode()).hexdigest()[:32]
-
-
-class ChatFormat:
-    """How chat messages become tokens, one message at a time.
-
-    With a tokenizer that has a chat template, a message is the template applied to that message
-    alone and the generation prompt is what ``add_generation_prompt=True`` adds. Without one (the
-    embedded demo), a message is the BOS token (when the tokenizer has one) followed by the content,
-    and the generation prompt is empty: the demo's own ``<s> k07 v19 ; ...`` / ``<s> ? k07`` format.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.templated = bool(getattr(tokenizer, "chat_template", None))
-        self._generation_prompt: list[int] | None = None
-
-    def encode_text(self, text: str) -> list[int]:
-        """Plain text (memory writes, completions prompts): no special tokens added."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def message(self, role: str, content: str) -> list[int]:
-        """Token ids of one message."""
-        if self.templated:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": role, "content": content}], tokenize=True, add_generation_prompt=False
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + self.encode_text(content)
-
-    def generation_prompt(self) -> list[int]:
-        """The tokens that open the assistant's answer (empty without a chat template)."""
-        if self._generation_prompt is None:
-            if not self.templated:
-                self._generation_prompt = []
-            else:
-                probe = [{"role": "user", "content": "x"}]
-                bare = self.tokenizer.apply_chat_template(probe, tokenize=False)
-                full = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-                self._generation_prompt = self.encode_text(full[len(bare) :]) if full.startswith(bare) else []
-        return self._generation_prompt
 
 
 def tokens_after(tokenizer, ids: list[int], chars: int) -> list[int] | None:

@@ -87,90 +87,16 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from lstmem_peft.memory.cache import MemoryCache
+from lstmem_peft.utils.chat import ChatFormat
 
-from .generation import Answer, Sampling, generate_rows, score_rows
+from .generation import Answer, generate_rows, score_rows
+from .jobs import Job, StreamState
 from .planning import Plan, plan_chat, plan_completion
 from .protocol import DEFAULT_WRITE, ServeError
-from .runtime import ChatFormat, LoadedModel, fresh_memory, message_hash, state_norms, write_rows
+from .runtime import LoadedModel, fresh_memory, message_hash, state_norms, write_rows
 from .store import Session, SessionStore
 
 log = logging.getLogger("lstmem.serve")
-
-
-# ---------------------------------------------------------------------- jobs
-@dataclass
-class Job:
-    """One queued request.
-
-    Attributes:
-        kind: ``turn`` (chat or completion), ``score`` (a completion with ``max_tokens=0``: reads
-            memory, writes nothing), ``write``, ``reset``, ``import``, ``fork`` or ``prune``.
-        namespace, session: the session (``session=None``: a fresh memory that is not stored).
-        payload: kind-specific (see the ``_run_*`` methods).
-        sampling: decoding parameters (turns).
-        stream: send token deltas as they come.
-    """
-
-    kind: str
-    namespace: str
-    session: str | None
-    payload: dict
-    sampling: Sampling | None = None
-    stream: bool = False
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued: float = field(default_factory=time.perf_counter)
-
-    def emit(self, event: tuple) -> None:
-        """Send an event to the request's coroutine (thread-safe)."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def key(self) -> tuple:
-        """Jobs with equal keys may share a batch."""
-        if self.kind == "turn":
-            return ("turn", self.payload["mode"], self.sampling.batch_key())
-        return (self.kind,)
-
-    def batchable(self) -> bool:
-        return self.kind in ("turn", "score", "write") and not (
-            self.sampling is not None and self.sampling.seed is not None
-        )
-
-
-class _StreamState:
-    """Incremental text of one streamed choice: emits only text that can no longer change."""
-
-    def __init__(self, job: Job, choice: int, tokenizer, stops: tuple[str, ...]) -> None:
-        self.job, self.choice, self.tok, self.stops = job, choice, tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.closed = False
-
-    def push(self, token: int, eos_ids: frozenset[int]) -> None:
-        if self.closed:
-            return
-        if token in eos_ids:
-            self.closed = True
-            return
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if any(s in text for s in self.stops):
-            self.closed = True
-            return
-        safe = text[: len(text) - self.hold] if self.hold else text
-        if safe.endswith("\ufffd"):
-            return
-        if safe.startswith(self.sent) and len(safe) > len(self.sent):
-            self.job.emit(("delta", self.choice, safe[len(self.sent) :]))
-            self.sent = safe
-
-    def finish(self, final: str) -> None:
-        if final.startswith(self.sent) and len(final) > len(self.sent):
-            self.job.emit(("delta", self.choice, final[len(self.sent) :]))
-        self.sent = final
 
 
 @dataclass
@@ -181,7 +107,7 @@ class _Turn:
         job: the request.
         session: the session as it was before the turn.
         plan: what the turn writes and prompts with.
-        streams: with ``job.stream``, one :class:`_StreamState` per choice.
+        streams: with ``job.stream``, one :class:`StreamState` per choice.
         answer_ids: with ``write="messages_and_answer"``, the answer's tokens as written after the
             turn's new in-context messages (:meth:`Scheduler._answer_tokens`); else empty.
     """
@@ -189,7 +115,7 @@ class _Turn:
     job: Job
     session: Session
     plan: Plan
-    streams: list[_StreamState] | None = None
+    streams: list[StreamState] | None = None
     answer_ids: list[int] = field(default_factory=list)
 
 
@@ -434,7 +360,7 @@ class Scheduler:
         for turn in turns:
             if turn.job.stream:
                 turn.streams = [
-                    _StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)
+                    StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)
                 ]
 
         def on_token(row: int, token: int) -> None:

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from lstmem_peft.integrations.vllm import SessionIdError, check_session_id
+from lstmem_peft.memory.sessions import SessionIdError, check_session_id
 
 from .generation import Sampling
+from .jobs import Job
 from .metrics import Metrics
 from .protocol import MemoryUsage, ServeError, Usage
 from .runtime import LoadedModel
-from .scheduler import Job, Scheduler
+from .scheduler import Scheduler
 
 SESSION_HEADER = "X-Session-Id"
 

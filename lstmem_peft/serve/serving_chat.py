@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi.responses import StreamingResponse
 
 from .generation import Answer
+from .jobs import Job
 from .metrics import Metrics
 from .protocol import (
     AssistantMessage,
@@ -27,7 +28,7 @@ from .protocol import (
     TopLogprob,
 )
 from .runtime import LoadedModel
-from .scheduler import Job, Scheduler
+from .scheduler import Scheduler
 from .serving_base import Reply, ServingGeneration, finite
 
 

@@ -16,6 +16,7 @@ import copy
 from fastapi.responses import StreamingResponse
 
 from .generation import TokenLogprobs
+from .jobs import Job
 from .metrics import Metrics
 from .protocol import (
     MAX_PROMPTS,
@@ -28,7 +29,7 @@ from .protocol import (
     ServeError,
 )
 from .runtime import LoadedModel
-from .scheduler import Job, Scheduler
+from .scheduler import Scheduler
 from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite
 
 

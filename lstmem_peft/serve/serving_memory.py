@@ -17,8 +17,12 @@ from fastapi.responses import Response
 
 from lstmem_peft.memory.cache import MemoryCache
 
+from .jobs import Job
 from .metrics import Metrics
 from .protocol import (
+    ServeError,
+)
+from .protocol_memory import (
     ForkRequest,
     ForkResponse,
     LayerStats,
@@ -28,7 +32,6 @@ from .protocol import (
     MemoryInfo,
     MemoryWriteRequest,
     MemoryWriteResponse,
-    ServeError,
     SessionList,
     SessionSummary,
     TurnRecord,
@@ -37,7 +40,7 @@ from .protocol import (
     VersionList,
 )
 from .runtime import LoadedModel, state_norms
-from .scheduler import Job, Scheduler
+from .scheduler import Scheduler
 from .serving_base import ServingBase, valid_session
 from .store import Session, SessionStore
 

@@ -46,15 +46,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session directory)
-from lstmem_peft.integrations.vllm import SESSION_ID, check_session_id
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
+
+# session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session
+# directory), and files are written by one atomic, fsynced writer
+from lstmem_peft.memory.sessions import SESSION_ID, check_session_id, fsync_directory, write_atomically
 
 from .protocol import ServeError
 
@@ -73,30 +74,6 @@ def namespace_for(api_key: str | None) -> str:
     if api_key is None:
         return "public"
     return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:24]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write a file through ``write(tmp_path)``, fsync it, rename it over ``path``, fsync the folder."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -360,7 +337,7 @@ class SessionStore:
 
     def _write_record(self, folder: Path, session: Session) -> None:
         text = json.dumps(session.record(), indent=1)
-        _atomic_write(folder / RECORD, lambda tmp: Path(tmp).write_text(text))
+        write_atomically(folder / RECORD, lambda tmp: Path(tmp).write_text(text))
 
     @staticmethod
     def _remove_unnamed(folder: Path, before: list[dict], after: list[dict]) -> None:
@@ -401,7 +378,7 @@ class SessionStore:
         else:
             new.memory_file = f"memory-{new.version:08d}.safetensors"
             target = folder / new.memory_file
-            _atomic_write(target, new.memory.save)
+            write_atomically(target, new.memory.save)
             sha, size = _sha256(target), target.stat().st_size
         entry = {
             "version": new.version,
@@ -474,7 +451,7 @@ class SessionStore:
                 leftover.unlink()
         if entry["memory_file"] is not None:
             data = (self.folder(namespace, source) / entry["memory_file"]).read_bytes()
-            _atomic_write(folder / entry["memory_file"], lambda tmp: Path(tmp).write_bytes(data))
+            write_atomically(folder / entry["memory_file"], lambda tmp: Path(tmp).write_bytes(data))
         forked = Session(
             namespace,
             target,
@@ -500,7 +477,7 @@ class SessionStore:
         if folder.exists():
             # the record goes first, so an interrupted delete never leaves a record without its memory
             (folder / RECORD).unlink(missing_ok=True)
-            _fsync_dir(folder)
+            fsync_directory(folder)
             shutil.rmtree(folder)
         return existed
 

@@ -9,10 +9,26 @@ and :func:`tokenize_episode` turns one into the token lists the collator pads::
 
     {"history_input_ids": [...], "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
 
+A **conversation episode** is a history and then several chat turns, each answered from memory and
+then written into it as ``lstmem serve`` writes a turn::
+
+    {"history": str, "turns": [{"prompt": str, "answer": str}, ...]}
+
+:func:`tokenize_conversation` lays one out exactly as the server would, for a given kind of client
+(one that sends only its newest message, or one that re-sends the whole conversation into a context
+window), write policy and window (the one :mod:`lstmem_peft.utils.chat` rule for messages and
+windows): the history, the first turn's read, and for each later turn what is written between the
+previous read and its own (``turn_writes``: one list of tokens per ``write_history`` call, as the
+server calls it) and its read (``turn_input_ids``, ``turn_labels``). The trainer computes the loss on
+every answer (:class:`~lstmem_peft.training.trainer.LSTMemTrainer`).
+
 Formats:
 
 * chat JSONL: one ``{"messages": [{"role", "content"}, ...]}`` per line; the last message is the
   assistant answer, the user message before it the prompt, everything earlier the history;
+* conversation JSONL: one ``{"history": str (optional), "messages": [user, assistant, user,
+  assistant, ...]}`` per line: the history written into memory first, then every user/assistant
+  pair a turn (a conversation episode);
 * QASPER, in its public schema (``title``, ``abstract``, ``full_text.section_name/paragraphs``,
   ``qas.question/answers``): the paper is the history, one episode per answered question;
 * long-document QA JSONL (the shape of the paper's Long dataset): ``{"context": str, "qas":
@@ -198,10 +214,36 @@ def long_qa_episodes(records: Iterable[dict[str, Any]]) -> Iterator[Episode]:
             }
 
 
-BUILDERS = {"chat": chat_episodes, "qasper": qasper_episodes, "long_qa": long_qa_episodes}
+def conversation_episodes(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Conversation records -> conversation episodes: the optional ``history`` text, then each
+    user/assistant pair of ``messages`` as a turn (see the module docstring)."""
+    for n, record in enumerate(records):
+        messages = record.get("messages") or []
+        roles = [m.get("role") for m in messages]
+        if not messages or len(messages) % 2 or roles != ["user", "assistant"] * (len(messages) // 2):
+            raise ValueError(
+                f"conversation record {n} needs 'messages' alternating user and assistant, starting with "
+                f"a user message and ending with an answer (got roles {roles})"
+            )
+        history = record.get("history") or ""
+        if not isinstance(history, str):
+            raise ValueError(f"conversation record {n}: 'history' must be text, got {type(history).__name__}")
+        turns = [
+            {"prompt": messages[i]["content"], "answer": messages[i + 1]["content"]}
+            for i in range(0, len(messages), 2)
+        ]
+        yield {"history": history, "turns": turns}
 
 
-def load_episodes(source: str, fmt: str, split: str = "train") -> list[Episode]:
+BUILDERS = {
+    "chat": chat_episodes,
+    "conversation": conversation_episodes,
+    "qasper": qasper_episodes,
+    "long_qa": long_qa_episodes,
+}
+
+
+def load_episodes(source: str, fmt: str, split: str = "train") -> list[dict[str, Any]]:
     """Episodes from a local file or Hub id in one of :data:`BUILDERS`' formats."""
     if fmt not in BUILDERS:
         raise ValueError(f"unknown episode format {fmt!r}; choose one of {sorted(BUILDERS)}")
@@ -226,6 +268,51 @@ def synthetic_recall_episodes(
         episodes.append(
             {"history": history, "prompt": f"? k{keys[ask]:02d}", "answer": f" v{values[ask]:02d}"}
         )
+    return episodes
+
+
+def synthetic_conversation_episodes(
+    num_episodes: int,
+    num_pairs: int = 8,
+    questions: int = 4,
+    num_keys: int = 32,
+    num_values: int = 32,
+    seed: int = 0,
+    facts_in: str = "turn",
+    updated: int = 0,
+) -> list[dict[str, Any]]:
+    """Key-value recall as a conversation: the facts, then ``questions`` turns ``? k07`` -> ``v19``.
+
+    ``facts_in="turn"``: the facts are the first chat turn, answered with nothing (the answer is the
+    end of sequence alone: noted); ``"history"``: they are the history, written before the chat.
+    ``updated``: then a chat turn (answered with nothing) gives that many of the keys new values,
+    and the newest value is the answer. Each question asks a different fact, in random order.
+    """
+    if facts_in not in ("turn", "history"):
+        raise ValueError(f"facts_in must be 'turn' or 'history', got {facts_in!r}")
+    if not 1 <= questions <= num_pairs:
+        raise ValueError(f"need 1 <= questions <= num_pairs, got {questions} and {num_pairs}")
+    rng = random.Random(seed)
+    episodes = []
+    for _ in range(num_episodes):
+        keys = rng.sample(range(num_keys), num_pairs)
+        values = [rng.randrange(num_values) for _ in keys]
+        facts = " ".join(f"k{k:02d} v{v:02d} ;" for k, v in zip(keys, values, strict=True))
+        update = []
+        if updated:
+            again = rng.sample(range(num_pairs), updated)
+            for i in again:
+                values[i] = rng.choice([v for v in range(num_values) if v != values[i]])
+            text = " ".join(f"k{keys[i]:02d} v{values[i]:02d} ;" for i in again)
+            update = [{"prompt": text, "answer": ""}]
+        asked = [
+            {"prompt": f"? k{keys[i]:02d}", "answer": f" v{values[i]:02d}"}
+            for i in rng.sample(range(num_pairs), questions)
+        ]
+        if facts_in == "turn":
+            episodes.append({"history": "", "turns": [{"prompt": facts, "answer": ""}, *update, *asked]})
+        else:
+            episodes.append({"history": facts, "turns": [*update, *asked]})
     return episodes
 
 
@@ -288,6 +375,153 @@ def tokenize_episode(
         "history_input_ids": history,
         "input_ids": prompt + answer,
         "labels": [-100] * len(prompt) + answer,
+    }
+
+
+#: The kinds of chat client a conversation episode can be laid out for (:func:`tokenize_conversation`).
+CLIENTS = ("newest", "resend")
+#: The write policies of ``lstmem serve`` a conversation can be trained under (``none`` writes nothing,
+#: so it needs no training of its own).
+CONVERSATION_WRITES = ("messages", "messages_and_answer")
+
+
+class ServedConversation:
+    """A conversation as ``lstmem serve`` takes it in from one kind of client, turn by turn.
+
+    The server's turn rule (:mod:`lstmem_peft.serve.scheduler`) on the client's side of the wire:
+    the client ``"newest"`` sends each user message alone; ``"resend"`` sends the whole conversation
+    so far, the answers as the assistant messages it got. The messages the session has not taken in
+    yet are new; the prompt is the latest messages that fit ``window - max_tokens`` with the
+    generation prompt (:func:`~lstmem_peft.utils.chat.prompt_start`); new messages older than the
+    prompt are written before the answer, the others after it, in one call, followed by the answer
+    under ``write="messages_and_answer"`` (which the session then holds, so a re-sending client does
+    not send it as new again). :func:`tokenize_conversation` lays out training episodes with it and
+    :func:`lstmem_peft.cli.demo_conversation.evaluate_conversation` measures recall with it; a test
+    holds both to the server's own answers.
+
+    Use: ``before, prompt = conv.ask(text)``, answer ``prompt`` with memory read-only after writing
+    ``before``, then write ``conv.answered(answer_text)``.
+
+    Args:
+        tokenizer: the served tokenizer (its chat template, if it has one, formats the messages).
+        client: ``"newest"`` or ``"resend"`` (:data:`CLIENTS`).
+        write: ``"messages"`` or ``"messages_and_answer"`` (:data:`CONVERSATION_WRITES`).
+        window: the served context window in tokens; ``None``: unbounded.
+        max_tokens: the requests' ``max_tokens`` (reserved in the window, as the server reserves it).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        client: str = "newest",
+        write: str = "messages",
+        window: int | None = None,
+        max_tokens: int = 16,
+    ) -> None:
+        from lstmem_peft.utils.chat import ChatFormat
+
+        if client not in CLIENTS:
+            raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
+        if write not in CONVERSATION_WRITES:
+            raise ValueError(f"write must be one of {CONVERSATION_WRITES}, got {write!r}")
+        self.client, self.write = client, write
+        self.fmt = ChatFormat(tokenizer)
+        self.opening = self.fmt.generation_prompt()
+        self.budget = (1 << 62) if window is None else window - max_tokens - len(self.opening)
+        self.messages: list[dict[str, str]] = []  # what the client holds
+        self.taken = 0  # how many of them the session has taken in
+        self._after: list[int] = []
+
+    def ask(self, text: str) -> tuple[list[int], list[int]]:
+        """The user message ``text`` sent as this client sends it: ``(written before the answer,
+        the prompt with the generation prompt)``; raises ``ValueError`` when it does not fit."""
+        from lstmem_peft.utils.chat import prompt_start
+
+        self.messages.append({"role": "user", "content": text})
+        sent = self.messages if self.client == "resend" else self.messages[-1:]
+        new_from = self.taken if self.client == "resend" else 0
+        encoded = [self.fmt.message(m["role"], m["content"]) for m in sent]
+        first = prompt_start(encoded, self.budget)
+        if first == len(encoded):
+            raise ValueError(
+                f"a message of {len(encoded[-1])} tokens does not fit the {self.budget} tokens the window "
+                "leaves for the prompt; raise window or lower max_tokens"
+            )
+        self._after = [t for i in range(max(new_from, first), len(encoded)) for t in encoded[i]]
+        before = [t for i in range(new_from, first) for t in encoded[i]]
+        return before, [t for ids in encoded[first:] for t in ids] + self.opening
+
+    def answered(self, text: str) -> list[int]:
+        """The client got the answer ``text`` (as the server sends it: stripped); returns the tokens the
+        turn writes after answering, in one call (empty: nothing)."""
+        self.messages.append({"role": "assistant", "content": text.strip()})
+        after = self._after
+        if self.write == "messages_and_answer":
+            after = after + self.fmt.message("assistant", text.strip())
+            self.taken = len(self.messages)
+        else:
+            self.taken = len(self.messages) - 1
+        return after
+
+
+def tokenize_conversation(
+    tokenizer,
+    episode: dict[str, Any],
+    client: str = "newest",
+    write: str = "messages",
+    window: int | None = None,
+    max_tokens: int = 16,
+    history_max_tokens: int = K.STAGE1_HISTORY_CAP,
+) -> dict[str, Any]:
+    """Token ids of a conversation episode, laid out as ``lstmem serve`` runs it
+    (:class:`ServedConversation`, the answers being the episode's).
+
+    The history (when not empty) is written first, as text (``POST /v1/memory/{session}/write``),
+    then the turns; each turn's read is its prompt followed by its answer and EOS.
+
+    Args:
+        tokenizer: the served tokenizer.
+        episode: ``{"history": str, "turns": [{"prompt": str, "answer": str}, ...]}``.
+        client, write, window, max_tokens: as :class:`ServedConversation` takes them.
+        history_max_tokens: the history keeps its first this many tokens.
+
+    Returns:
+        ``{"history_input_ids": [...], "input_ids": [...], "labels": [...]`` (the first turn's read,
+        ``-100`` off the answer), ``"turn_writes": [[...], ...]`` per later turn (the token lists
+        written between the previous read and this one, one per ``write_history`` call, in order),
+        ``"turn_input_ids"`` and ``"turn_labels"`` (the later turns' reads)``}``.
+
+    Raises:
+        ValueError: an unknown client or policy, no turns, an empty answer without an EOS token, or a
+            message that does not fit the window.
+    """
+    turns = episode.get("turns") or []
+    if not turns:
+        raise ValueError("a conversation episode needs at least one turn")
+    conversation = ServedConversation(tokenizer, client, write, window, max_tokens)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    history: list[int] = []
+    if episode.get("history"):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        history = bos + conversation.fmt.encode_text(episode["history"])[:history_max_tokens]
+    writes: list[list[list[int]]] = []
+    reads: list[tuple[list[int], list[int]]] = []
+    after: list[int] = []
+    for n, turn in enumerate(turns):
+        before, prompt = conversation.ask(turn["prompt"])
+        writes.append([w for w in (after, before) if w])
+        answer = conversation.fmt.encode_text(turn["answer"]) + eos
+        if not answer:
+            raise ValueError(f"turn {n} has an empty answer and the tokenizer no EOS token")
+        reads.append((prompt + answer, [-100] * len(prompt) + answer))
+        after = conversation.answered(turn["answer"])
+    return {
+        "history_input_ids": history,
+        "input_ids": reads[0][0],
+        "labels": reads[0][1],
+        "turn_writes": writes[1:],  # the first turn's message is in its own prompt: nothing before it
+        "turn_input_ids": [ids for ids, _ in reads[1:]],
+        "turn_labels": [labels for _, labels in reads[1:]],
     }
 
 

@@ -5,7 +5,7 @@ checkpointing for a memory budget.
 Per process, for a micro-batch of ``B`` episodes (history ``H`` tokens, answer pass ``A`` tokens):
 
 - **backbone weights**: every backbone parameter at the backbone's dtype (split over the processes
-  when FSDP2 shards it, :func:`~lstmem_peft.training.trainer.shard_backbone`, stage 2 only);
+  when FSDP2 shards it, :func:`~lstmem_peft.training.distributed.shard_backbone`, stage 2 only);
 - **adapter weights, gradients and optimizer state**: the LSTMem parameters in float32, their
   gradients, and AdamW's two float32 moments (16 bytes a parameter). Under DeepSpeed ZeRO-2 the
   gradients and moments are split over the processes and, in bf16, the model copy of the adapter is
@@ -169,7 +169,7 @@ class Setting:
         activation_dtype: dtype of the backbone's activations (``"bfloat16"`` under bf16 autocast).
         processes: data-parallel processes ``N``.
         zero2: DeepSpeed ZeRO-2 (gradients and optimizer state split over ``N``).
-        fsdp2: backbone weights split over ``N`` (:func:`~lstmem_peft.training.trainer.shard_backbone`).
+        fsdp2: backbone weights split over ``N`` (:func:`~lstmem_peft.training.distributed.shard_backbone`).
     """
 
     stage: str = "stage1"

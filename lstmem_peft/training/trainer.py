@@ -9,24 +9,25 @@ One training episode:
 3. predicts the final assistant turn with writing and feedback disabled and without the historical
    KV cache, from a read sequence of at most 512 tokens, whose prompt is dropped (all but its last
    token) with probability 0.2 ("context dropout");
-4. the loss is the mean cross-entropy over answer tokens. Only the adapter trains.
+4. a conversation episode (:func:`~lstmem_peft.training.data.tokenize_conversation`) goes on, turn
+   by turn, as ``lstmem serve`` runs it: the turn's write calls (``write_history``, under the same
+   mode as the history), then its read, memory read-only;
+5. the loss is the mean cross-entropy over every answer token. Only the adapter trains.
 
 Several processes (``torchrun``, ``accelerate launch``) train data-parallel: DDP, DeepSpeed ZeRO-2
 (on GPUs, or on CPUs through DeepSpeed's CPU accelerator over gloo, which the config sets up itself)
-and, for stage 2, FSDP2 on the frozen backbone (:func:`shard_backbone`). Launches that would train
+and, for stage 2, FSDP2 on the frozen backbone (:func:`~.distributed.shard_backbone`). Launches that would train
 wrongly without an error (each process alone, gradients never averaged, a sharding plugin that
 does nothing) are refused when the trainer is built, each with its fix
-(:func:`check_distributed_setup`).
+(:func:`~.distributed.check_distributed_setup`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import random
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property
@@ -49,202 +50,18 @@ except ModuleNotFoundError as err:
     raise missing_extra(err, "train", "LSTMem training (lstmem_peft.training.trainer)") from err
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
-from transformers import Trainer
+
+from .distributed import (  # after TRL: a missing train extra is named before anything else fails
+    _check_sharded_model,
+    _flag,
+    check_distributed_setup,
+    fsdp2_sharded,
+    launched_world_size,
+)
 
 HISTORY_MODES = ("stage1", "stage2")
 #: The accelerator whose DeepSpeed engine last trained a model (see LSTMemTrainer.train).
 _DEEPSPEED_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Environment variables that launchers set to the number of processes they started.
-WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-# ---------------------------------------------------------------------- multi-process launches
-def _flag(environ: Mapping[str, str], name: str) -> bool:
-    return environ.get(name, "").strip().lower() in ("1", "true", "yes")
-
-
-def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """How many processes the launcher started (``torchrun``, ``accelerate launch``, ``deepspeed``,
-    ``mpirun``), read from its environment variables; 1 without a launcher."""
-    environ = os.environ if environ is None else environ
-    for name in WORLD_SIZE_VARIABLES:
-        if environ.get(name):
-            return int(environ[name])
-    return 1
-
-
-def _has_accelerator_device() -> bool:
-    """Whether torch sees a device other than the CPU (CUDA, XPU, MPS, ...)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and hasattr(accelerator, "is_available"):
-        return bool(accelerator.is_available())
-    return torch.cuda.is_available()
-
-
-def check_distributed_setup(
-    args: LSTMemTrainingConfig, accelerator, environ: Mapping[str, str] | None = None
-) -> None:
-    """Refuse the launches that train wrongly without any error, each with its fix.
-
-    Checked against what the launcher asked for (``environ``, default ``os.environ``; ``args.fsdp``)
-    and what accelerate set up (``accelerator.num_processes`` and ``accelerator.distributed_type``):
-
-    - ``accelerate launch --cpu`` (or ``use_cpu: true``) with several processes: accelerate's simple
-      launcher starts one process;
-    - accelerate's FSDP plugin (``distributed_type: FSDP``, TrainingArguments ``fsdp``): on CPU it
-      shards nothing and each process trains alone; on GPUs it would shard the LSTMem parameters
-      with their decoder layers, while memory writing and block-end feedback use them outside the
-      layer's forward (sharded that way on CPU, training crashes);
-    - a process that trains alone although the launcher started several (no backend on a CPU-only
-      machine without ``use_cpu=True``);
-    - several processes whose gradients are never averaged (a process group without DDP/DeepSpeed).
-
-    Raises:
-        RuntimeError: naming what went wrong and the fix.
-    """
-    environ = os.environ if environ is None else environ
-    world = launched_world_size(environ)
-    processes = accelerator.num_processes
-    kind = accelerator.distributed_type
-    if _flag(environ, "ACCELERATE_USE_CPU") and environ.get("MASTER_PORT") and world == 1:
-        # accelerate's simple launcher sets MASTER_PORT only when asked for several processes
-        raise RuntimeError(
-            "`accelerate launch --cpu` (or `use_cpu: true` in its config) with several processes started "
-            "only this one: accelerate's CPU launcher runs one process unless mpirun is set up. Launch "
-            "with `torchrun --nproc_per_node N` and LSTMemTrainingConfig(use_cpu=True), or drop `--cpu` / "
-            "`use_cpu` from an accelerate DeepSpeed config (examples/accelerate_zero2_cpu.yaml). (One "
-            "process meant? Unset MASTER_PORT.)"
-        )
-    if args.fsdp or _flag(environ, "ACCELERATE_USE_FSDP"):
-        where = "GPU" if _has_accelerator_device() else "CPU"
-        raise RuntimeError(
-            f"accelerate's FSDP plugin cannot train an LSTMem adapter here ({where}): on CPU it shards "
-            "nothing and every process trains alone, without an error; on GPUs it shards the LSTMem "
-            "parameters too, which memory writing and block-end feedback use outside their decoder "
-            "layer's forward. Shard the frozen backbone with FSDP2 instead, under torchrun: "
-            "lstmem_peft.training.trainer.shard_backbone(model) before building the trainer "
-            "(history_mode='stage2'), or use DeepSpeed ZeRO-2 (examples/accelerate_zero2.yaml)"
-        )
-    if world > 1 and processes != world:
-        raise RuntimeError(
-            f"the launcher started {world} processes but this one trains as {processes} of {processes}: "
-            "each process would train alone on the whole dataset. On a CPU-only machine pass "
-            "LSTMemTrainingConfig(use_cpu=True) (gloo) under torchrun; with accelerate launch, use a config "
-            "whose distributed_type is MULTI_GPU or DEEPSPEED"
-        )
-    if processes > 1 and kind == DistributedType.NO:
-        raise RuntimeError(
-            f"{processes} processes share a process group but accelerate set up no data parallelism "
-            "(distributed_type NO): gradients would never be averaged and the processes would drift "
-            "apart. On a CPU-only machine pass LSTMemTrainingConfig(use_cpu=True)"
-        )
-
-
-def _fsdp2_module_type():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return None
-    return FSDPModule
-
-
-def fsdp2_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds modules sharded with FSDP2's ``fully_shard``."""
-    kind = _fsdp2_module_type()
-    return kind is not None and any(isinstance(m, kind) for m in model.modules())
-
-
-def _adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {name: p for name, p in model.named_parameters() if "lstmem_memory" in name}
-
-
-def shard_backbone(model: torch.nn.Module, mesh=None, reshard_after_forward: bool = True) -> torch.nn.Module:
-    """Shard the frozen backbone's weights across the processes with FSDP2; the adapter stays whole.
-
-    Every decoder layer (the classes in the backbone's ``_no_split_modules``), then the whole model,
-    becomes an FSDP2 unit (``torch.distributed.fsdp.fully_shard``): each process keeps ``1/N`` of
-    every backbone weight and gathers a layer's weights for its forward and backward. The LSTMem
-    parameters are left out (``ignored_params``): memory writing and block-end feedback use them
-    outside their decoder layer's forward, where FSDP2 would have freed them. They stay whole on
-    every process, and :class:`LSTMemTrainer` broadcasts them from rank 0 and averages their
-    gradients over the processes, so the result equals one process with the same global batch.
-
-    For ``history_mode="stage2"`` only (see :class:`LSTMemTrainer`). Call it under ``torchrun``
-    once the process group exists, i.e. after creating the
-    ``LSTMemTrainingConfig(use_cpu=True, ...)`` on CPU (gloo), or after
-    ``torch.distributed.init_process_group``; then pass the model to the trainer::
-
-        args = LSTMemTrainingConfig(output_dir="out", history_mode="stage2", use_cpu=True)
-        model = shard_backbone(get_peft_model(base, LSTMemConfig()))
-        LSTMemTrainer(model=model, args=args, ...).train()
-
-    Args:
-        model: a model carrying an LSTMem adapter (``get_peft_model(base, LSTMemConfig())``).
-        mesh: a 1-D ``DeviceMesh`` over the processes; default: all of them, on this process's
-            device type (``"cpu"`` or ``"cuda"``).
-        reshard_after_forward: FSDP2's option of the same name (free gathered weights after each
-            layer's forward).
-
-    Returns:
-        ``model``, sharded in place.
-    """
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "shard_backbone needs the process group: launch with torchrun and create the "
-            "LSTMemTrainingConfig first (use_cpu=True on CPU), or call torch.distributed.init_process_group"
-        )
-    if "ignored_params" not in inspect.signature(fully_shard).parameters:
-        raise RuntimeError("shard_backbone needs torch >= 2.7 (fully_shard's ignored_params)")
-    find_memory(model)
-    adapter = set(_adapter_parameters(model).values())
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in base.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(
-            f"{type(base).__name__} lists no decoder layer classes in _no_split_modules; "
-            "apply torch.distributed.fsdp.fully_shard to its layers yourself, with the LSTMem "
-            "parameters (names containing 'lstmem_memory') in ignored_params"
-        )
-    if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        device = next(p.device for p in base.parameters()).type
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=adapter)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=adapter)
-    return model
-
-
-def _check_sharded_model(model: torch.nn.Module, args: LSTMemTrainingConfig) -> None:
-    """Refuse FSDP2-sharded models that cannot train correctly (see :func:`shard_backbone`)."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
-    if sharded:
-        raise ValueError(
-            f"FSDP2 sharded trainable parameters ({sharded[0]}, ...): LSTMem's memory writing and block-end "
-            "feedback use them outside their decoder layer's forward, where FSDP2 has freed them. Shard "
-            "with lstmem_peft.training.trainer.shard_backbone(model), which leaves the adapter whole"
-        )
-    if args.history_mode == "stage1":
-        raise ValueError(
-            "history_mode='stage1' cannot train on an FSDP2-sharded backbone: its gradient flows back "
-            "through the history blocks' forwards, which read decoder-layer weights that FSDP2 frees "
-            "after the layer's first backward (the process crashes or reads freed memory). Train stage 1 "
-            "with DeepSpeed ZeRO-2 or DDP (backbone replicated) and shard the backbone for stage 2, "
-            "whose history is written without gradients"
-        )
-    if not hasattr(Trainer, "_sync_replicated_trainable_parameters"):
-        raise RuntimeError(
-            "this transformers version cannot train a model sharded before the Trainer (no "
-            "Trainer._sync_replicated_trainable_parameters); install the version pinned in "
-            ".ci/constraints.txt"
-        )
 
 
 @dataclass
@@ -255,6 +72,10 @@ class EpisodeCollator:
 
         {"history_input_ids": (B, Th), "history_attention_mask": (B, Th),   # left-padded history
          "input_ids": (B, Ta), "attention_mask": (B, Ta), "labels": (B, Ta)}  # read sequence, -100 off-answer
+
+    and, for conversation episodes (:func:`~lstmem_peft.training.data.tokenize_conversation`),
+    ``"turns"``: one entry per later turn, ``{"writes": [{"input_ids": (B, Tw), "attention_mask":
+    (B, Tw)}, ...], "input_ids": (B, Tr), "attention_mask": (B, Tr), "labels": (B, Tr)}``.
 
     Args:
         pad_token_id: id used for padding.
@@ -280,18 +101,39 @@ class EpisodeCollator:
             input_ids, labels = input_ids[-self.answer_max_tokens :], labels[-self.answer_max_tokens :]
         return input_ids, labels
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         history, history_mask = left_pad([list(f["history_input_ids"]) for f in features], self.pad_token_id)
-        reads = [self.read_sequence(list(f["input_ids"]), list(f["labels"])) for f in features]
-        input_ids, attention_mask = left_pad([r[0] for r in reads], self.pad_token_id)
-        labels, _ = left_pad([r[1] for r in reads], -100)
-        return {
-            "history_input_ids": history,
-            "history_attention_mask": history_mask,
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "labels": labels,
-        }
+        batch = {"history_input_ids": history, "history_attention_mask": history_mask}
+        batch.update(self.pad_reads([(f["input_ids"], f["labels"]) for f in features]))
+        turns = max(len(f.get("turn_input_ids") or ()) for f in features)
+        if turns:
+            batch["turns"] = [self.pad_turn(features, j) for j in range(turns)]
+        return batch
+
+    def pad_reads(self, reads: list[tuple[list[int], list[int]] | None]) -> dict[str, torch.Tensor]:
+        """Reads (``None``: a row without one, padded to one token that carries no loss)."""
+        done = [
+            self.read_sequence(list(r[0]), list(r[1])) if r else ([self.pad_token_id], [-100]) for r in reads
+        ]
+        input_ids, attention_mask = left_pad([ids for ids, _ in done], self.pad_token_id)
+        labels, _ = left_pad([y for _, y in done], -100)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+    def pad_turn(self, features: list[dict[str, Any]], j: int) -> dict[str, Any]:
+        """Later turn ``j`` of a batch of conversation episodes: its write calls, aligned by their
+        index (a row with fewer calls, or without turn ``j``, writes nothing there: an empty row,
+        which ``write_history`` leaves untouched), and its read."""
+        writes = [list(f["turn_writes"][j]) if j < len(f.get("turn_writes") or ()) else [] for f in features]
+        calls = []
+        for c in range(max(len(w) for w in writes)):
+            ids, mask = left_pad([list(w[c]) if c < len(w) else [] for w in writes], self.pad_token_id)
+            calls.append({"input_ids": ids, "attention_mask": mask})
+        has = [j < len(f.get("turn_input_ids") or ()) for f in features]
+        reads = [
+            (f["turn_input_ids"][j], f["turn_labels"][j]) if h else None
+            for f, h in zip(features, has, strict=True)
+        ]
+        return {"writes": calls, **self.pad_reads(reads)}
 
 
 @dataclass
@@ -486,7 +328,7 @@ class LSTMemTrainer(SFTTrainer):
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
-        """``no_sync`` for a model sharded by :func:`shard_backbone` during gradient accumulation:
+        """``no_sync`` for a model sharded by :func:`~.distributed.shard_backbone` during gradient accumulation:
         FSDP2 waits for the last micro-batch (transformers' version reads a ``distributed_config``
         that only models sharded at load time have). Its units hold frozen weights only, and the
         adapter's gradients are averaged after the last micro-batch anyway."""
@@ -549,51 +391,78 @@ class LSTMemTrainer(SFTTrainer):
                 f"history of {history_ids.shape[1]} tokens exceeds history_max_tokens={self.args.history_max_tokens}; "
                 "truncate it when tokenizing (lstmem_peft.training.data.tokenize_episode)"
             )
-        cache = MemoryCache()
+        return self.write_tokens(model, history_ids, history_mask, MemoryCache())
+
+    def write_tokens(self, model, ids: torch.Tensor, mask: torch.Tensor, cache: MemoryCache) -> MemoryCache:
+        """One ``write_history`` call's worth of ``(B, T)`` tokens into ``cache``: with gradients in
+        stage 1; in stage 2 without, block by block, states detached between blocks."""
+        if ids.shape[1] == 0:
+            return cache
         block = self.args.history_block_size
         if self.args.history_mode == "stage1":
-            write_history(
-                model, history_ids, cache, attention_mask=history_mask, block_size=block, progress=False
-            )
-            return cache
+            return write_history(model, ids, cache, attention_mask=mask, block_size=block, progress=False)
         block = block or find_memory(model).config().block_size
         with torch.no_grad():
-            for start in range(0, history_ids.shape[1], block):
+            for start in range(0, ids.shape[1], block):
                 write_history(
                     model,
-                    history_ids[:, start : start + block],
+                    ids[:, start : start + block],
                     cache,
-                    attention_mask=history_mask[:, start : start + block],
+                    attention_mask=mask[:, start : start + block],
                     block_size=block,
                     progress=False,
                 )
                 cache.detach_()
         return cache
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """transformers' batches and answer-token count, the count including the later turns'
+        answers of conversation episodes (it counts ``labels`` only)."""
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if count is None or not any("turns" in b for b in batches):
+            return batches, count
+        more = sum(t["labels"][..., 1:].ne(-100).sum() for b in batches for t in b.get("turns", ()))
+        more = torch.as_tensor(more, device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            more = self.accelerator.gather(more).sum()
+        return batches, count + more.to(count.device)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Mean cross-entropy over every answer token of the batch: the first read, then each later
+        turn of conversation episodes after its writes (in the server's order)."""
         cache = self.write_episode_history(
             model, inputs["history_input_ids"], inputs["history_attention_mask"]
         )
-        outputs = model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            memory_cache=cache,
-            memory_write=False,
-            use_cache=False,
-        )
-        logits = outputs.logits[:, :-1].float()
-        targets = inputs["labels"][:, 1:]
-        mask = targets != -100
-        token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp_min(0), reduction="none")
-        token_loss = token_loss.view_as(targets) * mask
-        count = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = token_loss.sum() / torch.as_tensor(count, device=token_loss.device).clamp(min=1)
+        losses, correct, total = [], 0, 0
+        outputs = None
+        for n, read in enumerate([inputs, *inputs.get("turns", ())]):
+            for call in read["writes"] if n else ():
+                self.write_tokens(model, call["input_ids"], call["attention_mask"], cache)
+            mask = read["attention_mask"]
+            outputs = model(
+                input_ids=read["input_ids"],
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp_min(0),  # as generate() counts them
+                memory_cache=cache,
+                memory_write=False,
+                use_cache=False,
+            )
+            logits = outputs.logits[:, :-1].float()
+            targets = read["labels"][:, 1:]
+            answer = targets != -100
+            token_loss = F.cross_entropy(
+                logits.flatten(0, 1), targets.flatten().clamp_min(0), reduction="none"
+            )
+            losses.append((token_loss.view_as(targets) * answer).sum())
+            with torch.no_grad():
+                correct = correct + ((logits.argmax(-1) == targets) & answer).sum()
+                total = total + answer.sum()
+        count = total if num_items_in_batch is None else num_items_in_batch
+        loss = torch.stack(losses).sum() / torch.as_tensor(count, device=losses[0].device).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         mode = "train" if model.training else "eval"
         with torch.no_grad():
-            correct = ((logits.argmax(-1) == targets) & mask).sum()
-            total = mask.sum()
             correct, total = self.accelerator.gather_for_metrics(
                 torch.stack([correct, total]).view(1, 2)
             ).sum(0)

@@ -15,7 +15,8 @@ its processes. :func:`engine_args` gives the arguments that select it::
         SamplingParams(max_tokens=64, extra_args={"lstmem_session_in": "alice", "lstmem_session_out": "alice"}),
     )
 
-What runs (:mod:`lstmem_peft.integrations.vllm.model`): the backbone's decoder layers, each chosen layer
+What runs (:mod:`lstmem_peft.integrations.vllm.model`, the model classes; the memory layer in
+:mod:`~lstmem_peft.integrations.vllm.state`): the backbone's decoder layers, each chosen layer
 with an :class:`~lstmem_peft.memory.layer.LSTMemLayer` (the library's own layer, loaded from the adapter's
 safetensors) whose ``Δq`` enters the query projection's output before q-norm and RoPE and whose
 ``Δo`` is added after the output projection, with ``D_t`` passed up to the next memory layer at the
@@ -30,7 +31,7 @@ CUDA graphs work as for its own state layers: a decode-only step (one fused Trit
 layer, reading fixed metadata buffers) replays a full graph with the memory op inside; other steps
 run piecewise graphs of the backbone between the memory ops, which vLLM splits the graph at (as at
 attention) and which run eagerly between the pieces, routing prefill chunks to their state slots
-(:class:`~lstmem_peft.integrations.vllm.model.LSTMemMetadataBuilder`).
+(:class:`~lstmem_peft.integrations.vllm.backend.LSTMemMetadataBuilder`).
 
 Sessions (:mod:`lstmem_peft.integrations.vllm.sessions`): a request names sessions, never files.
 ``SamplingParams.extra_args["lstmem_session_in"]`` names the session whose saved
@@ -39,9 +40,10 @@ the request starts from, and ``extra_args["lstmem_session_out"]`` the session it
 written to, complete before vLLM returns the request's final output: the prompt and every generated
 token but the last (vLLM never runs the last sampled token through the model, exactly like
 ``generate(memory_cache=...)`` in the library). A session name is a ``lstmem serve`` session id
-(:func:`check_session_id`); session ``NAME`` is the file ``NAME.safetensors`` of the session
-directory, which the operator sets with the environment variable ``LSTMEM_SESSION_DIR`` of the
-processes that run vLLM (without it, requests that name sessions are refused).
+(:func:`~lstmem_peft.memory.sessions.check_session_id`); session ``NAME`` is the file
+``NAME.safetensors`` of the session directory (:func:`~lstmem_peft.memory.sessions.session_file`),
+which the operator sets with the environment variable ``LSTMEM_SESSION_DIR`` of the processes that
+run vLLM (without it, requests that name sessions are refused).
 
 Read-only requests: ``extra_args["lstmem_memory_write"] = False`` answers from the starting memory
 without writing into it, as ``generate(memory_cache=..., memory_write=False)`` does in the library
@@ -61,14 +63,13 @@ one request per block, each continuing the session, writes what ``write_history`
 a history request's prompt chunks at block ends; each memory layer keeps a block's feedback samples
 across its chunks; feedback runs after the last memory layer of the forward where a block ends.
 
-This module does not import vLLM: :func:`check_session_id` (the session-id rule ``lstmem serve``
-shares) and :func:`session_file` work without it.
+This module does not import vLLM (:func:`engine_args` and :func:`hf_overrides` work without it);
+nor does the session-name rule it shares with ``lstmem serve`` (:mod:`lstmem_peft.memory.sessions`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "LSTMemQwen3ForCausalLM", "LlamaForCausalLM": "LSTMemLlamaForCausalLM"}
 WORKER = "lstmem_peft.integrations.vllm.worker.LSTMemWorker"
@@ -86,13 +87,12 @@ MEMORY_WRITE = "lstmem_memory_write"
 HISTORY = "lstmem_history"
 # the environment variable, read by every vLLM process, that names the session directory
 SESSION_DIR_ENV = "LSTMEM_SESSION_DIR"
-SESSION_SUFFIX = ".safetensors"
 # the member of vLLM's MambaAttentionBackendEnum that names the memory layers' state backend
-# (lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend: its metadata builder); registered by
+# (lstmem_peft.integrations.vllm.backend.LSTMemAttentionBackend: its metadata builder); registered by
 # register() in every vLLM process, since vLLM sends the state spec that names it between processes
 MEMORY_BACKEND = "LSTMEM"
-MEMORY_BACKEND_CLASS = "lstmem_peft.integrations.vllm.model.LSTMemAttentionBackend"
-# the memory's custom op (lstmem_peft.integrations.vllm.model): vLLM splits its compiled graph at it,
+MEMORY_BACKEND_CLASS = "lstmem_peft.integrations.vllm.backend.LSTMemAttentionBackend"
+# the memory's custom op (lstmem_peft.integrations.vllm.backend): vLLM splits its compiled graph at it,
 # as at attention and Mamba ops, so that piecewise CUDA graphs capture the backbone around it and the
 # op runs eagerly between the pieces (register() adds it to the ops vLLM splits at by default); full
 # graphs of decode-only steps hold it
@@ -100,42 +100,6 @@ MEMORY_OP = "vllm::lstmem_memory"
 # the name given to layers with memory in ``layer_types``: vLLM treats a model as hybrid (state beside
 # KV) only when some layer type is not plain attention
 MEMORY_LAYER_TYPE = "full_attention_with_lstmem"
-
-#: Session ids (``lstmem serve``) and vLLM session names: letters, digits, ``.``, ``_``, ``-``; 1 to
-#: 128 characters; not starting with ``.`` (so never ``.``, ``..`` or a hidden file); no separator.
-SESSION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
-
-
-class SessionIdError(ValueError):
-    """A session id that is not a plain name (it could reach outside the store)."""
-
-
-def check_session_id(session: str) -> str:
-    """Return ``session`` if it is a valid session id, else raise :class:`SessionIdError`.
-
-    The whole string must match :data:`SESSION_ID` (``\\Z``: a trailing newline does not pass)."""
-    if not isinstance(session, str) or not SESSION_ID.match(session):
-        raise SessionIdError(
-            f"invalid session id {session!r}: use 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
-        )
-    return session
-
-
-def session_file(directory: str, name: str) -> str:
-    """The file of session ``name`` in the session directory ``directory``: ``directory/name.safetensors``.
-
-    Raises:
-        SessionIdError: ``name`` is not a session id (a path, ``..``, a separator, a hidden name,
-            not a string).
-        ValueError: the file would resolve outside ``directory`` (a symbolic link placed there that
-            points elsewhere).
-    """
-    check_session_id(name)
-    root = os.path.realpath(directory)
-    path = os.path.join(root, name + SESSION_SUFFIX)
-    if os.path.dirname(os.path.realpath(path)) != root:
-        raise ValueError(f"session {name!r} resolves outside the session directory")
-    return path
 
 
 def register_memory_backend() -> None:
@@ -151,7 +115,7 @@ def register_splitting_op() -> None:
     """Add the memory op (:data:`MEMORY_OP`) to the ops vLLM splits its compiled graph at by default
     (``CompilationConfig._attention_ops``, where vLLM lists its attention and Mamba ops; idempotent).
     An engine whose ``splitting_ops`` are set by hand must list it for CUDA graphs: the model
-    refuses to start otherwise (:func:`~lstmem_peft.integrations.vllm.model.check_engine_config`).
+    refuses to start otherwise (:func:`~lstmem_peft.integrations.vllm.checks.check_engine_config`).
 
     Other models served where this plugin is installed split at the same ops as before (the op is
     not in their graphs); only where their ``splitting_ops`` are set by hand, vLLM's check that they
@@ -270,10 +234,7 @@ __all__ = [
     "SESSION_IN",
     "SESSION_OUT",
     "SCHEDULER",
-    "SessionIdError",
-    "check_session_id",
     "engine_args",
     "hf_overrides",
     "register",
-    "session_file",
 ]

@@ -64,7 +64,7 @@ class StartingRequest:
 @dataclass
 class RequestRecord:
     """What the plugin knows of a running request (:meth:`RunnerView.request`): the fields of V1's
-    ``CachedRequestState`` that vLLM's stop rule reads (:func:`~.sessions.finishes`).
+    ``CachedRequestState`` that vLLM's stop rule reads (:func:`~.worker_sessions.finishes`).
 
     Attributes:
         num_prompt_tokens: its prompt tokens.

@@ -38,9 +38,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from lstmem_peft.memory.sessions import session_file
 from lstmem_peft.utils.extras import missing_extra
 
-from . import HISTORY, MEMORY_WRITE, SESSION_DIR_ENV, SESSION_IN, SESSION_OUT, engine_args, session_file
+from . import HISTORY, MEMORY_WRITE, SESSION_DIR_ENV, SESSION_IN, SESSION_OUT, engine_args
 
 
 def require_vllm() -> None:

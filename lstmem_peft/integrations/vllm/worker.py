@@ -4,15 +4,15 @@ Selected by :func:`lstmem_peft.integrations.vllm.engine_args` (``worker_cls``), 
 ``--worker-cls lstmem_peft.integrations.vllm.worker.LSTMemWorker``. When the model is loaded it chooses
 how it reads vLLM's model runner, V1 or V2 (:func:`~.runner_view.runner_view`; a runner it does not
 know stops the engine there, before any request) and sets up the session directory
-(``LSTMEM_SESSION_DIR``; :func:`~.sessions.prepare_session_directory`). Before each step it runs, it
+(``LSTMEM_SESSION_DIR``; :func:`~.session_files.prepare_session_directory`). Before each step it runs, it
 writes the starting memory of every request that starts into its state slot
-(:meth:`~.sessions.Sessions.before_step`; the model needs this worker); after the step, before the step's
+(:meth:`~.worker_sessions.Sessions.before_step`; the model needs this worker); after the step, before the step's
 output goes back to the scheduler (and so to the client), it saves the memories of the requests
-that ended in it (:class:`~.sessions.Sessions`): at once where the runner returns a
+that ended in it (:class:`~.worker_sessions.Sessions`): at once where the runner returns a
 ``ModelRunnerOutput`` (V1), and where it returns an ``AsyncModelRunnerOutput`` (V2, whose sampled
 tokens reach the host in ``get_output()``, which vLLM calls before it sends the output on) when that
 output is read. The step itself is the platform worker's, except that a step holding a one-token
-history chunk is never dispatched to a full CUDA graph (:func:`~.model.keep_history_chunks_out_of_full_graphs`).
+history chunk is never dispatched to a full CUDA graph (:func:`~.backend.keep_history_chunks_out_of_full_graphs`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from vllm.platforms import current_platform
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-from .model import keep_history_chunks_out_of_full_graphs
+from .backend import keep_history_chunks_out_of_full_graphs
 from .runner_view import RunnerView, runner_view
-from .sessions import Sessions, prepare_session_directory
+from .session_files import prepare_session_directory
+from .worker_sessions import Sessions
 
 # the worker each platform runs by default (vLLM's platforms set these when worker_cls is "auto")
 PLATFORM_WORKERS = {

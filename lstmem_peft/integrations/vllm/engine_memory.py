@@ -1,0 +1,200 @@
+"""What the memory layers of one LSTMem model share within a forward, and with the worker's sessions.
+
+:class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, which
+state slots only read, and each history request's block being written (:class:`HistorySlot`: the
+feedback samples kept across a block's chunks, the terminal states at its end), with the block-end
+feedback that runs after the last memory layer of a forward. The worker's sessions
+(:class:`~.worker_sessions.Sessions`) set its per-step fields before each step; the memory layers
+(:class:`~.state.LSTMemState`) and the metadata builder (:class:`~.backend.LSTMemMetadataBuilder`) read
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.logger import init_logger
+
+from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
+from lstmem_peft.tuner.config import LSTMemConfig
+
+from .history import ChunkPlan, plan_chunk
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HistorySlot:
+    """A history request's block being written, in its state slot.
+
+    Attributes:
+        prompt_length: the request's prompt tokens (the history).
+        keys, values: per memory layer (depth order), ``(P, n_h, r)`` memory keys and values at the
+            samples ``I_b`` of the current block seen so far (``P = |I_b|``), kept across the block's
+            chunks; ``None`` before the block's first chunk ran.
+    """
+
+    prompt_length: int
+    keys: list | None = None
+    values: list | None = None
+
+
+class EngineMemory:
+    """What the memory layers of one model share within a forward, and with the worker's sessions.
+
+    Attributes:
+        depth_seq: ``(N, n_h, r, r)`` float32 ``D_t`` of every token from the memory layer that ran last
+            in the current forward (the depth input of the next one), or ``None``.
+        read_only: the state slots of read-only requests (host), kept by
+            :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` through :meth:`set_read_only`.
+        step_has_read_only: whether the step about to run schedules a read-only request (host, set
+            by the sessions before each step): only then do prefills run the read-only pass.
+        history: state slot -> :class:`HistorySlot` of each history request (``lstmem_history``),
+            kept by the sessions through :meth:`set_history`.
+        step_history: state slot -> ``(start, length)`` of the prompt chunk each history request
+            runs in the step about to run (host, set by the sessions before each step).
+        terminals: state slot -> the :class:`~lstmem_peft.memory.feedback.LayerTerminal` of each memory
+            layer that has run so far in this forward, for the history requests whose chunk ends a
+            block; block-end feedback consumes them after the last memory layer.
+        states: the memory layers (:class:`~.state.LSTMemState`), depth order (set by the model).
+        block_size, feedback_positions, block_feedback, depth_coupling: the adapter's history settings.
+    """
+
+    def __init__(self, config: LSTMemConfig | None = None) -> None:
+        self.depth_seq: torch.Tensor | None = None
+        self.read_only: set[int] = set()
+        self.step_has_read_only = False
+        self._read_only_slots: torch.Tensor | None = None
+        self.history: dict[int, HistorySlot] = {}
+        self.step_history: dict[int, tuple[int, int]] = {}
+        self.terminals: dict[int, list[LayerTerminal]] = {}
+        self.states: list[torch.nn.Module] = []  # LSTMemState
+        config = config or LSTMemConfig()
+        self.block_size = int(config.block_size)
+        self.feedback_positions = int(config.feedback_positions)
+        self.block_feedback = bool(config.block_feedback)
+        self.depth_coupling = bool(config.depth_coupling)
+
+    def set_history(self, slot: int, prompt_length: int | None) -> None:
+        """Mark state slot ``slot`` as holding a history request of ``prompt_length`` prompt tokens
+        (``None``: not a history request). Its blocks start over."""
+        self.terminals.pop(slot, None)
+        if prompt_length is None:
+            self.history.pop(slot, None)
+        else:
+            self.history[slot] = HistorySlot(int(prompt_length))
+
+    def plan_history(self, slot: int) -> ChunkPlan | None:
+        """The :class:`~.history.ChunkPlan` of the chunk history slot ``slot`` runs in this step, or
+        ``None`` (not a history request, a chunk past the prompt, feedback off). A chunk the
+        scheduler did not cut at its block end is logged and written without feedback (the engine
+        goes on; :func:`~.checks.check_engine_config` makes this impossible with the plugin's scheduler)."""
+        request = self.history.get(slot)
+        chunk = self.step_history.get(slot)
+        if request is None or chunk is None or not self.block_feedback:
+            return None
+        start, length = chunk
+        if start >= request.prompt_length:
+            return None
+        length = min(length, request.prompt_length - start)
+        try:
+            return plan_chunk(start, length, request.prompt_length, self.block_size, self.feedback_positions)
+        except ValueError as err:
+            logger.error("LSTMem history request in state slot %d: no block-end feedback (%s)", slot, err)
+            return None
+
+    @property
+    def step_has_history_decode(self) -> bool:
+        """Whether the step about to run holds a one-token chunk of a history prompt that block-end
+        feedback follows: vLLM runs it as a decode, and the memory op routes it through the block
+        scan in Python (:meth:`~.state.LSTMemState._decode`), which a full CUDA graph would not run."""
+        return self.block_feedback and any(
+            length == 1 and slot in self.history and start < self.history[slot].prompt_length
+            for slot, (start, length) in self.step_history.items()
+        )
+
+    def take_samples(self, slot: int, depth: int, plan: ChunkPlan, out, row: int, last: int) -> None:
+        """Keep memory layer ``depth``'s samples of one history chunk: ``out`` is its
+        :class:`~lstmem_peft.memory.layer.LayerOutput` over a batch whose row ``row`` is the chunk
+        (its token ``t`` at time index ``t``; ``last`` the time index of its last token). At a block
+        end, also record the layer's :class:`~lstmem_peft.memory.feedback.LayerTerminal`."""
+        request = self.history[slot]
+        if request.keys is None or (plan.first and depth == 0):  # a new block: no samples yet
+            L = len(self.states)
+            shape = (plan.num_samples, *out.key.shape[2:])
+            request.keys = [out.key.new_zeros(shape) for _ in range(L)]
+            request.values = [out.value.new_zeros(shape) for _ in range(L)]
+        if plan.rows:
+            rows = torch.tensor(plan.rows, device=out.key.device)
+            slots = torch.tensor(plan.slots, device=out.key.device)
+            request.keys[depth].index_copy_(0, slots, out.key[row, rows])
+            request.values[depth].index_copy_(0, slots, out.value[row, rows])
+        if plan.ends_block:
+            self.terminals.setdefault(slot, []).append(
+                LayerTerminal(
+                    cell=out.cell[row : row + 1],
+                    hidden=out.hidden[row : row + 1],
+                    out_gate=out.out_gate[row, last][None],
+                    depth_gate=out.depth_gate[row, last][None],
+                    key=request.keys[depth][None],
+                    value=request.values[depth][None],
+                )
+            )
+
+    def block_end_feedback(self) -> None:
+        """Block-end feedback (the library's :func:`~lstmem_peft.memory.feedback.block_feedback`, one
+        batch) for every history request whose chunk ended a block in this forward; the corrected
+        states replace the block's terminal states in their slots, where the next block starts."""
+        if not self.terminals:
+            return
+        slots = [slot for slot, layers in self.terminals.items() if len(layers) == len(self.states)]
+        if slots:
+            counts = [self.terminals[s][0].key.shape[1] for s in slots]
+            width = max(counts)
+            per_layer = []
+            for d in range(len(self.states)):
+                layer = [self.terminals[s][d] for s in slots]
+                per_layer.append(
+                    LayerTerminal(
+                        cell=torch.cat([t.cell for t in layer]),
+                        hidden=torch.cat([t.hidden for t in layer]),
+                        out_gate=torch.cat([t.out_gate for t in layer]),
+                        depth_gate=torch.cat([t.depth_gate for t in layer]),
+                        # blocks of other lengths have fewer samples: zeros, masked out
+                        key=torch.cat([_pad_samples(t.key, width) for t in layer]),
+                        value=torch.cat([_pad_samples(t.value, width) for t in layer]),
+                    )
+                )
+            device = per_layer[0].cell.device
+            mask = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # (rows, P)
+            result = block_feedback(per_layer, mask.to(device), self.depth_coupling)
+            index = torch.tensor(slots, device=device)
+            for state, cell, hidden in zip(self.states, result.cells, result.hiddens, strict=True):
+                cells, hiddens = state.kv_cache
+                cells.index_copy_(0, index, cell.to(cells.dtype))
+                hiddens.index_copy_(0, index, hidden.to(hiddens.dtype))
+        self.terminals.clear()
+
+    def set_read_only(self, slot: int, read_only: bool) -> None:
+        """Mark state slot ``slot`` read-only (or writing) for the request that starts in it."""
+        if read_only:
+            self.read_only.add(slot)
+        else:
+            self.read_only.discard(slot)
+        if self._read_only_slots is not None:
+            self._read_only_slots[slot] = read_only
+
+    def read_only_slots(self, num_slots: int, device: torch.device) -> torch.Tensor:
+        """``(num_slots,)`` bool on ``device``: which state slots only read (a device mirror of
+        :attr:`read_only`, made once and then kept up to date element by element)."""
+        if self._read_only_slots is None:
+            mask = torch.zeros(num_slots, dtype=torch.bool)
+            mask[sorted(self.read_only)] = True
+            self._read_only_slots = mask.to(device)
+        return self._read_only_slots
+
+
+def _pad_samples(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``(1, P, n_h, r)`` samples padded with zeros to ``(1, width, n_h, r)``."""
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, width - x.shape[1]))

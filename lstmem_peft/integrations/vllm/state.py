@@ -1,0 +1,267 @@
+"""One LSTMem memory layer as a vLLM state layer: how a forward routes requests to state slots.
+
+A forward of vLLM runs a flat batch of ``N`` tokens from several requests: first the decoding
+requests (one token each), then the prefilling ones (a chunk of their prompt each). Per memory
+layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
+
+    x = input_layernorm(h)                         (N, d)   the attention input (replicated on every TP rank)
+    u = LSTMemState(x)                              the library's LSTMemLayer, all requests at once:
+        decodes:  one batched step over every decoding request's state slot
+        prefills: one batched block scan over the chunks, padded to the longest (``valid`` masks the rest)
+        D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq, engine_memory.py)
+    q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo      (Δq, Δo made from u)
+
+Per-step metadata (:class:`~.backend.LSTMemMetadataBuilder`, built once per step for all memory
+layers, the way vLLM builds it for its Mamba and linear-attention layers): the state slots of the
+decodes and of the prefills, which of them only read, and the gather and scatter indices of the
+padded prefill batch.
+A decode-only step reads nothing back to the host: slots and read-only flags stay device tensors and
+the step is one fixed sequence of tensor operations whatever the batch holds.
+
+A request's state slot holds its starting memory before its first chunk runs: the worker's
+:class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` writes it there (a session's memory, or
+zeros) when the request is scheduled, so no layer asks which chunk is a request's first.
+
+A read-only request (``lstmem_memory_write`` false) reads the fixed states of its slot at every
+token, as the library's read-only pass (:class:`lstmem_peft.memory.engine.MemoryPass` with
+``write=False``) does; its depth input is the fixed ``D`` of memory layer ``m - 1`` (that layer hands
+it up in place of ``D_t``). In the batched decode step it runs with the writing requests and its slot
+keeps its states (``torch.where``): the step's read ``u`` uses ``D_{t-1}`` and the depth input before
+any write, which is the read-only read. In a prefill batch, its tokens are masked out of the write
+(``valid``) and its reads come from one read-only pass over the same batch.
+
+A history request (``lstmem_history``; :mod:`~lstmem_peft.integrations.vllm.history`) writes like any
+writing request; its chunks never cross a block end (the plugin's scheduler). At each of its chunks,
+each memory layer also keeps the keys and values at the block's feedback positions in the chunk
+(:meth:`~.engine_memory.EngineMemory.take_samples`: per-slot buffers that last the block), and at a
+block's end its terminal states and gates; after the last memory layer,
+:meth:`~.engine_memory.EngineMemory.block_end_feedback` runs the library's
+:func:`~lstmem_peft.memory.feedback.block_feedback` over every request whose block ended in this
+forward and writes the corrected states into their slots. A one-token history chunk, which vLLM
+runs as a decode, is stepped by the block scan (which gives the samples) in place of the decode step.
+
+Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
+layer (states replicated, not sharded by memory head: the read ``u``, the gates and the corrections
+mix all memory heads, so sharding them would need a collective per memory layer and token, while the
+whole memory is a few ``n_h r^2`` floats per request and layer, computed from the attention input
+that every rank already holds). Each rank adds the rows of ``Δq`` that belong to its shard of the
+column-parallel query projection (``W_dq`` is sliced by query head when the weights load) and the
+whole ``Δo`` once, after the row-parallel output projection has reduced its output. Pipeline
+parallelism is refused (:func:`~.checks.check_engine_config`).
+
+CUDA graphs: a decode-only step is one fused Triton launch per memory layer reading fixed buffers
+(:class:`~.backend.LSTMemMetadataBuilder`), which full graphs capture; steps with prefills run
+piecewise graphs split at the memory op, which runs eagerly between the pieces
+(:func:`~.checks.check_engine_config`, :func:`~.backend.keep_history_chunks_out_of_full_graphs`;
+tested with vLLM's own code, not yet run on a GPU).
+
+The memory math is :class:`lstmem_peft.memory.layer.LSTMemLayer`, the same module the PEFT adapter runs,
+with the weights of the adapter's ``adapter_model.safetensors``; this module only routes tokens and
+state slots. The work runs inside one opaque custom op per layer (``torch.ops.vllm.lstmem_memory``,
+registered by :mod:`~.backend`, whose body is :meth:`LSTMemState.run`), so vLLM's ``torch.compile``
+sees a fixed graph around it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from lstmem_peft.memory.cache import STATE_DTYPES
+from lstmem_peft.memory.layer import LayerWeights
+from lstmem_peft.tuner.config import LSTMemConfig
+from lstmem_peft.tuner.layer import memory_layer
+
+from . import MEMORY_BACKEND, register_memory_backend
+from .backend import LSTMemMetadata
+from .engine_memory import EngineMemory
+
+register_memory_backend()  # the plugin's entry point did it already in a vLLM process
+
+
+class LSTMemState(nn.Module, MambaBase):
+    """One memory layer as a vLLM state layer: ``C`` and ``D`` per request slot, ``(n_h, r, r)`` each,
+    the whole memory on every tensor-parallel rank.
+
+    Args:
+        hidden_size: the backbone layer's ``d``.
+        query_size: the width of this rank's shard of the query projection (``d_q / tp``).
+        config: the adapter's config.
+        layer_idx: the decoder layer.
+        depth: the memory layer's index among the memory layers (0: no depth input).
+        prefix: the module's name (vLLM finds the layer and its metadata by it).
+    """
+
+    def __init__(
+        self, hidden_size: int, query_size: int, config: LSTMemConfig, layer_idx: int, depth: int, prefix: str
+    ) -> None:
+        nn.Module.__init__(self)
+        # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise); W_dq
+        # holds this rank's rows of the query projection
+        self.memory = memory_layer(config, hidden_size, query_size, layer_idx, dtype=torch.float32)
+        self.memory.set_depth_input(config.receives_depth(depth))
+        self.depth = depth
+        self.prefix = prefix
+        self.state_dtype = STATE_DTYPES[config.state_dtype]
+        self.shared: EngineMemory | None = None  # set by the model
+        self.weights: LayerWeights | None = None  # see layer_weights
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix}")
+        context[prefix] = self
+
+    # vLLM's state-layer interface
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        shape = (self.memory.num_heads, self.memory.head_dim, self.memory.head_dim)
+        return (shape, shape)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (self.state_dtype, self.state_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum[MEMORY_BACKEND]
+
+    @property
+    def is_kv_cache_tp_replicated(self) -> bool:
+        return True  # every rank holds the whole memory
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(N, d)`` -> ``Δq`` ``(N, d_q / tp)`` (this rank's query shard), ``Δo`` ``(N, d)``,
+        in ``x.dtype``: two views of one ``(N, d_q / tp + d)`` tensor, which one product fills."""
+        delta = x.new_empty(x.shape[0], self.memory.query_size + x.shape[1])
+        torch.ops.vllm.lstmem_memory(x, delta, self.prefix)
+        return delta[:, : self.memory.query_size], delta[:, self.memory.query_size :]
+
+    def layer_weights(self) -> LayerWeights:
+        """The memory layer's derived weights (:meth:`LSTMemLayer.derived_weights`), derived once
+        after the adapter's weights load and then kept as they are: a CUDA graph reads them at the
+        addresses they had when it was captured, so they are never derived anew (vLLM changes no
+        weight after loading; :meth:`~.model._MemoryModel.load_weights` drops them when it loads new ones)."""
+        if self.weights is None:
+            with torch.no_grad():
+                self.weights = self.memory.derived_weights()
+        return self.weights
+
+    def run(self, x: torch.Tensor, delta: torch.Tensor) -> None:
+        """The body of the custom op: this layer's memory for every request of the running forward.
+
+        ``x`` ``(N', d)`` (``N'`` >= the ``N`` real tokens: vLLM pads); writes ``delta``
+        ``(N', d_q / tp + d)`` (``[Δq | Δo]``, zero on the padding), the states of the requests'
+        slots, and ``EngineMemory.depth_seq``."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        shared = self.shared
+        if metadata is None:  # vLLM's profiling / warm-up forwards: no requests, no states
+            delta.zero_()
+            shared.depth_seq = None
+            return
+        nd = metadata.num_decode_tokens
+        tokens = nd + metadata.num_prefill_tokens
+        H, R = self.memory.num_heads, self.memory.head_dim
+        depth_seq = shared.depth_seq if self.memory.depth_input else None
+        weights = self.layer_weights()
+        if metadata.num_prefills or not nd:
+            read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
+            out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
+            if nd:
+                depth = None if depth_seq is None else depth_seq[:nd]
+                self._decode(x[:nd], metadata, depth, weights, read[:nd], out_seq[:nd])
+            if metadata.num_prefills:
+                self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
+        else:  # decoding only (the steady state): the step's u and D_t are used where they are
+            read, out_seq = self._decode(x[:nd], metadata, depth_seq, weights)
+        # eq:injection: [Δq | Δo] = u (alpha / r) [W_dq; W_do]^T, one product
+        _apply(read, weights.corr, delta[:tokens])
+        if tokens < delta.shape[0]:
+            delta[tokens:] = 0  # vLLM pads the batch for its graphs
+        shared.depth_seq = out_seq
+        if self.depth == len(shared.states) - 1:  # every memory layer has run: block ends get feedback
+            shared.block_end_feedback()
+
+    def _decode(self, x, metadata: LSTMemMetadata, depth, weights, read=None, out_seq=None):
+        """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
+        or ``None``, ``weights`` the layer's derived weights. Returns ``u`` ``(n, d_s)`` and ``D_t``
+        ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
+        states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one launch
+        with the Triton kernels); read-only requests keep theirs."""
+        cells, hiddens = self.kv_cache
+        history = metadata.history_decodes
+        if history:  # one-token history chunks: their states before the step
+            rows = torch.tensor([row for row, _, _ in history], device=x.device)
+            slots = metadata.decode_slots[rows]
+            before = cells[slots].clone(), hiddens[slots].clone()
+        # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
+        # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
+        # when the step has no read-only request (a host flag the sessions set)
+        write = metadata.decode_write
+        if not (self.memory.fused_decode(x) or self.shared.step_has_read_only):
+            write = None
+        u, out_seq = self.memory.decode_slots(
+            x,
+            cells,
+            hiddens,
+            metadata.decode_slots,
+            depth=depth,
+            valid=write,
+            hidden_seq=out_seq,
+            weights=weights,
+        )
+        if read is None:
+            read = u
+        else:
+            read.copy_(u)
+        if history:
+            # the library writes a one-token block with its block scan, which also gives the
+            # feedback samples: that scan's states replace the step's for these rows
+            out = self.memory(
+                x[rows, None],
+                *before,
+                depth=None if depth is None else depth[rows, None],
+                aux=True,
+            )
+            cells.index_copy_(0, slots, out.cell)
+            hiddens.index_copy_(0, slots, out.hidden)
+            read[rows] = out.read[:, 0].to(read.dtype)
+            out_seq[rows] = out.hidden_seq[:, 0]
+            for i, (_, slot, plan) in enumerate(history):
+                self.shared.take_samples(slot, self.depth, plan, out, i, 0)
+        return read, out_seq
+
+    def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
+        """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
+        ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)`` of the ``n`` prefill tokens."""
+        cells, hiddens = self.kv_cache
+        slots, gather = metadata.prefill_slots, metadata.prefill_gather
+        cell, hidden = cells[slots], hiddens[slots]
+        xs = x[gather]  # (P, T, d)
+        depth = None if depth_seq is None else depth_seq[gather]  # (P, T, n_h, r, r)
+        history = metadata.history_prefills
+        out = self.memory(xs, cell, hidden, depth=depth, valid=metadata.prefill_write, aux=bool(history))
+        reads, hidden_seq = out.read, out.hidden_seq
+        if metadata.read_only_pass:  # read-only chunks: every token reads the fixed states
+            fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
+            keep = metadata.prefill_read_only
+            reads = torch.where(keep[:, None, None], fixed.read, reads)
+            hidden_seq = torch.where(
+                keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
+            )
+        cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
+        hiddens.index_copy_(0, slots, out.hidden)
+        for row, slot, plan in history:  # feedback samples (and terminals at block ends) of history chunks
+            self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
+        unpad = metadata.prefill_unpad
+        read.copy_(reads.reshape(-1, reads.shape[-1])[unpad])
+        out_seq.copy_(hidden_seq.flatten(0, 1)[unpad])
+
+
+def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = read corr`` (``(n, d_s) x (d_s, w) -> (n, w)``), rounded once to ``out``'s dtype."""
+    if out.dtype == read.dtype:
+        torch.mm(read, corr, out=out)
+    else:
+        out.copy_(torch.mm(read, corr))
