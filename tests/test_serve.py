@@ -328,20 +328,24 @@ def test_stream_equals_non_stream_and_commits_the_same_memory(server, http, tmp_
     )
 
 
+#: A prompt the demo model continues to ``max_tokens`` (no question: it answers no value and no end
+#: of sequence), for the stop-string test.
+RUNS_ON = "<s> k07 v19 ; k01"
+
+
 def test_sampling_parameters_n_seed_and_stop(server):
     client = server.client()
-    kwargs = dict(model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=1.5, top_p=0.95, n=3, seed=7)
+    kwargs = dict(
+        model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=1.5, top_p=0.95, n=3, seed=7, logprobs=0
+    )
     one, two = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert len(one.choices) == 3 and [c.text for c in one.choices] == [c.text for c in two.choices]
-    assert one.usage.completion_tokens == sum(len(c.text.split()) for c in one.choices)
-    greedy = client.completions.create(model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=0).choices[
-        0
-    ]
+    # every token generated counts (a special token sampled at this temperature has no text)
+    assert one.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in one.choices)
+    greedy = client.completions.create(model=MODEL, prompt=RUNS_ON, max_tokens=6, temperature=0).choices[0]
     words = greedy.text.split()
     assert len(words) >= 2 and greedy.finish_reason == "length"
-    cut = client.completions.create(
-        model=MODEL, prompt="<s> ? k09", max_tokens=6, temperature=0, stop=[words[1]]
-    )
+    cut = client.completions.create(model=MODEL, prompt=RUNS_ON, max_tokens=6, temperature=0, stop=[words[1]])
     assert cut.choices[0].text == greedy.text[: greedy.text.index(words[1])]
     assert cut.choices[0].finish_reason == "stop"
 

@@ -241,21 +241,35 @@ def assert_same_logprobs(got, want) -> None:
             assert all(abs(u - v) < 1e-5 for (_, u), (_, v) in zip(a, b, strict=True))
 
 
+#: How the two answers of the test below end: the first, from memory, is a value and the
+#: end-of-sequence token (the demo adapters answer so); the second, a prompt with no question, runs on.
+EOS_THEN_LENGTH = [("stop", True), ("length", False)]
+
+
 @pytest.mark.parametrize(
-    "max_tokens, n, stop, logprobs, echo, eos",
+    "max_tokens, n, stop, logprobs, echo, eos, endings",
     [
-        (6, 1, (), 3, False, None),
-        (6, 2, (), 0, True, None),
-        (8, 1, ("v14",), 2, True, None),  # the first answer is cut at the stop string, the other not
-        (12, 1, (), 1, False, "v00"),  # the first answer ends at this EOS token (it is scored), the other not
+        (6, 1, (), 3, False, None, EOS_THEN_LENGTH),
+        (6, 2, (), 0, True, None, EOS_THEN_LENGTH),
+        (
+            8,
+            1,
+            ("k18",),
+            2,
+            True,
+            None,
+            [("stop", True), ("stop", False)],
+        ),  # the second cut at the stop string
+        (12, 1, (), 1, False, "v03", EOS_THEN_LENGTH),  # the first ends at this EOS token (it is scored)
     ],
 )
 def test_log_probabilities_an_engine_decodes_with_become_those_the_library_scores(
-    loaded, max_tokens, n, stop, logprobs, echo, eos
+    loaded, max_tokens, n, stop, logprobs, echo, eos, endings
 ):
-    """Greedy answers (``n`` equal choices), cut at a stop string or ended by EOS, with or without
-    the echoed prompt: the engine path (its scores by token id, sliced to each answer) gives the
-    same token texts and log-probabilities as the library's scoring forward."""
+    """Greedy answers (``n`` equal choices), ended by EOS, cut at a stop string or running to
+    ``max_tokens``, with or without the echoed prompt: the engine path (its scores by token id,
+    sliced to each answer) gives the same token texts and log-probabilities as the library's scoring
+    forward."""
     fmt = ChatFormat(loaded.tokenizer)
     if eos is not None:
         loaded = dataclasses.replace(loaded, eos_ids=frozenset(fmt.encode_text(eos)))
@@ -265,15 +279,12 @@ def test_log_probabilities_an_engine_decodes_with_become_those_the_library_score
         [fmt.encode_text("<s> k07 v19 ; k12 v03 ; k01 v05")],
     )
     rows = [memory, fresh_memory(loaded.layout, loaded.device)]
-    prompts = [fmt.encode_text("<s> ? k12"), fmt.encode_text("<s> ? k07 v19 ; ? k01")]
+    prompts = [fmt.encode_text("<s> ? k12"), fmt.encode_text("<s> k07 v19 ; k01")]
     sampling = Sampling(max_tokens, 0.0, 1.0, n, stop, None, logprobs, echo)
     engine = dataclasses.replace(loaded, engine=LibraryEngine(loaded))
     want = generate_rows(loaded, rows, prompts, sampling)
     got = generate_rows(engine, rows, prompts, sampling)
-    endings = [(a.finish_reason, a.end_token is not None) for a, *_ in want]
-    assert endings == (
-        [("stop", eos is not None), ("length", False)] if stop or eos else [("length", False)] * 2
-    )
+    assert [(a.finish_reason, a.end_token is not None) for a, *_ in want] == endings
     for choices_got, choices_want in zip(got, want, strict=True):
         assert len(choices_got) == len(choices_want) == n
         for a, b in zip(choices_got, choices_want, strict=True):
