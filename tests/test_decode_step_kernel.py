@@ -26,6 +26,7 @@ from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step
 from lstmem_peft import LSTMemLayer
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.reference import memory_layer_ref
+from lstmem_peft.memory.step import decode_slots
 
 triton = pytest.importorskip("triton")
 
@@ -412,17 +413,17 @@ def _slot_case(depth: bool, x_dtype=torch.float32):
 @pytest.mark.parametrize("depth", [False, True], ids=["no-depth", "depth"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_the_slot_step_updates_the_tables_in_place_like_the_gathered_pytorch_step(depth, x_dtype):
-    """``LSTMemLayer.decode_slots`` with the Triton kernel (one launch reading and writing the slots
-    where they are) against the same method in PyTorch (gather, the layer's forward, scatter back):
-    ``u``, ``D_t`` and the stepped rows within the float32 bound, the read-only row and the rows of
-    no sequence bit for bit unchanged."""
+    """``decode_slots`` (:mod:`lstmem_peft.memory.step`) with the Triton kernel (one launch reading
+    and writing the slots where they are) against the same function in PyTorch (gather, the layer's
+    forward, scatter back): ``u``, ``D_t`` and the stepped rows within the float32 bound, the
+    read-only row and the rows of no sequence bit for bit unchanged."""
     layer, cells, hiddens, slots, valid, x, dep = _slot_case(depth, x_dtype)
     tables = {}
     for backend in ("torch", "triton"):
         layer.backend = backend
         c, h = cells.clone(), hiddens.clone()
         with torch.no_grad():
-            u, seq = layer.decode_slots(x, c, h, slots, depth=dep, valid=valid)
+            u, seq = decode_slots(layer, x, c, h, slots, depth=dep, valid=valid)
         tables[backend] = (u, seq, c, h)
     u_t, seq_t, c_t, h_t = tables["torch"]
     u, seq, c, h = tables["triton"]
@@ -456,8 +457,8 @@ def test_a_negative_slot_is_padding_that_touches_no_state():
     for case in (dict(x=x, slots=slots, depth=dep, valid=valid), padded):
         c, h = cells.clone(), hiddens.clone()
         with torch.no_grad():
-            u, seq = layer.decode_slots(
-                case["x"], c, h, case["slots"], depth=case["depth"], valid=case["valid"]
+            u, seq = decode_slots(
+                layer, case["x"], c, h, case["slots"], depth=case["depth"], valid=case["valid"]
             )
         results.append((u[:3], seq[:3], c, h))
     for plain, with_pad in zip(*results, strict=True):
@@ -473,9 +474,9 @@ def test_the_slot_step_is_one_launch_and_no_copy_of_the_states():
     layer, cells, hiddens, slots, valid, x, dep = _slot_case(True)
     layer.backend = "triton"
     with torch.no_grad():
-        layer.decode_slots(x, cells, hiddens, slots, depth=dep, valid=valid)  # derives the weights once
+        decode_slots(layer, x, cells, hiddens, slots, depth=dep, valid=valid)  # derives the weights once
         with count_launches_and_ops() as counts:
-            layer.decode_slots(x, cells, hiddens, slots, depth=dep, valid=valid)
+            decode_slots(layer, x, cells, hiddens, slots, depth=dep, valid=valid)
     assert counts.launches == ["_decode_step_kernel"], counts.launches
     assert counts.ops == [], counts.ops
 
@@ -492,10 +493,10 @@ def test_the_pytorch_slot_step_costs_the_step_two_gathers_and_two_writes(depth):
     with torch.no_grad():
         given = torch.empty(3, *cells.shape[1:])
         c, h = cells.clone(), hiddens.clone()
-        u_given, seq_given = layer.decode_slots(x, c, h, slots, depth=dep, hidden_seq=given)
+        u_given, seq_given = decode_slots(layer, x, c, h, slots, depth=dep, hidden_seq=given)
         assert seq_given is given
         with count_launches_and_ops() as counts:
-            u, seq = layer.decode_slots(x, cells, hiddens, slots, depth=dep)
+            u, seq = decode_slots(layer, x, cells, hiddens, slots, depth=dep)
     step = 15 if depth else 13
     assert counts.ops.count("aten.index_select.default") == 2, counts.ops
     assert counts.ops.count("aten.index_copy_.default") == 2, counts.ops

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lstmem_peft import LSTMemLayer
+from lstmem_peft.memory import step as decode_step
 from lstmem_peft.memory.reference import memory_layer_ref
 
 D_MODEL, D_Q = 48, 64
@@ -269,6 +270,66 @@ def test_the_decode_step_matches_the_reference_and_leaves_the_callers_states(wit
         assert getattr(out, name).shape == (3, 1, 4, 8)
 
 
+# (layer dtype, state-table dtype, tolerance against the float64 reference): the vLLM plugin keeps a
+# float32 layer and its tables in the adapter's state dtype
+SLOT_DTYPES = {
+    "float64": (torch.float64, torch.float64, 1e-12),
+    "float32 layer, bf16 tables": (torch.float32, torch.bfloat16, 1e-5),
+}
+
+
+@pytest.mark.parametrize("dtypes", sorted(SLOT_DTYPES))
+@pytest.mark.parametrize("read_only", [False, True], ids=["all-write", "one-reads-only"])
+@pytest.mark.parametrize("with_depth", [False, True])
+def test_decode_slots_steps_the_table_rows_like_the_gathered_rows(with_depth, read_only, dtypes):
+    """``decode_slots`` (:mod:`lstmem_peft.memory.step`, the vLLM plugin's decode; here its PyTorch
+    step) on rows 5, 0 and 3 of 7-row state tables: ``u``, ``D_t`` and the stepped rows are the
+    layer's forward on the gathered rows bit for bit and the paper reference's; a read-only row
+    (``valid`` False) and the rows of no sequence are unchanged bit for bit; ``D_t`` lands in a
+    given tensor, or in a float32 one of its own."""
+    layer_dtype, table_dtype, tol = SLOT_DTYPES[dtypes]
+    layer = make_layer(seed=4).to(layer_dtype)
+    layer.backend = "torch"
+    g = torch.Generator().manual_seed(5)
+    cells, hiddens = (0.5 * torch.randn(7, 4, 8, 8, generator=g).to(table_dtype) for _ in range(2))
+    slots = torch.tensor([5, 0, 3])
+    x = torch.randn(3, D_MODEL, generator=g, dtype=layer_dtype)
+    depth = 0.5 * torch.randn(3, 4, 8, 8, generator=g, dtype=layer_dtype) if with_depth else None
+    valid = torch.tensor([True, False, True]) if read_only else None
+    gathered = (cells[slots], hiddens[slots])
+    with torch.no_grad():
+        want = layer(
+            x[:, None],
+            *gathered,
+            depth=None if depth is None else depth[:, None],
+            valid=None if valid is None else valid[:, None],
+            aux=False,
+        )
+        c, h = cells.clone(), hiddens.clone()
+        u, seq = decode_step.decode_slots(layer, x, c, h, slots, depth=depth, valid=valid)
+        c2, h2 = cells.clone(), hiddens.clone()
+        given = torch.empty(3, 4, 8, 8)
+        u2, seq2 = decode_step.decode_slots(
+            layer, x, c2, h2, slots, depth=depth, valid=valid, hidden_seq=given
+        )
+    assert seq.dtype == torch.float32 and seq2 is given
+    assert torch.equal(u, want.read[:, 0]) and torch.equal(u2, u)
+    assert torch.equal(seq, want.hidden_seq[:, 0].float()) and torch.equal(seq2, seq)
+    assert torch.equal(c[slots], want.cell) and torch.equal(h[slots], want.hidden)
+    assert torch.equal(c2, c) and torch.equal(h2, h)
+    untouched = [1, 2, 4, 6] + ([0] if read_only else [])
+    assert torch.equal(c[untouched], cells[untouched]) and torch.equal(h[untouched], hiddens[untouched])
+    ref = reference(
+        layer,
+        x[:, None],
+        None if depth is None else depth[:, None],
+        *gathered,
+        None if valid is None else valid[:, None],
+    )
+    # the tables' rows against the paper (D_t is want's, rounded to float32 above)
+    assert_close_to_reference(want._replace(cell=c[slots], hidden=h[slots]), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("with_depth", [False, True])
 @pytest.mark.parametrize("T", [1, 6])
 def test_read_only_pass_matches_the_reference_token_by_token(T, with_depth):
@@ -501,8 +562,8 @@ def test_weights_derived_for_training_have_no_step_maps_and_their_one_token_is_s
     assert training.eau_step_first is None and training.eau_step_depth is None and training.b_eau_step is None
     assert training.w_in.requires_grad
     steps = []
-    step = LSTMemLayer._step
-    monkeypatch.setattr(LSTMemLayer, "_step", lambda self, *a: steps.append(1) or step(self, *a))
+    step = decode_step._recurrence
+    monkeypatch.setattr(decode_step, "_recurrence", lambda *a: steps.append(1) or step(*a))
     with torch.no_grad():
         scanned = layer(x, *states, depth=depth, weights=training)
         assert not steps

@@ -114,8 +114,8 @@ def lstmem_decode_step(
     """The whole decode step of one memory layer for one token per sequence, from the layer input to
     the read ``u`` and the new states, in one Triton kernel launch.
 
-    Only the Triton member exists: in PyTorch the layer's own forward is this step (its math is
-    written once, in ``lstmem_peft.memory.layer``), and :func:`fused_decode_step_applies` says when
+    Only the Triton member exists: in PyTorch the layer's decode step is this step (its math is
+    written once, in ``lstmem_peft.memory.step``), and :func:`fused_decode_step_applies` says when
     a layer hands its step to this kernel instead.
 
     With ``d_s = n_h r`` and the weights arranged as the layer's ``LayerWeights`` (``lstmem_peft``)::

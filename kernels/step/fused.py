@@ -4,7 +4,7 @@ program per ``(batch, head)`` reads the states, produces the read from the old h
 writes the new states back in place, in the states' dtype). As in :mod:`lstmem_kernels.scan.chunked`, each kernel's
 body stays whole: one kernel is one launch.
 
-For one token per sequence, a memory layer (``LSTMemLayer.forward`` in ``lstmem_peft``) projects its
+For one token per sequence, a memory layer (``decode_step`` in ``lstmem_peft.memory.step``) projects its
 input row, normalises the query and key per head, reads the depth input, forms the write residual,
 the gates and the depth part of the read with one affine map, runs one step of the recurrence and
 finishes the read. With the layer's derived weights (``LayerWeights``: ``w_in``, ``b_in``, ``eau``,

@@ -1,6 +1,7 @@
 """The memory itself, independent of PEFT and transformers: the paper's constants, one memory
-layer's math (:mod:`.layer`) and its float64 reference (:mod:`.reference`), block-end feedback,
-the states (:class:`~lstmem_peft.memory.cache.MemoryCache`) and one forward of the memory stack
+layer's math (:mod:`.layer`; its decode step, :mod:`.step`; what both share, :mod:`.layer_common`)
+and its float64 reference (:mod:`.reference`), block-end feedback, the states
+(:class:`~lstmem_peft.memory.cache.MemoryCache`) and one forward of the memory stack
 (:class:`~lstmem_peft.memory.engine.MemoryPass`), the adapter's saved files, and the rule for
 naming a session's memory on disk with the one atomic, fsynced writer both servers use
 (:mod:`.sessions`). Imports only ``lstmem_kernels`` and ``utils``."""

@@ -20,15 +20,18 @@ receives a depth input: elsewhere ``p^dep`` is zero and ``W~_pred`` could never 
 ``w_gate = W~_gate = [G_z | G_dep | G_e]``: the same function, and every registered parameter can
 learn. Adapter files that carry the full matrices still load (:mod:`.adapter_files`).
 
-:meth:`LSTMemLayer.forward` is the one body of this math, in the paper's order, for every token
-count, with or without a depth input, writing or read-only, with or without gradients. Its affine
-maps are arranged once (:class:`LayerWeights`): ``e``, the gate pre-activations ``a`` and the depth
-part of the read ``u`` come from one product of ``[v; z; r^dep; p^dep]``, whatever the token count.
-The recurrence (eq:write, eq:hidden and the temporal read) is the kernel op family of
-``lstmem_kernels``, chosen there by the layer's ``backend``: ``lstmem_scan`` for a block or anything that needs
-gradients, and the in-place decode step ``lstmem_step`` for one token without gradients
-(generation). :func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64 token-loop transcription
-every path is tested against.
+:meth:`LSTMemLayer.forward` derives the weights, returns the decode step for one token without
+gradients (generation: :func:`.step.decode_step`, one call), and is otherwise the one body of this
+math, in the paper's order, for every token count, with or without a depth input, writing or
+read-only, with or without gradients. Its affine maps are arranged once (:class:`LayerWeights`, in
+:mod:`.layer_common` with :class:`LayerOutput`, which the step shares): ``e``, the gate
+pre-activations ``a`` and the depth part of the read ``u`` come from one product of
+``[v; z; r^dep; p^dep]``, whatever the token count. The recurrence (eq:write, eq:hidden and the
+temporal read) is the kernel op family of ``lstmem_kernels``, chosen there by the layer's
+``backend``: ``lstmem_scan`` for a block or anything that needs gradients, and the in-place decode
+step ``lstmem_step`` for one token without gradients (:mod:`.step`, which also steps a serving
+engine's state slots). :func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64
+token-loop transcription every path is tested against.
 
 The layer holds no state: states come in and go out, so one model serves any number of sessions.
 """
@@ -37,16 +40,17 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step, lstmem_scan, lstmem_step
+from lstmem_kernels import lstmem_scan
 
 from . import constants as K
 from .adapter_files import refuse_nonfinite_weights
+from .layer_common import LayerOutput, LayerWeights, cast, needs_grad, unit_heads
+from .step import arrange_step_maps, decode_step
 
 
 def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -57,115 +61,7 @@ def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     Returns:
         ``(..., n_h, r)``, each head of unit norm (or zero where the input head is zero).
     """
-    return _unit_heads(torch.tanh(x).unflatten(-1, (num_heads, -1)))
-
-
-class LayerOutput(NamedTuple):
-    """What one memory layer returns for a block of ``T`` tokens (``B`` sequences).
-
-    The corrections stay factored: ``Δq = read corr[0]`` and ``Δo = read corr[1]`` (eq:injection with
-    ``corr = ((alpha / r) W_dq^T, (alpha / r) W_do^T)``, the scale folded into the maps), so a
-    projection adds its correction in one product (:meth:`add_to`) and nothing ``(B, T, d)``-sized is
-    formed unless asked for (:meth:`correction`).
-
-    Attributes:
-        read: ``(B, T, d_s)`` the read ``u_t`` of eq:read, in the layer's weight dtype.
-        corr: ``((d_s, d_q), (d_s, d))`` the correction maps of :class:`LayerWeights`.
-        cell, hidden: ``(B, n_h, r, r)`` states after the block, in the state dtype.
-        hidden_seq: ``(B, T, n_h, r, r)`` ``D_t`` at every position, unrounded (the next layer's
-            depth input), or ``None`` when the layer only read.
-        key, value: ``(B, T, n_h, r)`` memory keys ``k_t`` and values ``v_t`` (feedback samples).
-        out_gate, depth_gate: ``(B, T, n_h, r)`` gates ``o_t`` and ``g_t``.
-    """
-
-    read: torch.Tensor
-    corr: tuple[torch.Tensor, torch.Tensor]
-    cell: torch.Tensor | None
-    hidden: torch.Tensor | None
-    hidden_seq: torch.Tensor | None = None
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-    out_gate: torch.Tensor | None = None
-    depth_gate: torch.Tensor | None = None
-
-    def correction(self, which: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``Δq`` (``which`` 0) ``(B, T, d_q)`` or ``Δo`` (1) ``(B, T, d)``, formed, in ``dtype``
-        (default: the layer's weight dtype)."""
-        delta = torch.matmul(self.read, self.corr[which])
-        return delta if dtype is None else _cast(delta, dtype)
-
-    def add_to(self, result: torch.Tensor, which: int) -> torch.Tensor:
-        """``result + Δ`` for the projection output ``result`` ``(B, T, n)`` (``which``: 0 for
-        ``Δq``, 1 for ``Δo``): one fused product where the dtypes agree, else ``Δ`` is formed in the
-        layer's dtype and rounded once to ``result``'s."""
-        corr = self.corr[which]
-        if self.read.dtype != result.dtype:
-            return result + self.correction(which, result.dtype)
-        n = corr.shape[1]
-        return torch.addmm(result.reshape(-1, n), self.read.reshape(-1, corr.shape[0]), corr).view(
-            result.shape
-        )
-
-
-class LayerWeights(NamedTuple):
-    """The parameters arranged as the forward multiplies by them (``(in, out)``, contiguous: the
-    fastest layout for a few rows). Derived by :meth:`LSTMemLayer.weights` (differentiably, in every
-    forward that trains) and kept by :meth:`LSTMemLayer.derived_weights` until a parameter changes.
-
-    With ``W~_gate = [G_z | G_dep | G_e]``, ``W~_pred = P_dep`` (App. C.2) and
-    ``W_read = [W_read^time | W_read^dep]``, the residual, the gate pre-activations and the depth
-    part of the read are affine in ``s = [v; z]`` and the depth reads ``r^dep = D^(l-1) q``,
-    ``p^dep = D^(l-1) k``, all known before the write (eq:residual, eq:gates, eq:read)::
-
-        e     = v - b_pred - W~_pred p^dep
-        a     = (b_gate - G_e b_pred) + G_e v + G_z z + G_dep r^dep - G_e W~_pred p^dep
-        u_dep = b_read + W_read^dep r^dep
-
-    so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
-    and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``. A one-token
-    step knows ``r^time = D_{t-1} q_t`` before it writes (eq:read reads the state before eq:write
-    changes it), so its map also takes the temporal reads and gives ``u`` whole, and it sets ones
-    beside ``e`` (zero weights, bias one) so that one GLU, ``first half * sigmoid(second half)``,
-    gives ``[i e | f | o | g]``: ``[s, time reads, reads] eau_step + b_eau_step = [e | 1 | a | u]``.
-
-    Attributes:
-        w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
-            ``[0; 0; 0; b_x]``. The first ``2 d_s`` columns hold head ``j``'s rows of ``W_q`` and then of
-            ``W_k``, so that one product's ``(n_h, 2, r)`` view gives ``[q^[j]; k^[j]]`` per head.
-        eau_depth: ``(4 d_s, 6 d_s)``: ``[v; z; reads] -> [e | a | u_dep]``, the reads
-            ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
-            ``[q^[j]; k^[j]]`` yields them).
-        eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
-        eau_step_first, eau_step_depth: ``(4 d_s, 9 d_s)``, ``(6 d_s, 9 d_s)``: ``eau_first`` and
-            ``eau_depth`` with the rows of the temporal reads ``[r^time^[j]; D_{t-1}^[j] k^[j]]``
-            head by head inserted after ``[v; z]`` (``W_read^time^T`` to the ``u`` columns; the
-            second half, which one batched product over ``[q^[j]; k^[j]]`` also yields, is zero),
-            and ``3 d_s`` zero columns after ``e`` (the ones of ``b_eau_step``):
-            ``[v; z; time reads (; reads)] -> [e | 1 | a | u]`` for a one-token step.
-        b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
-        b_eau_step: ``(9 d_s,)`` ``[-b_pred; 1; b_gate - G_e b_pred; b_read]``. The three step
-            fields are ``None`` in weights derived for training (``weights(step_maps=False)``).
-        read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
-            (a view).
-        corr: ``(d_s, d_q + d)``: ``(alpha / r) [W_dq; W_do]^T`` (eq:injection, with its scale
-            folded into the map): ``u corr = [Δq | Δo]`` in one product (a serving engine's).
-        corr_q, corr_o: ``(d_s, d_q)``, ``(d_s, d)``: its two parts (views), ``Δq = u corr_q``,
-            ``Δo = u corr_o``.
-    """
-
-    w_in: torch.Tensor
-    b_in: torch.Tensor
-    eau_depth: torch.Tensor
-    eau_first: torch.Tensor
-    eau_step_first: torch.Tensor | None
-    eau_step_depth: torch.Tensor | None
-    b_eau: torch.Tensor
-    b_eau_step: torch.Tensor | None
-    read: torch.Tensor
-    read_time: torch.Tensor
-    corr: torch.Tensor
-    corr_q: torch.Tensor
-    corr_o: torch.Tensor
+    return unit_heads(torch.tanh(x).unflatten(-1, (num_heads, -1)))
 
 
 class LSTMemLayer(nn.Module):
@@ -423,9 +319,9 @@ class LSTMemLayer(nn.Module):
 
     def weights(self, step_maps: bool = True) -> LayerWeights:
         """The :class:`LayerWeights` of the current parameters (differentiable). ``step_maps=False``
-        leaves the one-token step's maps (``eau_step_first``, ``eau_step_depth``, ``b_eau_step``)
-        ``None``, for forwards that train: under autograd every token is scanned, so a training step
-        would derive (and differentiate) them for nothing."""
+        leaves the one-token step's maps (``eau_step_first``, ``eau_step_depth``, ``b_eau_step``,
+        :func:`.step.arrange_step_maps`) ``None``, for forwards that train: under autograd every token is
+        scanned, so a training step would derive (and differentiate) them for nothing."""
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
         qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
@@ -445,14 +341,7 @@ class LSTMemLayer(nn.Module):
         corr = (self.scale * torch.cat([self.w_dq, self.w_do])).t()
         step = dict(eau_step_first=None, eau_step_depth=None, b_eau_step=None)
         if step_maps:
-            t_rows = torch.cat([zeros, torch.zeros_like(g_dep.t()), read[:ds]], 1)  # r^time -> u
-            time_reads = torch.stack([t_rows.view(H, R, -1), torch.zeros_like(t_rows).view(H, R, -1)], 1)
-            eau_step_first = torch.cat([eau_first, time_reads.reshape(2 * ds, -1)])
-            step.update(
-                eau_step_first=_ones_beside_e(eau_step_first, ds),
-                eau_step_depth=_ones_beside_e(torch.cat([eau_step_first, reads]), ds),
-                b_eau_step=_ones_beside_e(b_eau, ds, bias=True),
-            )
+            step = arrange_step_maps(eau_first, reads, b_eau, read, H)
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
@@ -468,7 +357,7 @@ class LSTMemLayer(nn.Module):
         )
 
     # Long on purpose: the paper's equations in their order, one body for every token count (see the
-    # module docstring); the read-only pass and the one-token steps are the helpers below.
+    # module docstring); the read-only pass is the helper below, the one-token step is .step's.
     def forward(
         self,
         x: torch.Tensor,
@@ -483,7 +372,9 @@ class LSTMemLayer(nn.Module):
     ) -> LayerOutput:
         """Read, then (if ``write``) update the memory for a block of tokens, in the paper's order.
 
-        Every token is a row of 2-D products (``B T`` rows), so one token costs few operations.
+        Every token is a row of 2-D products (``B T`` rows), so one token costs few operations. One
+        token without gradients (with weights that have the step maps) is the decode step
+        (:func:`.step.decode_step`).
 
         Args:
             x: ``(B, T, d)`` attention input of the backbone layer.
@@ -503,65 +394,51 @@ class LSTMemLayer(nn.Module):
             projections add ``Δq``, ``Δo`` in their own dtype), states in the dtype of ``cell``.
         """
         w = self.derived_weights() if weights is None else weights
+        # one token without gradients: the decode step (new states in fresh tensors; the caller's
+        # change only when its pass commits); weights derived for training have no step maps, and
+        # their one token is scanned
+        one_token = write and x.shape[1] == 1 and w.b_eau_step is not None
+        if one_token and not needs_grad(x, cell, hidden, depth, w.w_in):
+            return decode_step(self, x, cell, hidden, depth, valid, w, aux)
         B, T, _ = x.shape
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         dtype = w.w_in.dtype
-        rows = _cast(x, dtype).reshape(B * T, -1)
+        rows = cast(x, dtype).reshape(B * T, -1)
         if depth is not None:
-            depth = _cast(depth, dtype)
+            depth = cast(depth, dtype)
         if not write:
             return self._read_fixed(rows, cell, hidden, depth, w, B, T)
-        # one token without gradients: a decode step (new states in fresh tensors; the caller's
-        # change only when its pass commits); weights derived for training have no step maps, and
-        # their one token is scanned
-        step = T == 1 and not _needs_grad(x, cell, hidden, depth, w.w_in) and w.b_eau_step is not None
-        if step and not aux and self.fused_decode(x):
-            return self._fused_step(x, cell, hidden, depth, valid, w)
-
         # eq:projections, with z_t of eq:gates from the same product
         proj = torch.addmm(w.b_in, rows, w.w_in)  # (B T, 4 d_s): [W_q x, W_k x (by head); W_v x; W_x x + b_x]
         qk, s = proj.split_with_sizes([2 * ds, 2 * ds], 1)  # s = [v; z]
-        qk = _unit_heads(torch.tanh(qk).view(B * T * H, 2, R))  # [q^[j]; k^[j]] per (token, head)
-        parts = [s]
-        if step:  # eq:read (time), before eq:write changes D: [q; k] D_{t-1}^T per head, one product
-            parts.append(_cast(_time_reads(qk, hidden), dtype).view(B, 2 * ds))
+        qk = unit_heads(torch.tanh(qk).view(B * T * H, 2, R))  # [q^[j]; k^[j]] per (token, head)
+        eau_in = s
         if depth is not None:
             # eq:read (depth) and p^dep of eq:residual: [q; k] D^(l-1)^T per (token, head), one product
-            parts.append(torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds))
-        eau_in = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-        # eq:residual, eq:gates and eq:read's u (a block: its depth part; the step: all of it)
-        lead = (B,) if step else (B, T)  # the decode step's shapes have no time axis
-        if step:  # the step's map sets ones beside e: one GLU gives [i e | f | o | g] (LayerWeights),
-            # as the columns (B, n_h, r, 1) and k as the rows (B, n_h, 1, r) that eq:write multiplies
-            eau_map = w.eau_step_first if depth is None else w.eau_step_depth
-            gated, u = torch.addmm(w.b_eau_step, eau_in, eau_map).split_with_sizes([8 * ds, ds], 1)
-            i_e, f, o, g = nn.functional.glu(gated).view(B, 4, H, R, 1).unbind(1)
-            q, k = qk.view(B, H, 2, 1, R).unbind(2)
-        else:
-            eau_map = w.eau_first if depth is None else w.eau_depth
-            e, a, u = torch.addmm(w.b_eau, eau_in, eau_map).split_with_sizes([ds, 4 * ds, ds], 1)
-            i, f, o, g = torch.sigmoid(a).view(B, T, 4, H, R).unbind(2)
-            i_e = i * e.view(B, T, H, R)
-            q, k = qk.view(B, T, H, 2, R).unbind(-2)
-            g = g.unsqueeze(-1)
-        depth_term = None if depth is None else g * depth.view(*lead, H, R, R)
-        # eq:write, eq:hidden (and a block's r^time of eq:read): the recurrence, one kernel op
-        if step:
-            new_cell, new_hidden = self._step(k, i_e, f, o, cell, hidden, depth_term, valid)
-            hidden_seq = _cast(new_hidden, dtype).unsqueeze(1)
-        else:  # a block, or one token under autograd: the (autograd-native) scan
-            r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
-                q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=self.backend
-            )
-            # the final states on their own (not views of the block's states: the cache would keep
-            # those alive, and the next step reads them as (B n_h, r, r) matrices)
-            new_cell, new_hidden = new_cell.contiguous(), new_hidden.contiguous()
-            u = torch.addmm(u, _cast(r_time, dtype).reshape(B * T, ds), w.read_time)  # eq:read (u)
+            reads = torch.bmm(qk, depth.reshape(B * T * H, R, R).transpose(1, 2)).view(B * T, 2 * ds)
+            eau_in = torch.cat([s, reads], 1)
+        # eq:residual, eq:gates and the depth part of eq:read's u
+        eau_map = w.eau_first if depth is None else w.eau_depth
+        e, a, u = torch.addmm(w.b_eau, eau_in, eau_map).split_with_sizes([ds, 4 * ds, ds], 1)
+        i, f, o, g = torch.sigmoid(a).view(B, T, 4, H, R).unbind(2)
+        i_e = i * e.view(B, T, H, R)
+        q, k = qk.view(B, T, H, 2, R).unbind(-2)
+        g = g.unsqueeze(-1)
+        depth_term = None if depth is None else g * depth.view(B, T, H, R, R)
+        # eq:write, eq:hidden and r^time of eq:read: the recurrence, one kernel op (the scan:
+        # autograd-native, for a block or one token under autograd)
+        r_time, hidden_seq, new_cell, new_hidden = lstmem_scan(
+            q, k, i_e, f, o, depth_term, valid, cell, hidden, backend=self.backend
+        )
+        # the final states on their own (not views of the block's states: the cache would keep
+        # those alive, and the next step reads them as (B n_h, r, r) matrices)
+        new_cell, new_hidden = new_cell.contiguous(), new_hidden.contiguous()
+        u = torch.addmm(u, cast(r_time, dtype).reshape(B * T, ds), w.read_time)  # eq:read (u)
         out = LayerOutput(
             u.view(B, T, ds),
             (w.corr_q, w.corr_o),
-            _cast(new_cell, cell.dtype),
-            _cast(new_hidden, hidden.dtype),
+            cast(new_cell, cell.dtype),
+            cast(new_hidden, hidden.dtype),
             hidden_seq,
         )
         if not aux:
@@ -579,144 +456,13 @@ class LSTMemLayer(nn.Module):
         they are."""
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         q = head_normalize(torch.mm(rows, self.w_in[:ds].t()), H).view(B, T, H, R)
-        r_time = _read(_cast(hidden, rows.dtype), q).reshape(B * T, ds)
+        r_time = _read(cast(hidden, rows.dtype), q).reshape(B * T, ds)
         if depth is None:
             u = torch.addmm(self.b_read, r_time, w.read_time)
         else:
             r_dep = _read(depth, q).reshape(B * T, ds)
             u = torch.addmm(self.b_read, torch.cat([r_time, r_dep], 1), w.read)
         return LayerOutput(u.view(B, T, ds), (w.corr_q, w.corr_o), cell, hidden)
-
-    def _fused_step(self, x, cell, hidden, depth, valid, w: LayerWeights) -> LayerOutput:
-        """The whole one-token step (projections to ``u`` and the new states) in one kernel launch
-        (:func:`lstmem_kernels.lstmem_decode_step`, the Triton member of this layer's math; tested
-        against the float64 reference and against this forward's PyTorch path)."""
-        B = x.shape[0]
-        H, R, ds = self.num_heads, self.head_dim, self.state_size
-        new_cell, new_hidden = _step_states(cell, hidden)
-        u = self._decode_kernel(
-            x.reshape(B, -1),
-            w,
-            cell,
-            hidden,
-            out=(new_cell, new_hidden),
-            depth=None if depth is None else depth.view(B, H, R, R),
-            valid=None if valid is None else valid.view(B),
-        )
-        return LayerOutput(
-            u.view(B, 1, ds),
-            (w.corr_q, w.corr_o),
-            _cast(new_cell, cell.dtype),
-            _cast(new_hidden, hidden.dtype),
-            _cast(new_hidden, w.w_in.dtype).unsqueeze(1),
-        )
-
-    def decode_slots(
-        self,
-        x: torch.Tensor,
-        cells: torch.Tensor,
-        hiddens: torch.Tensor,
-        slots: torch.Tensor,
-        *,
-        depth: torch.Tensor | None = None,
-        valid: torch.Tensor | None = None,
-        hidden_seq: torch.Tensor | None = None,
-        weights: LayerWeights | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for ``n`` sequences whose states are rows of state tables (a serving
-        engine's per-request slots), updating those rows in place. Inference only.
-
-        Args:
-            x: ``(n, d)`` the layer input of each sequence's token.
-            cells, hiddens: ``(S, n_h, r, r)`` state tables; rows ``slots`` are read, then overwritten
-                with ``C_t`` and ``D_t``.
-            slots: ``(n,)`` int64, distinct: each sequence's row.
-            depth: ``(n, n_h, r, r)`` ``D^(l-1)_t`` of the memory layer below, or ``None``.
-            valid: ``(n,)`` bool, ``False`` where a sequence only reads (its states stay as they
-                are), or ``None`` (every sequence writes).
-            hidden_seq: ``(n, n_h, r, r)`` float32 where ``D_t`` goes (the next layer's depth input),
-                or ``None``: ``D_t`` in a float32 tensor of its own.
-            weights: this layer's :meth:`derived_weights`, when the caller has them.
-        Returns:
-            ``u`` ``(n, d_s)`` in the weight dtype (the corrections' input), and ``D_t`` (``hidden_seq``).
-
-        With the Triton kernels this is one launch that reads and writes the slots where they are
-        (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``); otherwise the rows are gathered,
-        stepped by :meth:`forward` and written back: the same math, the reference this is tested
-        against (the step's operators, two gathers and two writes, and a copy when ``hidden_seq`` is
-        given).
-        """
-        n = x.shape[0]
-        H, R = self.num_heads, self.head_dim
-        w = self.derived_weights() if weights is None else weights
-        if self.fused_decode(x) and not _needs_grad(x, depth, w.w_in):
-            if hidden_seq is None:
-                hidden_seq = torch.empty(n, H, R, R, dtype=torch.float32, device=x.device)
-            u = self._decode_kernel(
-                x,
-                w,
-                cells,
-                hiddens,
-                out=(cells, hiddens),
-                depth=depth,
-                valid=valid,
-                slots=slots,
-                hidden_seq=hidden_seq,
-            )
-            return u, hidden_seq
-        out = self(
-            x[:, None],
-            cells.index_select(0, slots),
-            hiddens.index_select(0, slots),
-            depth=None if depth is None else depth[:, None],
-            valid=None if valid is None else valid[:, None],
-            weights=w,
-            aux=False,
-        )
-        cells.index_copy_(0, slots, _cast(out.cell, cells.dtype))
-        hiddens.index_copy_(0, slots, _cast(out.hidden, hiddens.dtype))
-        if hidden_seq is None:
-            return out.read[:, 0], _cast(out.hidden_seq[:, 0], torch.float32)
-        hidden_seq.copy_(out.hidden_seq[:, 0])
-        return out.read[:, 0], hidden_seq
-
-    def fused_decode(self, x: torch.Tensor) -> bool:
-        """Whether this layer's one-token steps of ``x`` run as one fused launch
-        (:func:`lstmem_kernels.lstmem_decode_step`: Triton on this backend and device, weights not
-        float64) rather than as PyTorch operators."""
-        return fused_decode_step_applies(self.backend, x, self.w_in.dtype)
-
-    def _decode_kernel(self, x, w: LayerWeights, cell, hidden, **kwargs) -> torch.Tensor:
-        """:func:`lstmem_kernels.lstmem_decode_step` with this layer's weights (the depth map when
-        ``kwargs`` has a depth input) and the paper's norm constant; returns ``u``."""
-        eau = w.eau_first if kwargs.get("depth") is None else w.eau_depth
-        weights = (w.w_in, w.b_in, eau, w.b_eau, w.read)
-        return lstmem_decode_step(
-            x, *weights, cell, hidden, num_heads=self.num_heads, norm_eps=K.NORM_EPS, **kwargs
-        )
-
-    def _step(self, k, i_e, f, o, cell, hidden, depth_term, valid):
-        """eq:write and eq:hidden for one token without gradients (its read ``r^time`` is already
-        taken): the kernel family's decode step, writing the new states into fresh tensors (the
-        caller's states change only when its pass commits). ``k`` rows ``(B, n_h, 1, r)``, ``i_e, f,
-        o`` columns ``(B, n_h, r, 1)``, states and ``depth_term`` ``(B, n_h, r, r)``, ``valid``
-        ``(B, 1)`` or ``None``; returns ``(C_t, D_t)``."""
-        new_cell, new_hidden = _step_states(cell, hidden)
-        valid = None if valid is None else valid.view(-1)
-        lstmem_step(
-            None,
-            k,
-            i_e,
-            f,
-            o,
-            cell,
-            hidden,
-            depth_term,
-            valid,
-            backend=self.backend,
-            out=(new_cell, new_hidden),
-        )
-        return new_cell, new_hidden
 
 
 #: layers whose derived weights are cached (kept current after optimizer steps)
@@ -744,45 +490,6 @@ def _cache(layer: LSTMemLayer) -> None:
 def _forget_derived(module: LSTMemLayer, incompatible_keys) -> None:
     """``load_state_dict`` post hook: the loaded parameters are derived again when next used."""
     module._derived = None
-
-
-def _ones_beside_e(m: torch.Tensor, ds: int, bias: bool = False) -> torch.Tensor:
-    """A map (or its bias, ``bias=True``) whose columns are ``[e | a | u]`` with ``3 d_s`` columns
-    after ``e``: zero weights, or ones in the bias. Its product ``[e | 1 | a | u]`` gives
-    ``[i e | f | o | g]`` in one GLU (``first half * sigmoid(second half)``) of its first ``8 d_s``
-    columns: ``1 * sigmoid`` is exact, so the gates are those of eq:gates."""
-    e, rest = m.split([ds, m.shape[-1] - ds], dim=-1)
-    pad = (torch.ones if bias else torch.zeros)(*m.shape[:-1], 3 * ds, dtype=m.dtype, device=m.device)
-    return torch.cat([e, pad, rest], dim=-1)
-
-
-def _unit_heads(x: torch.Tensor) -> torch.Tensor:
-    """The l2 normalisation of ``n(.)`` along the last axis (denominator at least 1e-6)."""
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(K.NORM_EPS)
-
-
-def _time_reads(qk: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """``[D_{t-1} q_t; D_{t-1} k_t]`` per head for one token: ``qk`` ``(B n_h, 2, r)``, ``hidden``
-    ``(B, n_h, r, r)`` -> ``(B n_h, 2, r)``, computed and returned in float32 (float64 when either
-    is), as the recurrence computes its reads."""
-    cd = torch.float64 if torch.float64 in (qk.dtype, hidden.dtype) else torch.float32
-    R = qk.shape[-1]
-    return torch.bmm(_cast(qk, cd), _cast(hidden, cd).reshape(-1, R, R).transpose(1, 2))
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _step_states(cell: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised float32 (or float64) tensors the decode step writes the new states into: the
-    caller's states (a cache's, a checkpoint's) are never written."""
-    dtype = cell.dtype if cell.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.empty_like(cell, dtype=dtype), torch.empty_like(hidden, dtype=dtype)
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _read(state: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from lstmem_peft.memory.cache import STATE_DTYPES
 from lstmem_peft.memory.layer import LayerWeights
+from lstmem_peft.memory.step import decode_slots, fused_decode
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
 
@@ -187,8 +188,8 @@ class LSTMemState(nn.Module, MambaBase):
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
         or ``None``, ``weights`` the layer's derived weights. Returns ``u`` ``(n, d_s)`` and ``D_t``
         ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
-        states are stepped in their slots (:meth:`LSTMemLayer.decode_slots`: in place in one launch
-        with the Triton kernels); read-only requests keep theirs."""
+        states are stepped in their slots (:func:`~lstmem_peft.memory.step.decode_slots`: in place in
+        one launch with the Triton kernels); read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
         history = metadata.history_decodes
         if history:  # one-token history chunks: their states before the step
@@ -199,9 +200,10 @@ class LSTMemState(nn.Module, MambaBase):
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
         write = metadata.decode_write
-        if not (self.memory.fused_decode(x) or self.shared.step_has_read_only):
+        if not (fused_decode(self.memory, x) or self.shared.step_has_read_only):
             write = None
-        u, out_seq = self.memory.decode_slots(
+        u, out_seq = decode_slots(
+            self.memory,
             x,
             cells,
             hiddens,
