@@ -5,8 +5,8 @@ turn written into memory as the server writes it (the default policy, ``messages
 too; and ``messages_and_answer``). Two kinds of client: one that sends only its newest message, one
 that re-sends the whole conversation into a window too short for it. Through the server, on the
 shipped demo adapter, recall at every question position must be at least 0.75 and none more than
-0.15 below the first (measured here on 64 sessions per client; ``lstmem demo`` reports the same on
-256).
+0.15 below the first (measured here on 128 sessions per client; ``lstmem demo`` reports the same
+on 256).
 
 The library's measurement (``lstmem_peft.cli.demo_conversation.evaluate_conversation``, what
 ``lstmem demo`` prints) runs the server's turn rule through
@@ -98,9 +98,11 @@ def recall_by_position(answers: list[list[str]], episodes) -> list[float]:
 def test_recall_survives_a_conversation_through_the_server(loaded, tmp_path, client, write):
     """8 facts, then 4 questions in later turns, every turn written as the policy says: recall at
     every question position >= 0.75, none more than 0.15 below the first (the shipped adapter,
-    64 sessions, greedy). Before the adapters were trained on conversations this was about 0.84,
-    0.23, 0.05, 0.03: each written question erased the facts."""
-    episodes = synthetic_conversation_episodes(64, 8, 4, seed=SEED)
+    128 sessions, greedy: here the lowest position is 0.81, so one answer that flips on another
+    CPU's arithmetic cannot decide it; 64 sessions left one answer of margin). Before the adapters
+    were trained on conversations this was about 0.84, 0.23, 0.05, 0.03: each written question
+    erased the facts."""
+    episodes = synthetic_conversation_episodes(128, 8, 4, seed=SEED)
     app = create_app(loaded, str(tmp_path / "store"), context_window=CLIENT_WINDOWS[client])
     recall = recall_by_position(converse(app, episodes, client, write), episodes)
     assert min(recall) >= 0.75, recall
