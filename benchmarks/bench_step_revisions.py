@@ -4,9 +4,11 @@
     python benchmarks/bench_step_revisions.py --rev bb03b63 --generate   # cpu-small generate
 
 Timing two checkouts in two processes compares two moments of a shared machine as much as two
-versions of the code. This script takes the memory layer of ``--rev`` (``git show`` of
-``lstmem_peft/memory/{constants,adapter_files,layer}.py`` and ``kernels/``) into a temporary package
-beside the installed one and alternates the two in one process, round by round in rotating order:
+versions of the code. This script takes the memory layer of ``--rev`` (``git show`` of every module
+the revision has in ``lstmem_peft/memory/`` and ``kernels/``, subfolders included: the layer and
+what it imports, ``step.py`` and ``layer_common.py`` too since 4c9ef56 split the step out) into a
+temporary package beside the installed one and alternates the two in one process, round by round in
+rotating order:
 
 * default: one layer's one-token step (``d`` 1024, ``n_h`` 4, ``r`` 8, batch 1, with a depth input)
   and its two corrections, ``--calls`` steps a round; ``--cold MB`` streams that many megabytes
@@ -38,36 +40,36 @@ import torch
 from lstmem_peft.memory.layer import LSTMemLayer
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("constants.py", "adapter_files.py", "layer.py")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def copy_modules(rev: str, folder: str, into: Path) -> list[str]:
+    """Every ``.py`` file of ``folder`` at ``rev`` (subfolders included) written under ``into``, with
+    ``lstmem_kernels`` renamed ``rev_kernels``; returns their paths relative to ``folder``."""
+    copied = []
+    for path in _git("ls-tree", "-r", "--name-only", rev, folder).splitlines():
+        if path.endswith(".py"):
+            relative = Path(path).relative_to(folder)
+            (into / relative).parent.mkdir(parents=True, exist_ok=True)
+            (into / relative).write_text(
+                _git("show", f"{rev}:{path}").replace("lstmem_kernels", "rev_kernels")
+            )
+            copied.append(relative.as_posix())
+    return copied
 
 
 def layer_class_at(rev: str, into: Path) -> type:
-    """``LSTMemLayer`` as it was at ``rev``, imported from a copy under ``into``."""
-
-    def show(path: str) -> str:
-        return subprocess.run(
-            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout
-
-    kernels = into / "rev_kernels"
-    kernels.mkdir(parents=True)
-    listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "kernels/"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    for path in listing.stdout.split():
-        if path.endswith(".py"):
-            (kernels / Path(path).name).write_text(show(path))
+    """``LSTMemLayer`` as it was at ``rev``, imported from a copy under ``into``: the revision's
+    kernels and memory modules, whichever it has (``memory/step.py`` and ``layer_common.py`` exist
+    from 4c9ef56 on)."""
+    copy_modules(rev, "kernels/", into / "rev_kernels")
     memory = into / "rev_memory"
-    memory.mkdir()
-    (memory / "__init__.py").write_text("")
-    for name in FILES:
-        (memory / name).write_text(
-            show(f"lstmem_peft/memory/{name}").replace("lstmem_kernels", "rev_kernels")
-        )
+    if "layer.py" not in copy_modules(rev, "lstmem_peft/memory/", memory):
+        raise SystemExit(f"{rev} has no lstmem_peft/memory/layer.py: pick a revision with the memory layer")
+    (memory / "__init__.py").write_text("")  # the layer's modules only, not the package's re-exports
     sys.path.insert(0, str(into))
     return importlib.import_module("rev_memory.layer").LSTMemLayer
 

@@ -140,11 +140,7 @@ def _trainer(tmp_path, rows):
 def _mixed_rows():
     """Plain episodes and conversation episodes of both clients and policies, in one dataset."""
     tok = demo_tokenizer()
-    plain = []
-    for e in synthetic_recall_episodes(3, 4, seed=1):
-        row = tokenize_episode(tok, e)
-        row.update(turn_writes=[], turn_input_ids=[], turn_labels=[])
-        plain.append(row)
+    plain = [tokenize_episode(tok, e) for e in synthetic_recall_episodes(3, 4, seed=1)]
     conversations = [
         tokenize_conversation(tok, e, client=client, write=write, window=40, max_tokens=4)
         for e, (client, write) in zip(
@@ -204,6 +200,33 @@ def test_the_loss_covers_every_answer_of_a_conversation_in_the_servers_order(tmp
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got, expected)
     samples, counted = trainer.get_batch_samples(iter([batch]), 1, torch.device("cpu"))
     assert int(counted) == count  # the loss's normaliser counts the later turns' answers too
+
+
+def test_one_question_rows_and_conversations_share_a_dataset(tmp_path):
+    """One-question rows first in ``Dataset.from_list`` (which takes its columns from the first
+    row): the conversations keep their turns, and the one-question rows' loss in the mixed batch is
+    the loss of a dataset of them alone."""
+    tok = demo_tokenizer()
+    plain = [tokenize_episode(tok, e) for e in synthetic_recall_episodes(3, 4, seed=1)]
+    conversations = [
+        tokenize_conversation(tok, e, client=client, window=40, max_tokens=4)
+        for e, client in zip(
+            synthetic_conversation_episodes(2, 6, 3, seed=2), ("newest", "resend"), strict=True
+        )
+    ]
+    mixed = list(Dataset.from_list(plain + conversations))
+    assert mixed[len(plain) :] == conversations  # no turn column dropped
+    alone = list(Dataset.from_list(plain))
+    model, trainer = _trainer(tmp_path, plain + conversations)
+    model.eval()
+    batch = trainer.data_collator(mixed)
+    assert len(batch["turns"]) == 3  # the facts turn, then 3 questions
+    for read in [batch, *batch["turns"]]:  # the one-question rows' answers alone carry the loss
+        read["labels"][len(plain) :] = -100
+    with torch.no_grad():
+        got = trainer.compute_loss(model, batch)
+        expected = trainer.compute_loss(model, trainer.data_collator(alone))
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got, expected)
 
 
 def test_a_conversation_trains_through_the_written_turns(tmp_path):

@@ -391,7 +391,7 @@ def test_gate_means_of_a_padded_row_equal_those_of_the_row_written_alone():
     (three blocks and one, left-padded), the short row's means equal its history written alone."""
     from tiny_models import make
 
-    from lstmem_peft.serve.runtime import GateProbe
+    from lstmem_peft.serve.engine_library import GateProbe
 
     model = make("qwen3", r=4, num_heads=2, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -787,19 +787,20 @@ def test_kill9_and_restart_keep_every_session_bit_exact(server, http, loaded, tm
 def test_an_interrupted_commit_leaves_the_previous_version(tmp_path, loaded):
     """A crash between writing the new memory file and the record: the record still names the old,
     intact file, and the orphan is removed on load."""
+    from lstmem_peft.serve.engine import MemoryRow
     from lstmem_peft.serve.runtime import fresh_memory, write_rows
     from lstmem_peft.serve.store import SessionStore
 
     store = SessionStore(tmp_path, loaded.layout)
     session = store.get("public", "s")
-    (memory,), _ = write_rows(loaded, [fresh_memory(loaded.layout, loaded.device)], [[1, 5, 6, 7]])
-    session.memory = memory
+    (row,), _ = write_rows(loaded, [MemoryRow(fresh_memory(loaded.layout, loaded.device))], [[1, 5, 6, 7]])
+    session.memory = row.memory
     store.commit(session)
     folder = tmp_path / "public" / "s"
     record = json.loads((folder / "record.json").read_text())
     shutil.copy(folder / record["memory_file"], folder / "memory-00000002.safetensors")  # the "crash"
     reopened = SessionStore(tmp_path, loaded.layout).get("public", "s")
-    assert reopened.version == 1 and same_memory(reopened.memory, memory)
+    assert reopened.version == 1 and same_memory(reopened.memory, row.memory)
     assert sorted(p.name for p in folder.iterdir()) == ["memory-00000001.safetensors", "record.json"]
 
 
@@ -808,7 +809,7 @@ def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded,
     JSON, and a commit that dies before its record is written leaves the previous version, in RAM
     and on disk."""
     from lstmem_peft.serve import app as app_module
-    from lstmem_peft.serve import scheduler as scheduler_module
+    from lstmem_peft.serve import runner as runner_module
     from lstmem_peft.serve import store as store_module
 
     app = app_module.create_app(loaded, str(tmp_path / "store"))
@@ -831,7 +832,7 @@ def test_a_failing_turn_or_commit_leaves_the_session_as_it_was(tmp_path, loaded,
                 raise RuntimeError("injected failure")
 
             with monkeypatch.context() as patch:
-                patch.setattr(scheduler_module, "generate_rows", broken_generate)
+                patch.setattr(runner_module, "generate_rows", broken_generate)
                 r = await client.post("/v1/chat/completions", json=chat, headers=session("s"))
             assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
 
@@ -1609,10 +1610,11 @@ def test_a_token_id_prompt_is_planned_as_it_is_and_extends_the_text_chain(loaded
     assert plan.text_chain == tok.decode(ids, skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("name", ["s\n", "../s", "/tmp/s", ".s", "a/b", "", "x" * 129])
+@pytest.mark.parametrize("name", ["s\n", "../s", "/tmp/s", ".s", "a/../b", "", "x" * 129])
 def test_the_store_refuses_session_ids_that_are_not_plain_names(name, tmp_path):
     """One rule for names that become files (the store's and vLLM's session directory): the whole id
-    must match, so a trailing newline (which ``$`` would let through) is refused too."""
+    must match, so a trailing newline (which ``$`` would let through) is refused too. (A store session
+    id is one plain name; a vLLM session may join up to three: tests/test_session_files.py.)"""
     from lstmem_peft.memory.cache import MemoryLayout
     from lstmem_peft.memory.sessions import SessionIdError, session_file
     from lstmem_peft.serve.store import SessionStore

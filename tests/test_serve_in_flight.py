@@ -44,7 +44,7 @@ def endless():
     from lstmem_peft.serve.runtime import load_model
 
     loaded = load_model(device="cpu")
-    config = loaded.library_model().get_base_model().generation_config
+    config = loaded.model.get_base_model().generation_config
     config.suppress_tokens = [loaded.tokenizer.eos_token_id]
     return dataclasses.replace(loaded, eos_ids=frozenset(), trained_positions=None)
 

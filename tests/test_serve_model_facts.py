@@ -7,9 +7,10 @@ from the files, and its log-probabilities from the engine.
   folders and Hub ids, with a float32 or a bfloat16 adapter file;
 * an adapter file whose memory weights do not match its config is refused, naming what is wrong, and
   so are vLLM options that would change the log-probabilities;
-* the engine path of :func:`generate_rows` / :func:`score_rows` turns an engine's scores by token id
-  into the same :class:`TokenLogprobs` as the library path (an engine here: the library model
-  itself behind the engine interface; vLLM's own are compared in tests/test_vllm.py).
+* an engine that keeps the scores it decodes with (as vLLM does) gives, through :func:`generate_rows`
+  / :func:`score_rows`, the same :class:`TokenLogprobs` as the library engine, which scores its
+  answers afterwards (the engine here: the library engine keeping its scores; vLLM's own are compared
+  in tests/test_vllm.py).
 """
 
 from __future__ import annotations
@@ -30,13 +31,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny_models import randomize_memory, tiny_model  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, memory_layers  # noqa: E402
-from lstmem_peft.serve.generation import (  # noqa: E402
-    Sampling,
-    _forward_scores,
-    _generate,
-    generate_rows,
-    score_rows,
-)
+from lstmem_peft.serve.decoding import Decoded, Sampling  # noqa: E402
+from lstmem_peft.serve.engine import Engine, MemoryRow  # noqa: E402
+from lstmem_peft.serve.generation import generate_rows, score_rows  # noqa: E402
 from lstmem_peft.serve.runtime import (  # noqa: E402
     LoadedModel,
     fresh_memory,
@@ -45,7 +42,7 @@ from lstmem_peft.serve.runtime import (  # noqa: E402
     write_rows,
 )
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
-from lstmem_peft.utils.offline import char_tokenizer  # noqa: E402
+from lstmem_peft.utils.offline import DEMO_ASSETS, char_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,14 +89,14 @@ def test_the_facts_read_from_the_files_equal_those_of_the_library_model(
     }
     library = load_model(model, adapter, device="cpu", dtype="float32")
     files = LoadedModel.of_files(model, adapter, load_tokenizer(model, adapter), "adapter")
-    assert files.model is None and files.engine is None and files.device == torch.device("cpu")
+    assert files.model is None and files.engine.name == "none" and files.device == torch.device("cpu")
     for fact in FACTS:
         assert getattr(files, fact) == getattr(library, fact), fact
     assert files.layout.layer_indices == (0, 2)
     assert files.eos_ids == frozenset(generation_eos or [2])
     assert files.tokenizer.encode("hello") == library.tokenizer.encode("hello")
-    with pytest.raises(RuntimeError, match="has no library model to run.*set its engine"):
-        write_rows(files, [fresh_memory(files.layout, files.device)], [[3, 4, 5]])
+    with pytest.raises(RuntimeError, match="no engine to run it.*engine=VLLMEngine.*engine='hf'"):
+        write_rows(files, [MemoryRow(fresh_memory(files.layout, files.device))], [[3, 4, 5]])
     # the fingerprint follows the weights: one changed weight changes it
     weights = load_file(os.path.join(adapter, "adapter_model.safetensors"))
     key = next(k for k in weights if k.endswith("lstmem_memory.b_x"))
@@ -170,12 +167,12 @@ def test_an_adapter_file_that_does_not_match_its_config_is_refused_naming_what_i
 def test_vllm_options_that_would_change_the_log_probabilities_are_refused_before_the_engine_starts():
     """The server reports the model's raw log-probabilities, up to 20 per token: another
     ``logprobs_mode``, or a ``max_logprobs`` below 20, is refused before vLLM is imported."""
-    from lstmem_peft.integrations.vllm.serve import VLLMAnswers, check_logprob_options
+    from lstmem_peft.serve.engine_vllm import VLLMEngine, check_logprob_options
 
     with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'.*drop --vllm-arg logprobs_mode"):
-        VLLMAnswers("base", "adapter", 64, logprobs_mode="processed_logprobs")
+        VLLMEngine("base", "adapter", "unused-store", 64, frozenset(), logprobs_mode="processed_logprobs")
     with pytest.raises(ValueError, match="max_logprobs=5.*set it to 20 or more"):
-        VLLMAnswers("base", "adapter", 64, top_logprobs=20, max_logprobs=5)
+        VLLMEngine("base", "adapter", "unused-store", 64, frozenset(), top_logprobs=20, max_logprobs=5)
     for fine in ({}, {"logprobs_mode": "raw_logprobs"}, {"max_logprobs": 20}, {"max_logprobs": -1}):
         check_logprob_options(fine, 20)
 
@@ -189,44 +186,62 @@ def loaded():
     torch.set_num_threads(threads)
 
 
-class LibraryEngine:
-    """The engine interface :func:`generate_rows` and :func:`score_rows` use (``generate``, ``score``)
-    over the library model: tokens from its ``generate``, ``(chosen, top)`` scores by token id from
-    its forward, as a vLLM engine returns them (the generated tokens uncut, the prompt's after its
-    first)."""
+class KeepingEngine:
+    """The library engine, keeping the scores it decodes with as vLLM's engine does: each decoded
+    sequence carries the :class:`Scores` of its tokens (and with ``echo`` its prompt's after the
+    first), scored by the library's forward from the same memory."""
 
-    def __init__(self, loaded) -> None:
-        self.loaded = loaded
+    name = "keeping"
+    request_limit = None
+    session_root = None
 
-    def _scores(self, rows, sequences, top):
-        return _forward_scores(self.loaded, rows, sequences, [1] * len(rows), list(range(len(rows))), top)
+    def __init__(self, library) -> None:
+        self.library = library
 
-    @staticmethod
-    def _pair(scores):
-        return None if scores is None else (scores.chosen, scores.top)
-
-    def generate(self, rows, prompts, sampling, eos_ids, on_token=None):
-        k = sampling.n
-        generated = _generate(self.loaded, rows, prompts, sampling, [()] * (len(prompts) * k), on_token, None)
+    def generate(self, rows, prompts, sampling, stops, on_token=None, cancelled=None):
+        k = sampling.decoded
+        decoded = self.library.generate(rows, prompts, sampling, [()] * (len(prompts) * k), on_token)
         if sampling.logprobs is None:
-            return [(ids, None, None) for ids in generated]
-        owners = [r // k for r in range(len(generated))]
-        whole = self._scores(
+            return decoded
+        owners = [r // k for r in range(len(decoded))]
+        whole = self.library.score(
             [rows[i] for i in owners],
-            [prompts[i] + ids for i, ids in zip(owners, generated, strict=True)],
+            [prompts[i] + d.token_ids for i, d in zip(owners, decoded, strict=True)],
+            [1] * len(decoded),
             sampling.logprobs,
         )
         return [
-            (
-                ids,
-                self._pair(s[len(prompts[i]) - 1 :]),
-                self._pair(s[: len(prompts[i]) - 1] if sampling.echo else None),
+            Decoded(
+                d.token_ids,
+                s[len(prompts[i]) - 1 :],
+                s[: len(prompts[i]) - 1] if sampling.echo else None,
             )
-            for i, ids, s in zip(owners, generated, whole, strict=True)
+            for i, d, s in zip(owners, decoded, whole, strict=True)
         ]
 
-    def score(self, rows, sequences, top):
-        return [self._pair(s) for s in self._scores(rows, sequences, top)]
+    def score(self, rows, sequences, starts, top):
+        return self.library.score(rows, sequences, starts, top)
+
+    def write(self, rows, tokens):
+        return self.library.write(rows, tokens)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_engines_implement_one_interface_and_bound_the_window_by_what_they_hold(loaded):
+    """The server talks to one interface, which the library engine, an engine that keeps its scores
+    and the facts read from files alone all implement; an engine whose requests hold ``L`` tokens
+    bounds the position limit (the server's window) to ``L - 1``: a prompt and the token it samples."""
+    assert isinstance(loaded.engine, Engine) and loaded.engine.name == "hf"
+    assert loaded.model is loaded.engine.model and loaded.max_positions == 4096
+    files = LoadedModel.of_files(
+        str(DEMO_ASSETS / "backbone"), str(DEMO_ASSETS / "adapter_full"), loaded.tokenizer, "demo"
+    )
+    assert isinstance(files.engine, Engine) and files.max_positions == 4096
+    limited = files.with_engine(type("Holds100", (KeepingEngine,), {"request_limit": 100})(loaded.engine))
+    assert isinstance(limited.engine, Engine) and limited.max_positions == 99
+    assert files.with_engine(KeepingEngine(loaded.engine)).max_positions == 4096  # no limit of its own
 
 
 def assert_same_logprobs(got, want) -> None:
@@ -275,13 +290,13 @@ def test_log_probabilities_an_engine_decodes_with_become_those_the_library_score
         loaded = dataclasses.replace(loaded, eos_ids=frozenset(fmt.encode_text(eos)))
     (memory,), _ = write_rows(
         loaded,
-        [fresh_memory(loaded.layout, loaded.device)],
+        [MemoryRow(fresh_memory(loaded.layout, loaded.device))],
         [fmt.encode_text("<s> k07 v19 ; k12 v03 ; k01 v05")],
     )
-    rows = [memory, fresh_memory(loaded.layout, loaded.device)]
+    rows = [memory, MemoryRow(fresh_memory(loaded.layout, loaded.device))]
     prompts = [fmt.encode_text("<s> ? k12"), fmt.encode_text("<s> k07 v19 ; k01")]
     sampling = Sampling(max_tokens, 0.0, 1.0, n, stop, None, logprobs, echo)
-    engine = dataclasses.replace(loaded, engine=LibraryEngine(loaded))
+    engine = dataclasses.replace(loaded, engine=KeepingEngine(loaded.engine))
     want = generate_rows(loaded, rows, prompts, sampling)
     got = generate_rows(engine, rows, prompts, sampling)
     assert [(a.finish_reason, a.end_token is not None) for a, *_ in want] == endings
@@ -300,10 +315,10 @@ def test_log_probabilities_an_engine_decodes_with_become_those_the_library_score
 def test_prompts_an_engine_scores_become_those_the_library_scores(loaded):
     """``score_rows`` (a completion with ``max_tokens`` 0): whole prompts, a tail, and nothing."""
     fmt = ChatFormat(loaded.tokenizer)
-    rows = [fresh_memory(loaded.layout, loaded.device)] * 3
+    rows = [MemoryRow(fresh_memory(loaded.layout, loaded.device))] * 3
     sequences = [fmt.encode_text(t) for t in ("<s> k07 v19 ; ? k07", "<s> k01 v05", "<s> ? k12")]
     starts = [0, 3, len(sequences[2])]
-    engine = dataclasses.replace(loaded, engine=LibraryEngine(loaded))
+    engine = dataclasses.replace(loaded, engine=KeepingEngine(loaded.engine))
     want = score_rows(loaded, rows, sequences, starts, 2)
     got = score_rows(engine, rows, sequences, starts, 2)
     assert got[2].ids == [] and want[2].ids == []

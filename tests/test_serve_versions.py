@@ -488,11 +488,13 @@ def test_another_key_cannot_see_fork_or_prune_the_versions(loaded, tmp_path):
 def test_a_record_of_another_format_is_refused_naming_it(loaded, tmp_path):
     """A record without versions (written before this feature, format 1) is refused with the format
     and the fix, never read as something else."""
+    from lstmem_peft.serve.engine import MemoryRow
     from lstmem_peft.serve.runtime import fresh_memory, write_rows
 
     store = SessionStore(tmp_path, loaded.layout)
     session = store.get("public", "old")
-    (session.memory,), _ = write_rows(loaded, [fresh_memory(loaded.layout, loaded.device)], [[1, 5, 6, 7]])
+    (row,), _ = write_rows(loaded, [MemoryRow(fresh_memory(loaded.layout, loaded.device))], [[1, 5, 6, 7]])
+    session.memory = row.memory
     store.commit(session)
     path = tmp_path / "public" / "old" / "record.json"
     record = json.loads(path.read_text())

@@ -42,7 +42,39 @@ def test_a_missing_folder_is_an_error_not_a_file_elsewhere(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["..", "../x", ".hidden", "a/b", "", "x" * 129, "a\n"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "..",
+        "../x",
+        ".hidden",
+        "a/..",
+        "a/./b",
+        "a//b",
+        "/a/b",
+        "a/b/",
+        "a/b/c/d",
+        "a/.b",
+        "",
+        "x" * 129,
+        "a\n",
+    ],
+)
 def test_a_session_name_that_could_leave_its_folder_is_refused(tmp_path, name):
     with pytest.raises(SessionIdError, match="invalid session id"):
         session_file(str(tmp_path), name)
+
+
+def test_a_session_name_may_join_up_to_three_plain_names_inside_the_folder(tmp_path):
+    """``lstmem serve --engine vllm`` names its store's own files (``NAMESPACE/SESSION/memory-N``);
+    a folder inside that is a link to elsewhere is refused as a file link is."""
+    root = os.path.realpath(tmp_path)
+    assert session_file(str(tmp_path), "public/alice/memory-00000003") == os.path.join(
+        root, "public", "alice", "memory-00000003.safetensors"
+    )
+    assert session_file(str(tmp_path), "public/alice") == os.path.join(root, "public", "alice.safetensors")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "sessions").mkdir()
+    (tmp_path / "sessions" / "ns").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="resolves outside the session directory"):
+        session_file(str(tmp_path / "sessions"), "ns/alice/memory-1")

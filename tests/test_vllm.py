@@ -1016,7 +1016,7 @@ def assert_same_logprobs(got: dict, want: dict) -> float:
     return worst
 
 
-def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path):
+def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, tmp_path, monkeypatch):
     """``lstmem serve --engine vllm``: the same API and session store, and no library model (the vLLM
     engine holds the only copy of the weights). Two greedy chat turns of one session (the first
     message two history blocks long) give the same answers as the default engine, and the same stored
@@ -1024,19 +1024,41 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
     feedback in both). Log-probabilities read from that memory (chat ``logprobs``/``top_logprobs``,
     completions ``echo`` and ``logprobs``, a prompt only scored) are vLLM's raw ones: the same tokens,
     texts and most likely tokens as the default engine's scoring forward, and values within
-    float32 rounding."""
+    float32 rounding.
+
+    Memory travels as the store's own files: once a session has a version, every request reads a
+    version's file or a pending file of the session's folder, the store writes no memory file itself
+    (it renames what vLLM wrote), and no pending or scratch file is left behind."""
     import asyncio
 
     from lstmem_peft.serve import create_app, load_model
+    from lstmem_peft.serve import store as store_module
 
     _, _, root = setup
     with pytest.raises(ValueError, match="drop --device"):  # before an engine starts
-        load_model(str(root / "base"), str(root / "adapter"), device="cuda", engine="vllm")
+        load_model(
+            str(root / "base"), str(root / "adapter"), device="cuda", engine="vllm", store=str(tmp_path)
+        )
+    with pytest.raises(ValueError, match="pass the store's folder"):
+        load_model(str(root / "base"), str(root / "adapter"), engine="vllm")
+    # the session directory the plugin's tests set is another folder: refused before vLLM starts
+    other = os.environ[SESSION_DIR_ENV]
+    with pytest.raises(ValueError, match=f"LSTMEM_SESSION_DIR is '{other}'.*--store {other}"):
+        load_model(str(root / "base"), str(root / "adapter"), engine="vllm", store=str(tmp_path / "vllm"))
+    monkeypatch.delenv(SESSION_DIR_ENV)  # the store becomes vLLM's session directory
+    stored_by_server = []  # the files the store wrote itself
+    real_write = store_module.write_atomically
+
+    def spy(path, write):
+        stored_by_server.append(path.name)
+        return real_write(path, write)
+
+    monkeypatch.setattr(store_module, "write_atomically", spy)
     g = torch.Generator().manual_seed(3)
     words = [
         " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (60, 7)
     ]
-    results = {}
+    results, requested = {}, []
     for engine in ("hf", "vllm"):
         loaded = load_model(
             str(root / "base"),
@@ -1045,20 +1067,32 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
             dtype="float32",
             engine=engine,
             vllm_options=ENGINE,
+            store=str(tmp_path / engine),
         )
         if engine == "vllm":  # no library model: nothing the server holds has weights
             assert loaded.model is None and loaded.device == torch.device("cpu")
             assert not [
                 v for v in vars(loaded).values() if isinstance(v, torch.nn.Module) and any(v.parameters())
             ]
+            with pytest.raises(ValueError, match="the session store must be there: pass --store"):
+                create_app(loaded, str(tmp_path / "elsewhere"))
+            generate = loaded.engine.llm.generate
+
+            def recording(prompts, params, generate=generate, **kwargs):
+                requested.extend(
+                    (p.extra_args.get(SESSION_IN), p.extra_args.get(SESSION_OUT)) for p in params
+                )
+                return generate(prompts, params, **kwargs)
+
+            loaded.engine.llm.generate = recording
+            stored_by_server.clear()
         app = create_app(loaded, str(tmp_path / engine))
         app.state.scheduler.start()
         try:
             answers, exported, scored = asyncio.run(serve_scenario(words)(app, loaded.name))
         finally:
             app.state.scheduler.stop()
-            if loaded.engine is not None:
-                loaded.engine.llm.llm_engine.engine_core.shutdown()
+            loaded.engine.close()
         path = tmp_path / f"{engine}.safetensors"
         path.write_bytes(exported)
         results[engine] = answers, MemoryCache.load(path, loaded.layout), scored, loaded
@@ -1075,9 +1109,24 @@ def test_lstmem_serve_with_the_vllm_engine_answers_as_the_default_engine(setup, 
     assert_same_memory(vllm_memory, hf_memory)
     worst = [assert_same_logprobs(got, want) for got, want in zip(vllm_scored, hf_scored, strict=True)]
     print("largest log-probability difference per request:", worst)
+    # the store's own files: every memory vLLM read was a version's file or one it wrote; an empty
+    # memory (a new session, a request without one) is named by no file (vLLM starts from zeros)
+    names = [name for pair in requested for name in pair if name is not None]
+    assert names and all(
+        n.startswith(("public/s/memory-", "public/s/pending-", "lstmem-scratch/pending-")) for n in names
+    ), requested
+    assert any(i is not None and i.startswith("public/s/memory-") for i, _ in requested)
+    assert any(i is None for i, _ in requested)
+    assert stored_by_server and not [n for n in stored_by_server if n.startswith("memory-")], stored_by_server
+    folder = tmp_path / "vllm" / "public" / "s"
+    kept = sorted(p.name for p in folder.iterdir())
+    assert kept[-1] == "record.json" and all(n.startswith("memory-") for n in kept[:-1]), kept
+    assert not [p for p in (tmp_path / "vllm" / "lstmem-scratch").rglob("*") if p.is_file()]
 
 
-def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engine(setup, tmp_path):
+def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engine(
+    setup, tmp_path, monkeypatch
+):
     """``lstmem_write`` with ``--engine vllm`` (issue 36): per policy, a session's first chat turn
     (``none``, ``messages`` or ``messages_and_answer``, its message two history blocks long), then the
     conversation sent again with the answer and a new message (``messages``). The answers, the tokens
@@ -1091,6 +1140,7 @@ def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engi
     from lstmem_peft.serve import create_app, load_model
 
     _, _, root = setup
+    monkeypatch.delenv(SESSION_DIR_ENV)  # the store becomes vLLM's session directory
     g = torch.Generator().manual_seed(5)
     words = [
         " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (60, 7)
@@ -1132,6 +1182,7 @@ def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engi
             dtype="float32",
             engine=engine,
             vllm_options=ENGINE,
+            store=str(tmp_path / engine),
         )
         app = create_app(loaded, str(tmp_path / engine))
         app.state.scheduler.start()
@@ -1139,8 +1190,7 @@ def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engi
             results[engine] = asyncio.run(scenario(app, loaded.name)), loaded.layout
         finally:
             app.state.scheduler.stop()
-            if loaded.engine is not None:
-                loaded.engine.llm.llm_engine.engine_core.shutdown()
+            loaded.engine.close()
     (hf, layout), (served, _) = results["hf"], results["vllm"]
     for policy in policies:
         assert served[policy][:3] == hf[policy][:3], policy

@@ -98,13 +98,14 @@ def test_serve_with_the_vllm_engine_names_the_extra_when_vllm_is_missing(tmp_pat
 def test_a_vllm_engine_too_short_for_one_history_block_is_refused_before_it_starts():
     """One history request holds a block and samples one token: ``max_model_len`` must exceed
     ``block_size``, checked before vLLM is imported or an engine starts."""
-    from lstmem_peft.integrations.vllm.serve import VLLMAnswers, check_block_fits
+    pytest.importorskip("fastapi")
+    from lstmem_peft.serve.engine_vllm import VLLMEngine, check_block_fits
 
     with pytest.raises(
         ValueError,
         match=r"max_model_len \(64\) must exceed the adapter's block_size \(64\).*max_model_len=65",
     ):
-        VLLMAnswers("base", "adapter", 64, max_model_len=64)
+        VLLMEngine("base", "adapter", "unused-store", 64, frozenset(), max_model_len=64)
     check_block_fits(65, 64)
 
 
@@ -115,7 +116,8 @@ def test_a_vllm_engine_too_short_for_one_history_block_is_refused_before_it_star
         ".",
         "../alice",
         "/etc/passwd",
-        "a/b",
+        "a/../b",
+        "a/b/c/d",
         "a\\b",
         ".hidden",
         "",

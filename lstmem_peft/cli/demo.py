@@ -7,9 +7,9 @@ and the question ``<s> ? k07``, answered ``v19``. The model answers three ways:
 * no history at all (chance);
 * history written only into LSTMem memory, question alone (what the adapter adds).
 
-This module is the ``lstmem demo`` command (:func:`run`): it loads (or trains) the adapters, prints
-the 8-fact table and the update table, :func:`show_episodes` (``--show``: episodes a person can
-read) or the sweep (``--sweep``). The parts live beside it:
+This module is the ``lstmem demo`` command (:func:`run`, its settings :class:`DemoSettings`): it
+loads (or trains) the adapters, prints the 8-fact table and the update table, :func:`show_episodes`
+(``--show``: episodes a person can read) or the sweep (``--sweep``). The parts live beside it:
 
 * :mod:`.demo_recall`: the task, the adapters and the measurements (:func:`evaluate`,
   :func:`evaluate_updates`: a later turn gives some keys new values; the newest wins);
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -239,92 +241,94 @@ def _load_models(names, train, model_id, train_steps, seed, chat_steps=CHAT_STEP
     return models, tokenizer, timings
 
 
-def run(
-    train: bool = False,
-    model_id: str | None = None,
-    num_episodes: int = 512,
-    ablations: bool = True,
-    train_steps: int = 600,
-    seed: int = 42,
-    show: int = 0,
-    show_facts: int = NUM_PAIRS,
-    sweep_facts=None,
-    window: int = WINDOW,
-    out: str | Path = ".",
-    chat_steps: int = CHAT_STEPS,
-) -> dict:
+@dataclass(frozen=True)
+class DemoSettings:
+    """What one ``lstmem demo`` run does (:func:`run`'s keyword arguments; the CLI flags in brackets).
+
+    Attributes:
+        train: retrain the adapters from scratch (``--train``), the time recorded.
+        model_id: Hub id or local path of a causal LM (``--model``); ``None``: the embedded backbone.
+        num_episodes: held-out episodes to score, per sweep length too (``--episodes``).
+        ablations: also the depth-coupling and feedback ablations (not ``--no-ablations``).
+        train_steps: training steps per adapter with ``train`` (``--steps``).
+        seed: the training seed.
+        show: first print that many episodes (``--show``), ``show_facts`` facts each (``--facts``).
+        sweep_facts: instead of the 8-fact table, the history-length sweep over these lengths
+            (``--sweep``), its record and plot written into ``out`` (``--out``); ``None``: no sweep.
+        window: the backbone's context window in tokens (``--window``).
+        chat_steps: with ``train`` on the embedded backbone, the updates of the chat phase
+            (``--chat-steps``; 0: none).
+    """
+
+    train: bool = False
+    model_id: str | None = None
+    num_episodes: int = 512
+    ablations: bool = True
+    train_steps: int = 600
+    seed: int = 42
+    show: int = 0
+    show_facts: int = NUM_PAIRS
+    sweep_facts: Sequence[int] | None = None
+    window: int = WINDOW
+    out: str | Path = "."
+    chat_steps: int = CHAT_STEPS
+
+
+def run(settings: DemoSettings | None = None, /, **options) -> dict:
     """What ``lstmem demo`` does; returns the summary printed as the last line.
 
-    ``show``: first print that many episodes (``show_facts`` facts each). ``sweep_facts``: instead
-    of the 8-fact table, run the history-length sweep over these lengths (``num_episodes`` each)
-    and write its record and plot into ``out``. ``chat_steps``: with ``train`` on the embedded
-    backbone, the updates of the chat phase (0: none).
+    Takes :class:`DemoSettings`, or its fields as keyword arguments (``run(num_episodes=64,
+    ablations=False)``), or both (the keywords replace the settings' fields).
     """
+    if settings is not None and not isinstance(settings, DemoSettings):
+        raise TypeError(
+            f"run takes a DemoSettings or keyword arguments, got {type(settings).__name__}; "
+            "pass the options by name, e.g. run(train=True)"
+        )
+    settings = replace(settings or DemoSettings(), **options)
     threads = torch.get_num_threads()
-    if model_id is None and not train:
+    if settings.model_id is None and not settings.train:
         # the embedded model is tiny (hidden 128): more threads only add synchronisation, and on a
         # busy 2-core machine two threads wrote 256-fact histories 15 times slower than one
         torch.set_num_threads(1)
     try:
-        return _run(
-            train,
-            model_id,
-            num_episodes,
-            ablations,
-            train_steps,
-            seed,
-            show,
-            show_facts,
-            sweep_facts,
-            window,
-            out,
-            chat_steps,
-        )
+        return _run(settings)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(
-    train,
-    model_id,
-    num_episodes,
-    ablations,
-    train_steps,
-    seed,
-    show,
-    show_facts,
-    sweep_facts,
-    window,
-    out,
-    chat_steps,
-):
+def _run(s: DemoSettings) -> dict:
     """:func:`run` under its thread setting: the adapters, the episodes (``show``), then the sweep or
     the 8-fact and update tables; the summary is printed as one JSON line."""
-    names = list(ADAPTERS) if ablations else ["full"]
-    models, tokenizer, timings = _load_models(names, train, model_id, train_steps, seed, chat_steps)
-    if show:
-        print(format_episodes(show_episodes(models["full"], tokenizer, show, show_facts, window), window))
-    if sweep_facts:
-        written = run_sweep(models, tokenizer, out, sweep_facts, num_episodes, window)
-        summary = {"sweep": written, "trained": train, **timings}
+    names = list(ADAPTERS) if s.ablations else ["full"]
+    models, tokenizer, timings = _load_models(names, s.train, s.model_id, s.train_steps, s.seed, s.chat_steps)
+    if s.show:
+        print(
+            format_episodes(
+                show_episodes(models["full"], tokenizer, s.show, s.show_facts, s.window), s.window
+            )
+        )
+    if s.sweep_facts:
+        written = run_sweep(models, tokenizer, s.out, s.sweep_facts, s.num_episodes, s.window)
+        summary = {"sweep": written, "trained": s.train, **timings}
         print(json.dumps(summary))
         return summary
     results = {
-        name: evaluate(model, tokenizer, num_episodes=num_episodes, progress=True)
+        name: evaluate(model, tokenizer, num_episodes=s.num_episodes, progress=True)
         for name, model in models.items()
     }
     print(format_table(results))
-    updates = {name: evaluate_updates(model, tokenizer, num_episodes) for name, model in models.items()}
+    updates = {name: evaluate_updates(model, tokenizer, s.num_episodes) for name, model in models.items()}
     with feedback_off(models["full"]):
         updates["full, feedback off while writing"] = evaluate_updates(
-            models["full"], tokenizer, num_episodes
+            models["full"], tokenizer, s.num_episodes
         )
     print(format_updates(updates))
     conversations = {}
-    if model_id is None:  # the demo's facts and questions, in the demo's chat format
+    if s.model_id is None:  # the demo's facts and questions, in the demo's chat format
         conversations = {
             f"{name}, {client}": evaluate_conversation(
-                model, tokenizer, client, num_sessions=max(1, num_episodes // 2)
+                model, tokenizer, client, num_sessions=max(1, s.num_episodes // 2)
             )
             for name, model in models.items()
             for client in CLIENTS
@@ -339,7 +343,7 @@ def _run(
         "bag_of_values": full["bag_of_values"],
         "num_pairs": full["num_pairs"],
         "num_episodes": full["num_episodes"],
-        "trained": train,
+        "trained": s.train,
         **{f"recall_memory_{k}": v["recall_memory"] for k, v in results.items() if k != "full"},
         "update_newest": updates["full"]["update_newest"],
         "update_oldest": updates["full"]["update_oldest"],

@@ -277,13 +277,6 @@ def train_adapter(
 CHAT_STEPS, CHAT_LR, CHAT_SHARE, CHAT_SEED = 150, 1e-3, 0.75, 7
 
 
-def _plain_row(tok, episode: dict) -> dict:
-    """A one-question episode's row, with the empty later-turn columns a mixed dataset needs."""
-    row = tokenize_episode(tok, episode)
-    row.update(turn_writes=[], turn_input_ids=[], turn_labels=[])
-    return row
-
-
 def conversation_rows(tok, num_rows: int, share: float = CHAT_SHARE, seed: int = CHAT_SEED) -> list[dict]:
     """Rows of the chat phase, shuffled: ``share`` of them conversations, the rest one-question
     episodes of 1 to 8 facts (which keep the single question as it was).
@@ -297,7 +290,7 @@ def conversation_rows(tok, num_rows: int, share: float = CHAT_SHARE, seed: int =
     conversations = int(num_rows * share)
     per_count = (num_rows - conversations) // NUM_PAIRS + 1
     rows = [
-        _plain_row(tok, e)
+        tokenize_episode(tok, e)  # with the empty later-turn columns: one dataset holds both
         for n in range(1, NUM_PAIRS + 1)
         for e in synthetic_recall_episodes(per_count, n, NUM_KEYS, NUM_VALUES, seed=seed + n)
     ]

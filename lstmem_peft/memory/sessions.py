@@ -4,7 +4,10 @@ A session is named by a plain name that becomes a file: ``lstmem serve``'s store
 (``STORE/<namespace>/<session>/``, :mod:`lstmem_peft.serve.store`) and the vLLM plugin's session
 directory (``DIR/<session>.safetensors``, :mod:`lstmem_peft.integrations.vllm.session_files`) take
 the same names (:data:`SESSION_ID`, :func:`check_session_id`), so a name that could reach outside
-its folder is refused by the same rule with the same message wherever it arrives.
+its folder is refused by the same rule with the same message wherever it arrives. A vLLM session
+name may also be a relative path of up to :data:`SESSION_PATH_PARTS` such names joined by ``/``
+(``NAMESPACE/SESSION/memory-00000003``): that is how ``lstmem serve --engine vllm``, whose store is
+vLLM's session directory, names the store's own memory files.
 
 Both write their files with :func:`write_atomically`: a temporary file of the same folder (a hidden
 name, which no session name can be, readable and writable by its owner only), fsynced, renamed over
@@ -29,6 +32,10 @@ SESSION_SUFFIX = ".safetensors"
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
 
+#: The most plain names a session path of a session directory joins (:func:`session_file`).
+SESSION_PATH_PARTS = 3
+
+
 class SessionIdError(ValueError):
     """A session id that is not a plain name (it could reach outside the store)."""
 
@@ -47,18 +54,39 @@ def check_session_id(session: str) -> str:
 def session_file(directory: str, name: str) -> str:
     """The file of session ``name`` in the session directory ``directory``: ``directory/name.safetensors``.
 
+    ``name`` is a session id, or up to :data:`SESSION_PATH_PARTS` session ids joined by ``/`` (a
+    file in a folder of the directory, as ``lstmem serve``'s store keeps them): every part is a
+    plain name, so none is empty, ``.``, ``..`` or hidden, and the path has no leading or doubled
+    separator.
+
     Raises:
-        SessionIdError: ``name`` is not a session id (a path, ``..``, a separator, a hidden name,
-            not a string).
+        SessionIdError: ``name`` is not a session id or such a path (``..``, a backslash, a hidden
+            name, an absolute path, too many parts, not a string).
         ValueError: the file would resolve outside ``directory`` (a symbolic link placed there that
             points elsewhere).
     """
-    check_session_id(name)
+    if not isinstance(name, str) or not 1 <= len(parts := name.split("/")) <= SESSION_PATH_PARTS:
+        raise SessionIdError(
+            f"invalid session id {name!r}: a vLLM session is a session id, or up to {SESSION_PATH_PARTS} session ids "
+            "joined by '/'"
+        )
+    for part in parts:
+        check_session_id(part)
     root = os.path.realpath(directory)
-    path = os.path.join(root, name + SESSION_SUFFIX)
-    if os.path.dirname(os.path.realpath(path)) != root:
+    path = os.path.join(root, *parts[:-1], parts[-1] + SESSION_SUFFIX)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root or real == root:
         raise ValueError(f"session {name!r} resolves outside the session directory")
     return path
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush the file ``path``'s bytes to disk (before it is renamed into a place a reader trusts)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_directory(folder: str | os.PathLike) -> None:
@@ -100,11 +128,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], object]) ->
     os.close(fd)
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):

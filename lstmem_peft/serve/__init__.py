@@ -7,11 +7,14 @@ this package. Shaped as vLLM's OpenAI server is, from the HTTP side down:
 * :mod:`.protocol`: every request and response body (pydantic models) and the error shape;
 * :mod:`.serving_chat`, :mod:`.serving_completions`, :mod:`.serving_models`, :mod:`.serving_memory`:
   one serving class per endpoint family, over :mod:`.serving_base` (shared checks, streaming);
-* :mod:`.scheduler`: the worker thread that batches jobs and runs turns (:mod:`.planning`: what a
-  turn writes and prompts with);
-* :mod:`.runtime` (model loading, message identity, batched memory writes), :mod:`.generation` (answers
-  and log-probabilities read from memory), :mod:`.store` (sessions on disk), :mod:`.metrics`
-  (Prometheus), :mod:`.page` (the page at ``/``).
+* :mod:`.scheduler`: the worker thread that batches jobs; :mod:`.runner` runs them (:mod:`.planning`:
+  what a turn writes and prompts with);
+* :mod:`.engine`: the one seam to what runs the model (:mod:`.engine_library`: the PeftModel in this
+  process; :mod:`.engine_vllm`: a vLLM engine, ``--engine vllm``), speaking :mod:`.decoding`'s types;
+* :mod:`.runtime` (the served model's facts and loading, message identity, batched memory writes),
+  :mod:`.generation` (answers and log-probabilities as a client sees them), :mod:`.jobs` (what the
+  serving classes queue), :mod:`.store` (sessions on disk), :mod:`.metrics` (Prometheus),
+  :mod:`.page` (the page at ``/``).
 """
 
 from __future__ import annotations
@@ -58,11 +61,21 @@ def serve(
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(
-        model, adapter, name=name, device=device, dtype=dtype, engine=engine, vllm_options=vllm_options
+        model,
+        adapter,
+        name=name,
+        device=device,
+        dtype=dtype,
+        engine=engine,
+        vllm_options=vllm_options,
+        store=store,
     )
-    app = create_app(loaded, store, api_keys=api_keys, **options)
-    print(f"lstmem serve: model {loaded.name!r}, sessions in {store}, http://{host}:{port}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    try:
+        app = create_app(loaded, store, api_keys=api_keys, **options)
+        print(f"lstmem serve: model {loaded.name!r}, sessions in {store}, http://{host}:{port}", flush=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        loaded.engine.close()  # a vLLM engine's processes end with the server
 
 
 __all__ = ["LoadedModel", "create_app", "load_model", "serve"]

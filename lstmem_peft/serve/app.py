@@ -5,7 +5,8 @@ serving classes. Nothing here answers a request itself; where each answer comes 
 * ``/v1/completions``: :class:`~.serving_completions.ServingCompletions`;
 * ``/v1/models``: :class:`~.serving_models.ServingModels`;
 * ``/v1/memory/...`` and ``/v1/sessions``: :class:`~.serving_memory.ServingMemory`;
-* request and response bodies: :mod:`.protocol`; the worker that runs every job: :mod:`.scheduler`.
+* request and response bodies: :mod:`.protocol`; the worker that batches every job: :mod:`.scheduler`
+  (:mod:`.runner` runs them).
 
 Sessions are chosen by the ``X-Session-Id`` header (chat and completions) or the path (memory
 routes). With API keys, each key sees only its own sessions (:func:`~.store.namespace_for`).
@@ -21,6 +22,7 @@ server does not implement is refused with a 400 error naming it (see :mod:`.prot
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -198,6 +200,13 @@ def create_app(
             window // 2,
         )
         default_max_tokens = max(1, window // 2)
+    root = loaded.engine.session_root  # an engine that reads memories by file reads the store's own
+    if root is not None and os.path.realpath(store_dir) != os.path.realpath(root):
+        raise ValueError(
+            f"the {loaded.engine.name} engine reads and writes session memories in {root}, so the session store "
+            f"must be there: pass --store {root} (load_model(..., store=...) and create_app(..., store_dir=...) "
+            "take the same folder)"
+        )
     metrics = Metrics()
     store = SessionStore(
         store_dir, loaded.layout, max_versions=session_versions, max_version_bytes=session_version_bytes

@@ -1,114 +1,30 @@
-"""Answers and log-probabilities read from memory: batched ``generate`` and scoring forwards.
+"""Answers and log-probabilities read from memory, as a client sees them.
 
-Runs on the scheduler's worker thread, as :mod:`.runtime` does. Memory is only read here:
-``model.generate(memory_cache=..., memory_write=False)`` (:func:`generate_rows`) and a forward with
-``memory_write=False`` (:func:`score_rows`), on a batch gathered with :func:`.runtime.gather`; the
-rows passed in are never modified. With ``--engine vllm`` both come from the vLLM engine, which reads
-memory the same way and gives the log-probabilities of what it decodes (:class:`Decoded`). What a
-turn writes, and when, is the scheduler's.
+Runs on the scheduler's worker thread. The served model's engine (:class:`~.engine.Engine`) decodes
+and scores by token id, reading each row's memory without writing it (the rows passed in are never
+modified); this module turns that into what the API returns: answers cut at EOS and stop strings
+(:func:`cut_answer`), ``n`` choices per prompt, and log-probabilities as text pieces
+(:class:`TokenLogprobs`). What a turn writes, and when, is the scheduler's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from .decoding import Decoded, Sampling, Scores
+from .engine import MemoryRow
+from .runtime import LoadedModel
 
-from lstmem_peft.memory.cache import MemoryCache
-from lstmem_peft.training.data import left_pad
-
-from .runtime import LoadedModel, gather
-
-
-# ---------------------------------------------------------------------- decoding parameters
-@dataclass(frozen=True)
-class Sampling:
-    """The decoding parameters of one request (requests batch together only when these agree)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    n: int
-    stop: tuple[str, ...]
-    seed: int | None
-    logprobs: int | None = None  # log-probabilities of the answer's tokens, with this many top tokens
-    echo: bool = False  # ... and of the prompt's tokens
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def decoded(self) -> int:
-        """Sequences decoded per prompt: ``n`` when sampling; one when greedy (its ``n`` choices are
-        that one answer, as OpenAI returns them: equal)."""
-        return 1 if self.greedy else self.n
-
-    def batch_key(self) -> tuple:
-        """Requests with equal keys can share one ``generate`` call; a seeded request runs alone
-        (one RNG stream per call), which the scheduler enforces."""
-        scored = (self.logprobs, self.echo)
-        if self.greedy:
-            return ("greedy", self.max_tokens, self.n, self.stop, *scored)
-        return ("sample", self.max_tokens, self.temperature, self.top_p, self.n, self.stop, *scored)
-
-    def generate_kwargs(self) -> dict:
-        """Keyword arguments of ``model.generate`` for these parameters (``top_k`` off: OpenAI has none).
-
-        Greedy decoding gets no ``num_return_sequences`` (transformers refuses it without sampling):
-        :func:`generate_rows` decodes once and repeats the answer ``n`` times."""
-        if self.greedy:
-            kwargs = {"do_sample": False}
-        else:
-            kwargs = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        kwargs["max_new_tokens"] = self.max_tokens
-        if self.decoded > 1:
-            kwargs["num_return_sequences"] = self.decoded
-        return kwargs
-
-
-class _StopRows(StoppingCriteria):
-    """Marks a row finished once its decoded answer contains a stop string, or when its request
-    was cancelled (the client went away)."""
-
-    def __init__(self, tokenizer, prompt_width: int, stops: list[tuple[str, ...]], cancelled) -> None:
-        self.tokenizer = tokenizer
-        self.width = prompt_width
-        self.stops = stops
-        self.cancelled = cancelled
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for row in range(input_ids.shape[0]):
-            if self.cancelled(row):
-                done[row] = True
-            elif self.stops[row]:
-                text = self.tokenizer.decode(input_ids[row, self.width :], skip_special_tokens=True)
-                done[row] = any(s in text for s in self.stops[row])
-        return done
-
-
-class RowStreamer(BaseStreamer):
-    """Sends each generated token to ``on_token(row, token_id)`` (rows of the expanded batch).
-
-    transformers calls ``put`` first with the prompt, then with one ``(B,)`` tensor per step.
-    """
-
-    def __init__(self, on_token) -> None:
-        self.on_token = on_token
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        for row, token in enumerate(value.reshape(-1).tolist()):
-            self.on_token(row, token)
-
-    def end(self) -> None:
-        pass
+__all__ = [
+    "Answer",
+    "Decoded",
+    "Sampling",
+    "Scores",
+    "TokenLogprobs",
+    "cut_answer",
+    "generate_rows",
+    "score_rows",
+]
 
 
 @dataclass
@@ -150,26 +66,25 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: frozenset[int], stops: 
 
 def generate_rows(
     loaded: LoadedModel,
-    rows: list[MemoryCache],
+    rows: list[MemoryRow],
     prompts: list[list[int]],
     sampling: Sampling,
     stops: list[tuple[str, ...]] | None = None,
     on_token=None,
     cancelled=None,
 ) -> list[list[Answer]]:
-    """Answer ``prompts[i]`` from memory ``rows[i]`` with one left-padded ``generate`` call.
+    """Answer ``prompts[i]`` from memory ``rows[i]`` with one call of the engine's ``generate``.
 
-    Memory is only read: ``model.generate(memory_cache=..., memory_write=False)``, so every prompt
-    and answer token reads the memory as it was, and ``rows`` are not modified. What a turn writes,
-    and when, is the scheduler's (:mod:`lstmem_peft.serve.scheduler`). (With ``--engine vllm`` the
-    answer comes from vLLM, reading the row's memory the same way: ``lstmem_memory_write: false``.)
+    Memory is only read, so every prompt and answer token reads the memory as it was, and ``rows``
+    are not modified. What a turn writes, and when, is the scheduler's
+    (:mod:`lstmem_peft.serve.runner`).
 
     Greedy decoding with ``n > 1`` decodes each prompt once and returns that answer ``n`` times (the
     choices are equal, as OpenAI's are); sampling decodes ``n`` sequences per prompt.
 
     Args:
         loaded: the served model.
-        rows: one-row caches.
+        rows: the memories (not modified).
         prompts: prompt token ids per row (non-empty).
         sampling: the shared decoding parameters.
         stops: stop strings per row (default: ``sampling.stop``).
@@ -184,21 +99,10 @@ def generate_rows(
     expanded_stops = [s for s in stops for _ in range(k)]
     if k < n:
         on_token, cancelled = _per_decoded_row(n, on_token, cancelled)
-    decoded = None
-    if loaded.engine is not None:
-        decoding = sampling if k == n else replace(sampling, n=k)
-        decoded = [
-            Decoded(ids, _scores(scores), _scores(prompt_scores))
-            for ids, scores, prompt_scores in loaded.engine.generate(
-                rows, prompts, decoding, loaded.eos_ids, on_token
-            )
-        ]
-        generated = [d.token_ids for d in decoded]
-    else:
-        generated = _generate(loaded, rows, prompts, sampling, expanded_stops, on_token, cancelled)
+    decoded = loaded.engine.generate(rows, prompts, sampling, expanded_stops, on_token, cancelled)
     answers = [
-        cut_answer(loaded.tokenizer, ids, loaded.eos_ids, expanded_stops[r])
-        for r, ids in enumerate(generated)
+        cut_answer(loaded.tokenizer, d.token_ids, loaded.eos_ids, expanded_stops[r])
+        for r, d in enumerate(decoded)
     ]
     per_row = [answers[i * k : (i + 1) * k] for i in range(len(rows))]
     if k < n:  # greedy: the one decoded answer is each of the ``n`` choices
@@ -225,48 +129,7 @@ def _per_decoded_row(n: int, on_token, cancelled):
     return on_token, cancelled
 
 
-def _generate(
-    loaded: LoadedModel,
-    rows: list[MemoryCache],
-    prompts: list[list[int]],
-    sampling: Sampling,
-    stops: list[tuple[str, ...]],
-    on_token,
-    cancelled,
-) -> list[list[int]]:
-    """The model's own ``generate`` over the left-padded prompts, memory read-only; returns the
-    generated token ids of each decoded row (``len(prompts) * sampling.decoded`` rows, prompt by
-    prompt), uncut. ``stops``, ``on_token`` and ``cancelled`` are per decoded row."""
-    tok = loaded.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pad = 0 if pad is None else pad
-    ids, mask = left_pad(prompts, pad, loaded.device)
-    kwargs = sampling.generate_kwargs()
-    if any(stops) or cancelled is not None:
-        kwargs["stopping_criteria"] = StoppingCriteriaList(
-            [_StopRows(tok, ids.shape[1], stops, cancelled or (lambda row: False))]
-        )
-    if on_token is not None:
-        kwargs["streamer"] = RowStreamer(on_token)
-    if sampling.seed is not None:
-        torch.manual_seed(sampling.seed)
-    with torch.no_grad():
-        out = loaded.library_model().generate(
-            input_ids=ids,
-            attention_mask=mask,
-            memory_cache=gather(rows),
-            memory_write=False,
-            pad_token_id=pad,
-            **kwargs,
-        )
-    return out[:, ids.shape[1] :].tolist()
-
-
 # ---------------------------------------------------------------------- log-probabilities
-#: Logits held at once while scoring (rows x positions x vocabulary): larger batches are scored in parts.
-SCORE_ELEMENTS = 1 << 27
-
-
 @dataclass
 class TokenLogprobs:
     """Log-probabilities of a run of tokens (what OpenAI's ``logprobs`` report).
@@ -284,55 +147,6 @@ class TokenLogprobs:
     tokens: list[str]
     logprobs: list[float | None]
     top: list[list[tuple[str, float]] | None]
-
-
-@dataclass
-class Scores:
-    """Log-probabilities of consecutive tokens of a sequence, by token id (before they become text:
-    :func:`token_logprobs`). The model's own distribution: log-softmax of the logits, before
-    temperature or ``top_p``.
-
-    Attributes:
-        chosen: per token, its log-probability given the tokens before it.
-        top: per token, the most likely tokens at its position, ``(token_id, logprob)`` best first
-            (empty lists when none were asked for).
-    """
-
-    chosen: list[float]
-    top: list[list[tuple[int, float]]]
-
-    def __add__(self, other: Scores) -> Scores:
-        """The scores of these tokens followed by ``other``'s."""
-        return Scores(self.chosen + other.chosen, self.top + other.top)
-
-    def __getitem__(self, index: slice) -> Scores:
-        """The scores of a slice of the tokens."""
-        return Scores(self.chosen[index], self.top[index])
-
-    def __len__(self) -> int:
-        return len(self.chosen)
-
-
-@dataclass
-class Decoded:
-    """One sequence an engine decoded (``--engine vllm``), with its log-probabilities when the
-    request asked for them (:class:`Sampling` ``logprobs``).
-
-    Attributes:
-        token_ids: the generated tokens, uncut (an EOS that ended it included).
-        scores: the :class:`Scores` of ``token_ids``, or ``None``.
-        prompt_scores: with ``Sampling.echo``, the :class:`Scores` of the prompt's tokens after its
-            first (nothing predicts the first), else ``None``.
-    """
-
-    token_ids: list[int]
-    scores: Scores | None = None
-    prompt_scores: Scores | None = None
-
-
-def _scores(pair: tuple | None) -> Scores | None:
-    """An engine's ``(chosen, top)`` log-probabilities as :class:`Scores` (``None`` stays ``None``)."""
-    return None if pair is None else Scores(*pair)
 
 
 def _piece(tokenizer, context: list[int], head: str, token: int) -> str:
@@ -361,20 +175,18 @@ def token_logprobs(tokenizer, seq: list[int], start: int, scores: Scores) -> Tok
 
 
 def score_rows(
-    loaded: LoadedModel, rows: list[MemoryCache], sequences: list[list[int]], starts: list[int], top: int
+    loaded: LoadedModel, rows: list[MemoryRow], sequences: list[list[int]], starts: list[int], top: int
 ) -> list[TokenLogprobs]:
     """Log-probabilities of ``sequences[i][starts[i]:]`` read from memory ``rows[i]``.
 
-    One left-padded forward per group of rows with ``memory_write=False``: memory is read, never
-    written (``rows`` are not modified), exactly as ``generate_rows`` reads it, so a token's
-    log-probability here is the one its answer was decoded from (up to floating-point order). The
-    values are the model's own distribution (log-softmax of the logits, before temperature or
-    ``top_p``). With ``--engine vllm``, the vLLM engine scores the sequences as prompts, read-only
-    (its raw prompt log-probabilities: the same distribution).
+    The engine's :meth:`~.engine.Engine.score`: memory is read, never written (``rows`` are not
+    modified), exactly as ``generate_rows`` reads it, so a token's log-probability here is the one
+    its answer was decoded from (up to floating-point order). The values are the model's own
+    distribution (log-softmax of the logits, before temperature or ``top_p``).
 
     Args:
         loaded: the served model.
-        rows: one-row caches.
+        rows: the memories (not modified).
         sequences: token ids per row (the prompt in context, then the answer).
         starts: the first position reported per row (0: the whole sequence; its first token gets
             ``None``).
@@ -384,81 +196,17 @@ def score_rows(
     todo = [i for i in range(len(rows)) if starts[i] < len(sequences[i])]
     if not todo:
         return out
-    if loaded.engine is not None:
-        whole = [
-            Scores(*s)
-            for s in loaded.engine.score([rows[i] for i in todo], [sequences[i] for i in todo], top)
-        ]
-        scores = [s[max(starts[i], 1) - 1 :] for i, s in zip(todo, whole, strict=True)]
-    else:
-        scores = _forward_scores(loaded, rows, sequences, starts, todo, top)
+    scores = loaded.engine.score(
+        [rows[i] for i in todo], [sequences[i] for i in todo], [starts[i] for i in todo], top
+    )
     for i, score in zip(todo, scores, strict=True):
         out[i] = token_logprobs(loaded.tokenizer, sequences[i], starts[i], score)
     return out
 
 
-def _forward_scores(
-    loaded: LoadedModel,
-    rows: list[MemoryCache],
-    sequences: list[list[int]],
-    starts: list[int],
-    todo: list[int],
-    top: int,
-) -> list[Scores]:
-    """The library model's :class:`Scores` of ``sequences[i][max(starts[i], 1):]`` for each ``i`` of
-    ``todo`` (in that order): left-padded forwards of as many rows as :data:`SCORE_ELEMENTS` allows."""
-    tok = loaded.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pad = 0 if pad is None else pad
-    out: dict[int, Scores] = {}
-    waiting = list(todo)
-    while waiting:
-        group = [waiting.pop(0)]
-        width = len(sequences[group[0]])
-        while (
-            waiting
-            and (len(group) + 1) * max(width, len(sequences[waiting[0]])) * loaded.vocab_size
-            <= SCORE_ELEMENTS
-        ):
-            group.append(waiting.pop(0))
-            width = max(width, len(sequences[group[-1]]))
-        ids, mask = left_pad([sequences[i] for i in group], pad, loaded.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = loaded.library_model()(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                memory_cache=gather([rows[i] for i in group]),
-                memory_write=False,
-                use_cache=False,
-            ).logits
-        for j, i in enumerate(group):
-            seq = sequences[i]
-            first = max(starts[i], 1)  # position 0 has nothing before it
-            offset = ids.shape[1] - len(seq)  # left padding
-            chosen: list[float] = []
-            best: list[list[tuple[int, float]]] = []
-            for a in range(first, len(seq), 512):  # log-softmax over the vocabulary, in parts
-                b = min(a + 512, len(seq))
-                lp = logits[j, offset + a - 1 : offset + b - 1].float().log_softmax(-1)
-                target = torch.tensor(seq[a:b], device=lp.device)
-                chosen += lp.gather(-1, target[:, None])[:, 0].tolist()
-                if top:
-                    values, index = lp.topk(min(top, lp.shape[-1]), dim=-1)
-                    best += [
-                        list(zip(x, v, strict=True))
-                        for x, v in zip(index.tolist(), values.tolist(), strict=True)
-                    ]
-                else:
-                    best += [[] for _ in range(b - a)]
-            out[i] = Scores(chosen, best)
-    return [out[i] for i in todo]
-
-
 def attach_logprobs(
     loaded: LoadedModel,
-    rows: list[MemoryCache],
+    rows: list[MemoryRow],
     prompts: list[list[int]],
     sampling: Sampling,
     answers: list[list[Answer]],
@@ -466,11 +214,13 @@ def attach_logprobs(
 ) -> list[list[Answer]]:
     """With ``sampling.logprobs`` set, give each answer its :class:`TokenLogprobs`: its tokens (the
     EOS token that ended it included), after the prompt's tokens with ``sampling.echo``. They are
-    the scores the engine decoded the answer with (``decoded``: ``sampling.decoded`` per prompt,
-    from a vLLM engine), else :func:`score_rows` of the memory the answer was generated from.
-    Returns ``answers``."""
+    the scores the engine decoded the answer with where it kept them (``decoded``:
+    ``sampling.decoded`` per prompt, each with its ``scores``), else :func:`score_rows` of the memory
+    the answer was generated from. Returns ``answers``."""
     if sampling.logprobs is None:
         return answers
+    if decoded is not None and any(d.scores is None for d in decoded):
+        decoded = None  # the engine kept no scores: score the answers from the same memory
     owners, sequences, starts, memories, known = [], [], [], [], []
     for i, choices in enumerate(answers):
         for c, answer in enumerate(choices[: sampling.decoded]):  # greedy: the choices are one answer

@@ -1,6 +1,7 @@
 """What the serving classes hand the scheduler's worker (:mod:`.scheduler`): a :class:`Job` per
-request, with the thread-safe channel its events come back through, and the incremental text of a
-streamed choice (:class:`StreamState`), which sends only text a later token can no longer change.
+request, carrying one typed request (:data:`Request`) and the thread-safe channel its events come
+back through, and the incremental text of a streamed choice (:class:`StreamState`), which sends only
+text a later token can no longer change.
 """
 
 from __future__ import annotations
@@ -9,27 +10,132 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from .generation import Sampling
+from lstmem_peft.memory.cache import MemoryCache
+
+from .decoding import Sampling
+from .protocol import DEFAULT_WRITE
 
 
+# ---------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class ChatTurn:
+    """A chat completion: the conversation as the client sent it (:func:`.planning.plan_chat`).
+
+    Attributes:
+        messages: ``[{"role", "content"}]``, oldest first.
+        display: the text shown for the turn in the session's record (the newest message).
+        write: the write policy (``lstmem_write``).
+    """
+
+    kind: ClassVar[str] = "turn"
+    mode: ClassVar[str] = "chat"
+    messages: list[dict]
+    display: str
+    write: str = DEFAULT_WRITE
+
+
+@dataclass(frozen=True)
+class CompletionTurn:
+    """A completion of one prompt (:func:`.planning.plan_completion`).
+
+    Attributes:
+        prompt: the prompt, text or token ids.
+        display: the text shown for the turn in the session's record (the prompt's end).
+        write: the write policy (``lstmem_write``).
+    """
+
+    kind: ClassVar[str] = "turn"
+    mode: ClassVar[str] = "completion"
+    prompt: str | list[int]
+    display: str
+    write: str = DEFAULT_WRITE
+
+
+@dataclass(frozen=True)
+class ScorePrompt:
+    """A completion with ``max_tokens`` 0: the prompt's log-probabilities, read from memory; nothing
+    is written or committed."""
+
+    kind: ClassVar[str] = "score"
+    prompt: str | list[int]
+
+
+@dataclass(frozen=True)
+class WriteMemory:
+    """``POST /v1/memory/{session}/write``: ``text`` as it is, or ``messages`` in the chat format
+    (then recorded as written, so a chat that re-sends them does not write them again)."""
+
+    kind: ClassVar[str] = "write"
+    display: str
+    messages: list[dict] | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class ResetSession:
+    """``DELETE /v1/memory/{session}``: the session and its versions removed."""
+
+    kind: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True)
+class ImportMemory:
+    """``POST /v1/memory/{session}/import``: the session replaced by ``memory`` (a new line of versions)."""
+
+    kind: ClassVar[str] = "import"
+    memory: MemoryCache
+
+
+@dataclass(frozen=True)
+class ForkSession:
+    """A new session ``to`` from the kept version ``version`` of the job's session."""
+
+    kind: ClassVar[str] = "fork"
+    version: int
+    to: str
+
+
+@dataclass(frozen=True)
+class PruneVersion:
+    """The kept version ``version`` of the job's session dropped (never the newest)."""
+
+    kind: ClassVar[str] = "prune"
+    version: int
+
+
+#: What a job asks of the scheduler.
+Request = (
+    ChatTurn
+    | CompletionTurn
+    | ScorePrompt
+    | WriteMemory
+    | ResetSession
+    | ImportMemory
+    | ForkSession
+    | PruneVersion
+)
+
+#: Requests that jobs of different sessions may share a batch with (when their keys agree).
+BATCHABLE = (ChatTurn, CompletionTurn, ScorePrompt, WriteMemory)
+
+
+# ---------------------------------------------------------------------- jobs
 @dataclass
 class Job:
     """One queued request.
 
     Attributes:
-        kind: ``turn`` (chat or completion), ``score`` (a completion with ``max_tokens=0``: reads
-            memory, writes nothing), ``write``, ``reset``, ``import``, ``fork`` or ``prune``.
+        request: what is asked (:data:`Request`).
         namespace, session: the session (``session=None``: a fresh memory that is not stored).
-        payload: kind-specific (see the ``_run_*`` methods).
-        sampling: decoding parameters (turns).
+        sampling: decoding parameters (turns and scores).
         stream: send token deltas as they come.
     """
 
-    kind: str
+    request: Request
     namespace: str
     session: str | None
-    payload: dict
     sampling: Sampling | None = None
     stream: bool = False
     loop: asyncio.AbstractEventLoop | None = None
@@ -37,19 +143,25 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
 
+    @property
+    def kind(self) -> str:
+        """The request's kind, as metrics and logs name it (``turn``, ``score``, ``write``, ...)."""
+        return self.request.kind
+
     def emit(self, event: tuple) -> None:
         """Send an event to the request's coroutine (thread-safe)."""
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def key(self) -> tuple:
-        """Jobs with equal keys may share a batch."""
-        if self.kind == "turn":
-            return ("turn", self.payload["mode"], self.sampling.batch_key())
-        return (self.kind,)
+        """Jobs with equal keys may share a batch: requests of one type, turns with one decoding
+        setting."""
+        if isinstance(self.request, (ChatTurn, CompletionTurn)):
+            return (type(self.request), self.sampling.batch_key())
+        return (type(self.request),)
 
     def batchable(self) -> bool:
-        return self.kind in ("turn", "score", "write") and not (
+        return isinstance(self.request, BATCHABLE) and not (
             self.sampling is not None and self.sampling.seed is not None
         )
 

@@ -41,7 +41,7 @@ FinishReason = Literal["stop", "length"]
 #: What a chat or completions turn writes into its session's memory (the ``lstmem_write`` field):
 #: ``none`` reads memory and leaves it as it was, ``messages`` (the default) writes the request's new
 #: messages (or prompt text), ``messages_and_answer`` writes them and then the answer. See
-#: :mod:`lstmem_peft.serve.scheduler` for the rule and docs/serving.md for why the default is ``messages``.
+#: :mod:`lstmem_peft.serve.runner` for the rule and docs/serving.md for why the default is ``messages``.
 WritePolicy = Literal["none", "messages", "messages_and_answer"]
 WRITE_POLICIES: tuple[str, ...] = ("none", "messages", "messages_and_answer")
 DEFAULT_WRITE: WritePolicy = "messages"

@@ -1,13 +1,11 @@
-"""The model side of the server: loading (the library model; with ``--engine vllm`` only what the
-server must know about it, read from the files), message identity in a session's record, and batched
-memory writes. (How messages become tokens: :mod:`lstmem_peft.utils.chat`.)
+"""The model side of the server: loading (the served model's facts and its :class:`~.engine.Engine`:
+the library model, or with ``--engine vllm`` a vLLM engine and only what the server must know about
+the model, read from the files), message identity in a session's record, and batched memory writes.
+(How messages become tokens: :mod:`lstmem_peft.utils.chat`; reading memory to answer and to score:
+:mod:`.generation`.)
 
-Everything here runs on the scheduler's single worker thread (the model is never entered by two
-threads at once). Memory is handled only through the library's public API: a batch of sessions is
-gathered into one :class:`~lstmem_peft.MemoryCache` with ``batch_repeat_interleave`` +
-``update_rows``, written with :func:`~lstmem_peft.write_history` (:func:`write_rows`), and
-scattered back with ``clone`` + ``batch_select_indices``. Reading memory to answer and to score is
-:mod:`.generation`'s.
+Memory writes run on the scheduler's single worker thread (an engine is never entered by two threads
+at once).
 """
 
 from __future__ import annotations
@@ -15,17 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
-from lstmem_peft.training.data import left_pad
-from lstmem_peft.tuner.history import memory_layers, memory_layout, row_blocks, write_history
+from lstmem_peft.tuner.history import memory_layers, memory_layout
 from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
 from lstmem_peft.utils.offline import DEMO_ASSETS
 from lstmem_peft.utils.positions import trained_positions
 
+from .engine import Engine, MemoryRow, NoEngine
+from .engine_library import LibraryEngine
 from .protocol import MAX_LOGPROBS
 
 DEMO_MODEL_NAME = "lstmem-demo"
@@ -34,22 +33,19 @@ DEMO_MODEL_NAME = "lstmem-demo"
 # ---------------------------------------------------------------------- loading
 @dataclass
 class LoadedModel:
-    """The served model: what answers, its tokenizer and what the server says about it.
+    """The served model: the engine that runs it, its tokenizer and what the server says about it.
 
     Build one with :func:`load_model`, or :meth:`of_model` around a PeftModel already in memory.
 
     Attributes:
-        model: the PeftModel (or anything :func:`~lstmem_peft.tuner.history.find_memory` accepts) with an
-            active LSTMem adapter, eval mode; ``None`` with ``lstmem serve --engine vllm``, where the
-            vLLM engine holds the only copy of the weights.
         tokenizer: a transformers tokenizer of the backbone.
         name: the model id clients pass as ``model``.
         layout: the :class:`~lstmem_peft.MemoryLayout` every session's cache must have.
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
         max_positions: the most prompt tokens the model takes: the backbone's position limit
             (``max_position_embeddings``), or ``None``; with a vLLM engine at most its
-            ``max_model_len - 1`` (a prompt and the token it samples), so that the server's context
-            window (at most this) never sends vLLM a request it refuses.
+            ``max_model_len - 1`` (a prompt and the token it samples; :meth:`with_engine`), so that the
+            server's context window (at most this) never sends vLLM a request it refuses.
         trained_positions: how many positions the backbone was trained for, or ``None`` when its
             config says nothing (:func:`trained_positions`); the server's window is at most this too.
             The embedded demo's config allows 4,096 positions, but it was trained for 64.
@@ -59,14 +55,12 @@ class LoadedModel:
         adapter_fingerprint: SHA-256 (16 hex) of the memory layers' weights (:func:`memory_fingerprint`).
         device: where session memories live: the model's device; the CPU with a vLLM engine (it
             reads and writes them through session files).
-        engine: what generates the answers and writes memory: ``None``, the model (its own
-            ``generate``, and :func:`~lstmem_peft.write_history`); or a
-            :class:`lstmem_peft.integrations.vllm.serve.VLLMAnswers` (``lstmem serve --engine vllm``),
-            which writes memory in the same history blocks with feedback (:func:`write_rows`) and
-            gives the log-probabilities of its answers.
+        engine: what answers, scores and writes memory (:class:`~.engine.Engine`): a
+            :class:`~.engine_library.LibraryEngine` over the PeftModel, or a
+            :class:`~.engine_vllm.VLLMEngine` (``lstmem serve --engine vllm``); :class:`~.engine.NoEngine`
+            for facts read from files with nothing to run them.
     """
 
-    model: torch.nn.Module | None
     tokenizer: object
     name: str
     layout: MemoryLayout
@@ -76,20 +70,25 @@ class LoadedModel:
     eos_ids: frozenset[int]
     adapter_fingerprint: str
     device: torch.device
-    engine: object | None = None
+    engine: Engine = field(default_factory=NoEngine)
     trained_positions: int | None = None
     trained_from: str = ""
 
-    def library_model(self) -> torch.nn.Module:
-        """``model``, which the default engine answers, scores and writes memory with; an error
-        naming the fix when there is none (facts read by :meth:`of_files` and no engine to answer)."""
-        if self.model is None:
-            raise RuntimeError(
-                f"{self.name!r} has no library model to run (LoadedModel.of_files reads only what the server says "
-                "about the model): set its engine (lstmem serve --engine vllm) or load the model with "
-                "load_model(..., engine='hf')"
-            )
-        return self.model
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The library model the engine runs (a PeftModel with an active LSTMem adapter), or
+        ``None`` where none is loaded (``--engine vllm``: the vLLM engine holds the only copy of
+        the weights)."""
+        return getattr(self.engine, "model", None)
+
+    def with_engine(self, engine: Engine) -> LoadedModel:
+        """These facts served by ``engine``: the position limit becomes at most what one request of
+        the engine holds, less the one token it samples (``engine.request_limit - 1``)."""
+        limit = engine.request_limit
+        positions = self.max_positions
+        if limit is not None:
+            positions = min(positions or limit - 1, limit - 1)
+        return replace(self, engine=engine, max_positions=positions)
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, tokenizer, name: str) -> LoadedModel:
@@ -107,24 +106,25 @@ class LoadedModel:
         except Exception:  # noqa: BLE001  (a model without input embeddings: the tokenizer's size)
             vocab_size = len(tokenizer)
         trained, trained_from = trained_positions(getattr(model, "config", None))
+        block_size = int(configs[adapter].block_size)
         return cls(
-            model=model,
             tokenizer=tokenizer,
             name=name,
             layout=memory_layout(model),
-            block_size=int(configs[adapter].block_size),
+            block_size=block_size,
             max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
             vocab_size=vocab_size,
             eos_ids=end_of_sequence_ids(getattr(model, "generation_config", None), tokenizer),
             adapter_fingerprint=memory_fingerprint(memory_layers(model)),
             device=next(model.parameters()).device,
+            engine=LibraryEngine(model, tokenizer, block_size, vocab_size),
             trained_positions=trained,
             trained_from=trained_from,
         )
 
     @classmethod
     def of_files(
-        cls, model: str, adapter: str, tokenizer, name: str, engine: object | None = None
+        cls, model: str, adapter: str, tokenizer, name: str, engine: Engine | None = None
     ) -> LoadedModel:
         """The served model of an engine that holds the weights itself (``lstmem serve --engine vllm``):
         no library model is loaded; what the server says about it comes from the files, equal to what
@@ -142,7 +142,8 @@ class LoadedModel:
             model, adapter: the backbone and the LSTMem adapter, local folders or Hub ids.
             tokenizer: the backbone's tokenizer (or the adapter's, as :func:`load_model` picks it).
             name: the model id clients pass as ``model``.
-            engine: what answers (see the class's attributes).
+            engine: what runs the model (:meth:`with_engine`); ``None``: the facts alone
+                (:class:`~.engine.NoEngine`).
         """
         from transformers import AutoConfig, GenerationConfig
 
@@ -156,8 +157,7 @@ class LoadedModel:
         except OSError:  # no generation_config.json: transformers derives one from the config
             generation = GenerationConfig.from_model_config(backbone)
         trained, trained_from = trained_positions(backbone)
-        return cls(
-            model=None,
+        facts = cls(
             tokenizer=tokenizer,
             name=name,
             layout=MemoryLayout.of_adapter(config, [layer.layer_idx for layer in layers], backbone),
@@ -167,10 +167,10 @@ class LoadedModel:
             eos_ids=end_of_sequence_ids(generation, tokenizer),
             adapter_fingerprint=memory_fingerprint(layers),
             device=torch.device("cpu"),
-            engine=engine,
             trained_positions=trained,
             trained_from=trained_from,
         )
+        return facts if engine is None else facts.with_engine(engine)
 
 
 def end_of_sequence_ids(generation_config, tokenizer) -> frozenset[int]:
@@ -252,6 +252,7 @@ def load_model(
     dtype: str = "auto",
     engine: str = "hf",
     vllm_options: dict | None = None,
+    store: str | None = None,
 ) -> LoadedModel:
     """Load the embedded demo (no arguments) or a backbone + LSTMem adapter (local folders or Hub ids).
 
@@ -266,6 +267,9 @@ def load_model(
             log-probabilities and memory writes from a vLLM engine over the same backbone and adapter;
             needs ``model`` and ``adapter``; no library model is loaded: :meth:`LoadedModel.of_files`).
         vllm_options: more keyword arguments of ``vllm.LLM`` (``engine="vllm"``).
+        store: the session store's folder (``lstmem serve --store``): with ``engine="vllm"`` required,
+            as it becomes vLLM's session directory (the engine reads and writes the store's own
+            memory files; :mod:`.engine_vllm`); the default engine does not use it.
     """
     if engine not in ("hf", "vllm"):
         raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
@@ -275,25 +279,34 @@ def load_model(
                 "--engine vllm needs --model and --adapter (a Qwen3 or Llama backbone and its LSTMem adapter); the "
                 "embedded demo runs with the default engine"
             )
-        from lstmem_peft.integrations.vllm.serve import VLLMAnswers, require_vllm
+        from .engine_vllm import VLLMEngine, require_vllm
 
         require_vllm()  # before anything loads
+        if store is None:
+            raise ValueError(
+                "--engine vllm reads and writes the session store's memory files: pass the store's folder "
+                "(load_model(..., store=...), what lstmem serve --store gives)"
+            )
         if device not in (None, "cpu"):
             raise ValueError(
                 f"--device {device} applies to the default engine's model; with --engine vllm, vLLM places the "
                 "model itself and session memories stay on the CPU: drop --device"
             )
         check_saved_memory_id(adapter)
-        served = LoadedModel.of_files(
+        facts = LoadedModel.of_files(
             model, adapter, load_tokenizer(model, adapter), _served_name(name, adapter)
         )
-        served.engine = VLLMAnswers(
-            model, adapter, served.block_size, dtype=dtype, top_logprobs=MAX_LOGPROBS, **(vllm_options or {})
+        engine = VLLMEngine(
+            model,
+            adapter,
+            store,
+            facts.block_size,
+            facts.eos_ids,
+            dtype=dtype,
+            top_logprobs=MAX_LOGPROBS,
+            **(vllm_options or {}),
         )
-        # the engine holds a prompt and the token it samples (a scored prompt samples one)
-        engine_limit = served.engine.max_model_len - 1
-        served.max_positions = min(served.max_positions or engine_limit, engine_limit)
-        return served
+        return facts.with_engine(engine)
     if (model is None) != (adapter is None):
         raise ValueError(
             "pass both --model and --adapter (a backbone and the LSTMem adapter trained on it), or neither "
@@ -351,94 +364,12 @@ def tokens_after(tokenizer, ids: list[int], chars: int) -> list[int] | None:
     return ids[lo:]
 
 
-# ---------------------------------------------------------------------- gathering and scattering rows
+# ---------------------------------------------------------------------- session memories
 def fresh_memory(layout: MemoryLayout, device: torch.device) -> MemoryCache:
     """A one-row memory with zero states (a session that has written nothing yet)."""
     cache = MemoryCache(layout)
     cache.ensure(1, device)
     return cache
-
-
-def gather(rows: list[MemoryCache]) -> MemoryCache:
-    """One batch cache whose row ``i`` is ``rows[i]`` (each a one-row cache of the same layout)."""
-    batch = rows[0].clone()
-    batch.batch_repeat_interleave(len(rows))
-    for i, row in enumerate(rows[1:], start=1):
-        batch.update_rows(torch.tensor([i]), row)
-    return batch
-
-
-def scatter(batch: MemoryCache, index: int) -> MemoryCache:
-    """Row ``index`` of a batch cache as an independent one-row cache."""
-    row = batch.clone()
-    row.batch_select_indices(torch.tensor([index]))
-    return row
-
-
-# ---------------------------------------------------------------------- gate statistics
-class GateProbe:
-    """Per-row means of the output gate ``o_t`` and depth gate ``g_t`` of every memory layer while
-    :func:`~lstmem_peft.write_history` writes a batch (forward hooks on the memory layers; the
-    memory math is untouched).
-
-    ``write_history`` on a padded batch runs block ``k`` on the rows that still have tokens
-    (:func:`~lstmem_peft.tuner.history.row_blocks`, the one definition of that rule); the probe reads
-    the same rule to attribute each block's rows, and each forward's ``valid`` mask to leave padding
-    out. Use as a context manager around one ``write_history`` call.
-
-    Args:
-        model: the served model.
-        lengths: valid tokens of each batch row.
-        block_size: the ``block_size`` passed to ``write_history``.
-    """
-
-    def __init__(self, model, lengths: list[int], block_size: int) -> None:
-        self.layers = memory_layers(model)
-        self.blocks = row_blocks(lengths, block_size)
-        num = len(self.layers)
-        self.sums = torch.zeros(len(lengths), num, 2, dtype=torch.float64)  # (rows, layers, [o, g])
-        self.counts = torch.zeros(len(lengths), num, dtype=torch.float64)
-        self._forward = [0] * num
-        self._handles = []
-
-    def __enter__(self) -> GateProbe:
-        for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_hook(self._hook(index), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _hook(self, index: int):
-        def hook(module, args, kwargs, output) -> None:
-            k = self._forward[index]
-            self._forward[index] += 1
-            if output.out_gate is None or output.depth_gate is None:
-                return
-            rows = self.blocks[k] if k < len(self.blocks) else []
-            if len(rows) != output.out_gate.shape[0]:
-                return  # not the scheme this probe follows: no statistics rather than wrong ones
-            valid = kwargs.get("valid")
-            o = output.out_gate.detach().double().mean(dim=(-1, -2))  # (B, T)
-            g = output.depth_gate.detach().double().mean(dim=(-1, -2))
-            w = torch.ones_like(o) if valid is None else valid.to(o.dtype)
-            index_rows = torch.tensor(rows)
-            self.sums[index_rows, index, 0] += (o * w).sum(dim=1).cpu()
-            self.sums[index_rows, index, 1] += (g * w).sum(dim=1).cpu()
-            self.counts[index_rows, index] += w.sum(dim=1).cpu()
-
-        return hook
-
-    def row(self, b: int) -> dict[str, list[float]] | None:
-        """``{"out_gate": [...], "depth_gate": [...]}`` (one mean per layer) for row ``b``, or
-        ``None`` when nothing was observed for it."""
-        counts = self.counts[b]
-        if not bool((counts > 0).all()):
-            return None
-        means = self.sums[b] / counts[:, None]
-        return {"out_gate": means[:, 0].tolist(), "depth_gate": means[:, 1].tolist()}
 
 
 def state_norms(cache: MemoryCache) -> dict[str, list[float]]:
@@ -452,40 +383,27 @@ def state_norms(cache: MemoryCache) -> dict[str, list[float]]:
 
 
 def write_rows(
-    loaded: LoadedModel, rows: list[MemoryCache], tokens: list[list[int]]
-) -> tuple[list[MemoryCache], list[dict | None]]:
-    """Write ``tokens[i]`` into ``rows[i]`` as history (blocks + feedback) in one batched call.
+    loaded: LoadedModel, rows: list[MemoryRow], tokens: list[list[int]]
+) -> tuple[list[MemoryRow], list[dict | None]]:
+    """Write ``tokens[i]`` into ``rows[i]`` as history (blocks + feedback) in one batched call of the
+    engine's :meth:`~.engine.Engine.write`.
 
     Args:
         loaded: the served model.
-        rows: one-row caches (not modified).
+        rows: the memories (not modified).
         tokens: token ids per row; rows with none are returned as they are.
 
     Returns:
-        new one-row caches (same order) and the gate statistics of each row's write (or ``None``;
-        always ``None`` when a vLLM engine writes: it reports no gates).
+        the new memories (same order; a row's new memory on ``loaded.device``) and the gate
+        statistics of each row's write (or ``None``: a row that wrote nothing, or an engine that
+        reports no gates, as vLLM).
     """
     out = list(rows)
     gates: list[dict | None] = [None] * len(rows)
     active = [i for i, t in enumerate(tokens) if t]
     if not active:
         return out, gates
-    if loaded.engine is not None:  # lstmem serve --engine vllm: history requests inside vLLM
-        written = loaded.engine.write_rows(
-            [rows[i] for i in active], [tokens[i] for i in active], loaded.block_size
-        )
-        for i, memory in zip(active, written, strict=True):
-            out[i] = memory.to(loaded.device)
-        return out, gates
-    pad = loaded.tokenizer.pad_token_id
-    pad = 0 if pad is None else pad
-    ids, mask = left_pad([tokens[i] for i in active], pad, loaded.device)
-    batch = gather([rows[i] for i in active])
-    lengths = [len(tokens[i]) for i in active]
-    model = loaded.library_model()
-    with torch.no_grad(), GateProbe(model, lengths, loaded.block_size) as probe:
-        write_history(model, ids, batch, attention_mask=mask, block_size=loaded.block_size, progress=False)
-    for j, i in enumerate(active):
-        out[i] = scatter(batch, j)
-        gates[i] = probe.row(j)
+    written, stats = loaded.engine.write([rows[i] for i in active], [tokens[i] for i in active])
+    for i, row, gate in zip(active, written, stats, strict=True):
+        out[i], gates[i] = replace(row, memory=row.memory.to(loaded.device)), gate
     return out, gates

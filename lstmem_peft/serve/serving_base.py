@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from lstmem_peft.memory.sessions import SessionIdError, check_session_id
 
-from .generation import Sampling
+from .decoding import Sampling
 from .jobs import Job
 from .metrics import Metrics
 from .protocol import MemoryUsage, ServeError, Usage

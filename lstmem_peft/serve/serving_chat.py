@@ -2,7 +2,7 @@
 
 The request's messages become one ``turn`` job: the scheduler skips the messages the session took
 in before, answers from memory read-only and writes what the request's ``lstmem_write`` policy says
-(the new messages by default) by the turn rule (:mod:`.scheduler`).
+(the new messages by default) by the turn rule (:mod:`.runner`).
 The answer is a :class:`~.protocol.ChatCompletionResponse`, or with ``stream`` a series of
 :class:`~.protocol.ChatCompletionChunk` events: the role, the text as it comes, ``finish_reason``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi.responses import StreamingResponse
 
 from .generation import Answer
-from .jobs import Job
+from .jobs import ChatTurn, Job
 from .metrics import Metrics
 from .protocol import (
     AssistantMessage,
@@ -71,15 +71,9 @@ class ServingChat(ServingGeneration):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         job = Job(
-            "turn",
+            ChatTurn(messages, display=messages[-1]["content"], write=body.lstmem_write),
             namespace,
             session,
-            {
-                "mode": "chat",
-                "messages": messages,
-                "display": messages[-1]["content"],
-                "write": body.lstmem_write,
-            },
             sampling=self.sampling_of(body, max_tokens, logprobs),
             stream=body.stream,
         )

@@ -2,7 +2,7 @@
 (:class:`ServingCompletions`).
 
 Each prompt is one job: a ``turn`` (the same turn as chat, on text: the part of the prompt the
-session has not taken in is written by the turn rule of :mod:`.scheduler`, under the request's
+session has not taken in is written by the turn rule of :mod:`.runner`, under the request's
 ``lstmem_write`` policy), or with ``max_tokens`` 0 and ``echo`` a ``score`` job that reads memory
 and writes nothing, whatever the policy. The answer is a
 :class:`~.protocol.CompletionResponse` (choice ``i * n + c`` for choice ``c`` of prompt ``i``), or
@@ -16,7 +16,7 @@ import copy
 from fastapi.responses import StreamingResponse
 
 from .generation import TokenLogprobs
-from .jobs import Job
+from .jobs import CompletionTurn, Job, ScorePrompt
 from .metrics import Metrics
 from .protocol import (
     MAX_PROMPTS,
@@ -72,10 +72,11 @@ class ServingCompletions(ServingGeneration):
         sampling = self.sampling_of(body, max_tokens, body.logprobs, echo=body.echo)
         jobs = [
             Job(
-                "score" if max_tokens == 0 else "turn",
+                ScorePrompt(p)
+                if max_tokens == 0
+                else CompletionTurn(p, display=text[-500:], write=body.lstmem_write),
                 namespace,
                 session,
-                {"mode": "completion", "prompt": p, "display": text[-500:], "write": body.lstmem_write},
                 sampling=sampling,
                 stream=body.stream,
             )

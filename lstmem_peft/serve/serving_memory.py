@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from lstmem_peft.memory.cache import MemoryCache
 
-from .jobs import Job
+from .jobs import ForkSession, ImportMemory, Job, PruneVersion, ResetSession, WriteMemory
 from .metrics import Metrics
 from .protocol import (
     ServeError,
@@ -64,13 +64,13 @@ class ServingMemory(ServingBase):
         recorded as written, so a chat that re-sends them does not write them again)."""
         valid_session(session)
         if body.messages is not None:
-            payload = {
-                "messages": [{"role": m.role, "content": m.text()} for m in body.messages],
-                "display": body.messages[-1].text()[-500:],
-            }
+            request = WriteMemory(
+                display=body.messages[-1].text()[-500:],
+                messages=[{"role": m.role, "content": m.text()} for m in body.messages],
+            )
         else:
-            payload = {"text": body.text, "display": body.text[-500:]}
-        result = await self.run(Job("write", namespace, session, payload))
+            request = WriteMemory(display=body.text[-500:], text=body.text)
+        result = await self.run(Job(request, namespace, session))
         self.metrics.tokens.labels(kind="memory").inc(result["written"])
         return MemoryWriteResponse(
             session=session, tokens_written=result["written"], session_tokens_written=result["tokens_written"]
@@ -114,7 +114,7 @@ class ServingMemory(ServingBase):
     async def delete(self, namespace: str, session: str) -> MemoryDeleteResponse:
         """``DELETE /v1/memory/{session}``: forget the session (memory and record)."""
         valid_session(session)
-        result = await self.run(Job("reset", namespace, session, {}))
+        result = await self.run(Job(ResetSession(), namespace, session))
         return MemoryDeleteResponse(session=session, deleted=result["deleted"])
 
     def export(self, namespace: str, session: str) -> Response:
@@ -151,7 +151,7 @@ class ServingMemory(ServingBase):
             raise ServeError(
                 400, f"the file holds {memory.batch_size} sessions; import one session's memory (one row)"
             )
-        result = await self.run(Job("import", namespace, session, {"memory": memory}))
+        result = await self.run(Job(ImportMemory(memory), namespace, session))
         return MemoryImportResponse(session=session, tokens_written=result["tokens_written"])
 
     def _load(self, data: bytes) -> MemoryCache:
@@ -199,7 +199,7 @@ class ServingMemory(ServingBase):
         """``DELETE /v1/memory/{session}/versions/{version}``: drop a kept version (404 when it is
         not kept, 409 for the newest, which is always kept)."""
         valid_session(session)
-        result = await self.run(Job("prune", namespace, session, {"version": version}))
+        result = await self.run(Job(PruneVersion(version), namespace, session))
         return VersionDeleteResponse(session=session, version=version, versions=result["versions"])
 
     async def fork(self, namespace: str, session: str, body: ForkRequest) -> ForkResponse:
@@ -210,8 +210,7 @@ class ServingMemory(ServingBase):
             valid_session(body.to)
         except ServeError as err:
             raise ServeError(400, err.message, code="invalid_session_id", param="to") from None
-        payload = {"version": body.version, "to": body.to}
-        result = await self.run(Job("fork", namespace, session, payload))
+        result = await self.run(Job(ForkSession(body.version, body.to), namespace, session))
         return ForkResponse(
             session=body.to,
             source=session,

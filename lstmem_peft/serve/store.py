@@ -37,6 +37,16 @@ removed at the next load); a crash after it leaves the new record, whose files a
 (leftovers are removed at the next load). Either way the session is its last complete version, and
 every version it keeps is intact, byte for byte. Pruning a version by hand
 (:meth:`SessionStore.prune`) and forking one (:meth:`SessionStore.fork`) follow the same order.
+
+**Engines that work on files** (``lstmem serve --engine vllm``: the store's root is vLLM's session
+directory). :meth:`SessionStore.row` names a session's memory by its file
+(:class:`~.engine.MemoryRow`), so the engine reads the version's own file; a memory the engine
+writes is a pending file of the session's folder (``pending-...``, complete and fsynced when the
+engine returns it), which step 1 of the commit renames into ``memory-<version>.safetensors`` (then
+fsyncs the folder) instead of writing the memory again. Pending files no commit took are removed
+after their batch (:meth:`SessionStore.discard`), or, after a crash, at the next load (they are
+orphans). Requests without a session use the root's :data:`~.engine.SCRATCH_FOLDER`, which is never
+a namespace.
 """
 
 from __future__ import annotations
@@ -55,8 +65,17 @@ from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
 # session ids are checked by one rule wherever a name becomes a file (here and in vLLM's session
 # directory), and files are written by one atomic, fsynced writer
-from lstmem_peft.memory.sessions import SESSION_ID, check_session_id, fsync_directory, write_atomically
+from lstmem_peft.memory.sessions import (
+    SESSION_ID,
+    SESSION_SUFFIX,
+    check_session_id,
+    fsync_directory,
+    fsync_file,
+    session_file,
+    write_atomically,
+)
 
+from .engine import PENDING_PREFIX, MemoryRow
 from .protocol import ServeError
 
 log = logging.getLogger("lstmem.serve")
@@ -207,6 +226,33 @@ class SessionStore:
         check_session_id(session)
         return self.root / namespace / session
 
+    def row(self, session: Session, fresh: MemoryCache) -> MemoryRow:
+        """``session``'s memory as an engine takes it (``fresh`` when it has none yet): with the
+        name of the file that holds it (``NAMESPACE/SESSION/memory-...``, under the root) when it is
+        a stored version's, and the session's folder for the new memories an engine writes; a
+        request without a session (``session.session == ""``) writes under :data:`SCRATCH_FOLDER`."""
+        if not session.session:
+            return MemoryRow(fresh if session.memory is None else session.memory)
+        folder = f"{session.namespace}/{check_session_id(session.session)}"
+        if session.memory is None:
+            return MemoryRow(fresh, None, folder)
+        stored = session.memory_file
+        name = None if stored is None else f"{folder}/{stored.removesuffix(SESSION_SUFFIX)}"
+        return MemoryRow(session.memory, name, folder)
+
+    def discard(self, rows: list[MemoryRow]) -> None:
+        """Remove the pending files of ``rows`` that no commit took (an engine's writes of a turn
+        that failed, was cancelled, wrote under policy ``none``, or was superseded by a later write
+        of the same turn). Other files are never touched."""
+        for row in rows:
+            if row.file is None or not row.file.rpartition("/")[2].startswith(PENDING_PREFIX):
+                continue
+            path = Path(session_file(str(self.root), row.file))
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                log.warning("could not remove %s; it is removed when its session is next loaded", path)
+
     # ------------------------------------------------------------------ reading
     def get(self, namespace: str, session: str) -> Session:
         """The session (loaded from disk on first use; a new empty one when it does not exist)."""
@@ -353,15 +399,20 @@ class SessionStore:
                     "could not remove %s; it is removed when the session is next loaded", folder / name
                 )
 
-    def commit(self, new: Session) -> None:
+    def commit(self, new: Session, written: str | None = None) -> None:
         """Make ``new`` the next version of its session: durable, then current in RAM.
 
         ``new`` is the state the turn made from the session at some version (the current one, or an
         older one a turn rolled back to: :meth:`at_version`); its ``versions`` are the kept versions
         up to that one. The new version is numbered after the current one; its memory is written to
-        a new file unless ``new.memory_file`` already holds it (a turn that wrote nothing); then the
-        bounds prune the oldest versions, the record is written, and the files that no kept version
-        names any more (pruned, or dropped by a rollback) are removed."""
+        a new file unless ``new.memory_file`` already holds it (a turn that wrote nothing), or
+        ``written`` names the pending file an engine wrote it to (then that file is renamed into
+        place); then the bounds prune the oldest versions, the record is written, and the files that
+        no kept version names any more (pruned, or dropped by a rollback) are removed.
+
+        Raises:
+            ValueError: ``written`` is not a pending file of the session's own folder.
+        """
         folder = self.folder(new.namespace, new.session)
         folder.mkdir(parents=True, exist_ok=True)
         with self._lock:
@@ -376,9 +427,12 @@ class SessionStore:
             ) or _sha256(folder / new.memory_file)
             size = (folder / new.memory_file).stat().st_size
         else:
-            new.memory_file = f"memory-{new.version:08d}.safetensors"
-            target = folder / new.memory_file
-            write_atomically(target, new.memory.save)
+            target = folder / f"memory-{new.version:08d}{SESSION_SUFFIX}"
+            if written is None:
+                write_atomically(target, new.memory.save)
+            else:
+                self._adopt(folder, written, target)
+            new.memory_file = target.name
             sha, size = _sha256(target), target.stat().st_size
         entry = {
             "version": new.version,
@@ -396,6 +450,16 @@ class SessionStore:
         self._remove_unnamed(folder, before, new.versions)
         with self._lock:
             self._sessions[(new.namespace, new.session)] = new
+
+    def _adopt(self, folder: Path, written: str, target: Path) -> None:
+        """Rename the pending file ``written`` (a session name under the root) of ``folder`` to
+        ``target``, durably: the file's bytes fsynced, renamed, the folder fsynced."""
+        pending = Path(session_file(str(self.root), written))
+        if pending.parent != folder.resolve() or not pending.name.startswith(PENDING_PREFIX):
+            raise ValueError(f"{written!r} is not a pending memory file of the session's folder {folder}")
+        fsync_file(pending)
+        os.replace(pending, target)
+        fsync_directory(folder)
 
     def prune(self, namespace: str, session: str, number: int) -> Session:
         """Drop the kept version ``number`` of a session (not the newest): the record first, then

@@ -7,7 +7,10 @@ from memory). Builders turn the supported formats into text episodes::
 
 and :func:`tokenize_episode` turns one into the token lists the collator pads::
 
-    {"history_input_ids": [...], "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+    {"history_input_ids": [...], "input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer,
+     "turn_writes": [], "turn_input_ids": [], "turn_labels": []}
+
+(the empty later-turn columns of a conversation row: one dataset holds both kinds of row).
 
 A **conversation episode** is a history and then several chat turns, each answered from memory and
 then written into it as ``lstmem serve`` writes a turn::
@@ -49,6 +52,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lstmem_peft.memory import constants as K
+from lstmem_peft.utils.chat import ChatFormat, prompt_start
 from lstmem_peft.utils.extras import missing_extra
 
 Episode = dict[str, str]
@@ -357,17 +361,30 @@ def long_recall_episodes(
 
 
 # ---------------------------------------------------------------------- tokenization
+def _history_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """A history's tokens as they are written into memory: BOS (when the tokenizer has one), then
+    the first ``max_tokens`` tokens of ``text`` (encoded without special tokens)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+
+
 def tokenize_episode(
     tokenizer, episode: Episode, history_max_tokens: int = K.STAGE1_HISTORY_CAP, add_eos: bool = True
-) -> dict[str, list[int]]:
-    """Token ids of one episode; the history keeps its first ``history_max_tokens`` tokens."""
-    history = tokenizer(episode["history"], add_special_tokens=False)["input_ids"][:history_max_tokens]
+) -> dict[str, list]:
+    """Token ids of one episode; the history keeps its first ``history_max_tokens`` tokens.
+
+    Returns ``{"history_input_ids", "input_ids", "labels"}`` (the read: prompt then answer, ``-100``
+    off the answer) and the later-turn columns of :func:`tokenize_conversation`, empty
+    (``"turn_writes"``, ``"turn_input_ids"``, ``"turn_labels"``: ``[]``), so one-question rows and
+    conversation rows share one dataset (``Dataset.from_list`` takes its columns from the first row);
+    the collator treats empty columns as no later turns.
+    """
+    history = _history_ids(tokenizer, episode["history"], history_max_tokens)
     prompt = tokenizer(episode["prompt"], add_special_tokens=False)["input_ids"]
     answer = tokenizer(episode["answer"], add_special_tokens=False)["input_ids"]
     if add_eos and tokenizer.eos_token_id is not None:
         answer = answer + [tokenizer.eos_token_id]
     if tokenizer.bos_token_id is not None:
-        history = [tokenizer.bos_token_id] + history
         prompt = [tokenizer.bos_token_id] + prompt
     if not answer:
         raise ValueError(f"episode has an empty answer: {episode!r}")
@@ -375,6 +392,9 @@ def tokenize_episode(
         "history_input_ids": history,
         "input_ids": prompt + answer,
         "labels": [-100] * len(prompt) + answer,
+        "turn_writes": [],
+        "turn_input_ids": [],
+        "turn_labels": [],
     }
 
 
@@ -388,7 +408,7 @@ CONVERSATION_WRITES = ("messages", "messages_and_answer")
 class ServedConversation:
     """A conversation as ``lstmem serve`` takes it in from one kind of client, turn by turn.
 
-    The server's turn rule (:mod:`lstmem_peft.serve.scheduler`) on the client's side of the wire:
+    The server's turn rule (:mod:`lstmem_peft.serve.runner`) on the client's side of the wire:
     the client ``"newest"`` sends each user message alone; ``"resend"`` sends the whole conversation
     so far, the answers as the assistant messages it got. The messages the session has not taken in
     yet are new; the prompt is the latest messages that fit ``window - max_tokens`` with the
@@ -418,8 +438,6 @@ class ServedConversation:
         window: int | None = None,
         max_tokens: int = 16,
     ) -> None:
-        from lstmem_peft.utils.chat import ChatFormat
-
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
         if write not in CONVERSATION_WRITES:
@@ -435,8 +453,6 @@ class ServedConversation:
     def ask(self, text: str) -> tuple[list[int], list[int]]:
         """The user message ``text`` sent as this client sends it: ``(written before the answer,
         the prompt with the generation prompt)``; raises ``ValueError`` when it does not fit."""
-        from lstmem_peft.utils.chat import prompt_start
-
         self.messages.append({"role": "user", "content": text})
         sent = self.messages if self.client == "resend" else self.messages[-1:]
         new_from = self.taken if self.client == "resend" else 0
@@ -502,8 +518,7 @@ def tokenize_conversation(
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     history: list[int] = []
     if episode.get("history"):
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        history = bos + conversation.fmt.encode_text(episode["history"])[:history_max_tokens]
+        history = _history_ids(tokenizer, episode["history"], history_max_tokens)
     writes: list[list[list[int]]] = []
     reads: list[tuple[list[int], list[int]]] = []
     after: list[int] = []
