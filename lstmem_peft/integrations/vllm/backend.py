@@ -4,8 +4,9 @@
 metadata builder; the plugin registers it as ``MambaAttentionBackendEnum.LSTMEM`` by its class path
 (:data:`~lstmem_peft.integrations.vllm.MEMORY_BACKEND_CLASS`), in every vLLM process.
 :class:`LSTMemMetadataBuilder` builds :class:`LSTMemMetadata` once per step for all memory layers:
-the state slots of the decodes and of the prefills, which of them only read, the gather and scatter
-indices of the padded prefill batch, and the history chunks that block-end feedback follows. A
+the state slots of the decodes and of the prefills, which of them only read, the prefill chunks in
+groups of similar length with the gather and scatter indices of each group's padded scan
+(:mod:`.prefill`), and the history chunks that block-end feedback follows. A
 decode-only step reads nothing back to the host (slots and read-only flags stay device tensors, in
 fixed buffers where a full CUDA graph may replay the step);
 :func:`keep_history_chunks_out_of_full_graphs` keeps the one decode-only step that needs the memory
@@ -33,6 +34,7 @@ from vllm.v1.attention.backends.linear_attn import (
 
 from .checks import full_decode_graphs
 from .engine_memory import EngineMemory
+from .prefill import PrefillGroup, prefill_groups
 
 
 @dataclass
@@ -40,20 +42,15 @@ class LSTMemMetadata(LinearAttentionMetadata):
     """One step's requests as the memory layers read them (built once per step).
 
     Decodes come first (``num_decodes`` requests, one token each), then ``P = num_prefills`` prefill
-    chunks padded to ``T`` (the longest chunk) tokens.
+    chunks, which run in groups of similar length, each one padded block scan (:mod:`.prefill`).
 
     Attributes:
         decode_slots: ``(num_decodes,)`` int64 state slots of the decoding requests.
         decode_write: ``(num_decodes,)`` bool: the request writes its memory (``False``: it only
             reads it).
         prefill_slots: ``(P,)`` int64 state slots of the prefilling requests.
-        prefill_read_only: ``(P,)`` bool.
-        prefill_gather: ``(P, T)`` int64 rows of the flat batch each padded position takes (padding
-            repeats the chunk's last token, masked out).
-        prefill_write: ``(P, T)`` bool: the positions the write takes in, ``False`` at padding and
-            at every token of a read-only request (whose states the write then leaves as they are).
-        prefill_unpad: ``(num_prefill_tokens,)`` int64: for each prefill token of the flat batch,
-            its position in the flattened ``(P T)`` padded batch.
+        prefill_groups: the prefill chunks in groups of similar length (:class:`~.prefill.PrefillGroup`:
+            slots, read-only flags, gather and write masks of its padded scan, where its tokens go).
         read_only_pass: whether the step may hold a read-only prefill (host).
         history_decodes, history_prefills: ``(row, slot, plan)`` (host) for each history request's
             chunk of the step that block-end feedback follows (:class:`~.history.ChunkPlan`), by its
@@ -63,10 +60,7 @@ class LSTMemMetadata(LinearAttentionMetadata):
     decode_slots: torch.Tensor | None = None
     decode_write: torch.Tensor | None = None
     prefill_slots: torch.Tensor | None = None
-    prefill_read_only: torch.Tensor | None = None
-    prefill_gather: torch.Tensor | None = None
-    prefill_write: torch.Tensor | None = None
-    prefill_unpad: torch.Tensor | None = None
+    prefill_groups: tuple[PrefillGroup, ...] = ()
     read_only_pass: bool = False
     history_decodes: tuple = ()
     history_prefills: tuple = ()
@@ -123,21 +117,11 @@ class LSTMemMetadataBuilder(LinearAttentionMetadataBuilder):
         else:
             decode_slots, decode_write = slots[:nd], ~read_only[:nd]
         fields = dict(decode_slots=decode_slots, decode_write=decode_write)
-        if num_prefills:
+        if num_prefills:  # the sequence boundaries: chunks of similar length share a padded scan
             starts = common_attn_metadata.query_start_loc_cpu[nd : nd + num_prefills + 1].long()
-            lengths = starts[1:] - starts[:-1]
-            width = int(lengths.max())
-            offsets = torch.arange(width)
-            valid = offsets[None, :] < lengths[:, None]
-            gather = starts[:-1, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
-            unpad = (torch.arange(num_prefills)[:, None] * width + offsets[None, :])[valid]
-            device = slots.device
             fields.update(
                 prefill_slots=slots[nd:],
-                prefill_read_only=read_only[nd:],
-                prefill_gather=gather.to(device, non_blocking=True),
-                prefill_write=valid.to(device, non_blocking=True) & ~read_only[nd:, None],
-                prefill_unpad=unpad.to(device, non_blocking=True),
+                prefill_groups=prefill_groups(starts, slots[nd:], read_only[nd:]),
                 read_only_pass=shared.step_has_read_only,
             )
         if shared.step_history:  # history chunks: which rows they are (one host read of the slots)

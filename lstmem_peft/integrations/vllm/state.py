@@ -7,14 +7,14 @@ layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
     x = input_layernorm(h)                         (N, d)   the attention input (replicated on every TP rank)
     u = LSTMemState(x)                              the library's LSTMemLayer, all requests at once:
         decodes:  one batched step over every decoding request's state slot
-        prefills: one batched block scan over the chunks, padded to the longest (``valid`` masks the rest)
+        prefills: a batched block scan per group of chunks of similar length (.prefill), padded to its longest
         D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq, engine_memory.py)
     q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo      (Δq, Δo made from u)
 
 Per-step metadata (:class:`~.backend.LSTMemMetadataBuilder`, built once per step for all memory
 layers, the way vLLM builds it for its Mamba and linear-attention layers): the state slots of the
-decodes and of the prefills, which of them only read, and the gather and scatter indices of the
-padded prefill batch.
+decodes and of the prefills, which of them only read, and the gather and scatter indices of each
+group of prefill chunks (:mod:`.prefill`: chunks of similar length share a padded scan).
 A decode-only step reads nothing back to the host: slots and read-only flags stay device tensors and
 the step is one fixed sequence of tensor operations whatever the batch holds.
 
@@ -235,30 +235,39 @@ class LSTMemState(nn.Module, MambaBase):
         return read, out_seq
 
     def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
-        """One batched block scan over the ``P`` prefill chunks, padded to the longest; fills ``read``
-        ``(n, d_s)`` and ``out_seq`` ``(n, n_h, r, r)`` of the ``n`` prefill tokens."""
+        """The ``P`` prefill chunks, one batched block scan per group of similar length
+        (:mod:`.prefill`), each padded to its longest chunk; fills ``read`` ``(n, d_s)`` and
+        ``out_seq`` ``(n, n_h, r, r)`` of the ``n`` prefill tokens."""
+        history = {row: (slot, plan) for row, slot, plan in metadata.history_prefills}
+        for group in metadata.prefill_groups:
+            samples = [(i, *history[row]) for i, row in enumerate(group.rows) if row in history]
+            reads, hidden_seq = self._prefill_group(x, group, depth_seq, metadata.read_only_pass, samples)
+            read[group.put] = reads.reshape(-1, reads.shape[-1])[group.pick].to(read.dtype)
+            out_seq[group.put] = hidden_seq.flatten(0, 1)[group.pick].to(out_seq.dtype)
+
+    def _prefill_group(self, x, group, depth_seq, read_only_pass: bool, samples: list) -> tuple:
+        """One padded block scan over a group's chunks: writes their states to their slots, keeps
+        the feedback samples of history chunks (``samples``: ``(row in group, slot, plan)``) and
+        returns the padded reads ``(G, T, d_s)`` and hidden states ``(G, T, n_h, r, r)``."""
         cells, hiddens = self.kv_cache
-        slots, gather = metadata.prefill_slots, metadata.prefill_gather
+        slots, gather = group.slots, group.gather
         cell, hidden = cells[slots], hiddens[slots]
-        xs = x[gather]  # (P, T, d)
-        depth = None if depth_seq is None else depth_seq[gather]  # (P, T, n_h, r, r)
-        history = metadata.history_prefills
-        out = self.memory(xs, cell, hidden, depth=depth, valid=metadata.prefill_write, aux=bool(history))
+        xs = x[gather]  # (G, T, d)
+        depth = None if depth_seq is None else depth_seq[gather]  # (G, T, n_h, r, r)
+        out = self.memory(xs, cell, hidden, depth=depth, valid=group.write, aux=bool(samples))
         reads, hidden_seq = out.read, out.hidden_seq
-        if metadata.read_only_pass:  # read-only chunks: every token reads the fixed states
+        if read_only_pass:  # read-only chunks: every token reads the fixed states
             fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
-            keep = metadata.prefill_read_only
+            keep = group.read_only
             reads = torch.where(keep[:, None, None], fixed.read, reads)
             hidden_seq = torch.where(
                 keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
             )
         cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
         hiddens.index_copy_(0, slots, out.hidden)
-        for row, slot, plan in history:  # feedback samples (and terminals at block ends) of history chunks
+        for row, slot, plan in samples:  # feedback samples (and terminals at block ends) of history chunks
             self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
-        unpad = metadata.prefill_unpad
-        read.copy_(reads.reshape(-1, reads.shape[-1])[unpad])
-        out_seq.copy_(hidden_seq.flatten(0, 1)[unpad])
+        return reads, hidden_seq
 
 
 def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:
