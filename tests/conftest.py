@@ -34,3 +34,15 @@ def pytest_report_header(config):
     if mode:
         on = os.environ.get("TRITON_INTERPRET") == "1" and gpu_arithmetic.is_active()
         return f"GPU arithmetic emulation ({mode}): {'on' if on else 'off, the kernels run on a GPU'}"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """``lstmem serve``'s embedded demo model (the library engine, on the CPU) for the serve tests,
+    run on one thread (a tiny model: one is fastest); the thread count is restored afterwards."""
+    from lstmem_peft.serve.runtime import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(device="cpu")
+    torch.set_num_threads(threads)

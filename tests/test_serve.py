@@ -125,16 +125,6 @@ def http(server):
         yield client
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    from lstmem_peft.serve.runtime import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the in-process oracle runs a tiny model: one thread is fastest
-    yield load_model()
-    torch.set_num_threads(threads)
-
-
 def session(sid: str) -> dict:
     return {"X-Session-Id": sid}
 

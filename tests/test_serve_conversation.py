@@ -33,21 +33,12 @@ from lstmem_peft.cli.demo_conversation import (  # noqa: E402
     evaluate_conversation,
 )
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import load_model  # noqa: E402
 from lstmem_peft.training.data import ServedConversation, synthetic_conversation_episodes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "lstmem-demo"
 SEED = 2718  # conversations of their own (neither the demo's measurement nor training)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
 
 
 def converse(app, episodes, client: str, write: str | None, concurrent: bool = True) -> list[list[str]]:

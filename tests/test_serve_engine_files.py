@@ -32,20 +32,11 @@ from lstmem_peft.memory.sessions import session_file, write_atomically  # noqa: 
 from lstmem_peft.serve import create_app  # noqa: E402
 from lstmem_peft.serve import store as store_module  # noqa: E402
 from lstmem_peft.serve.engine import PENDING_PREFIX, Engine, MemoryRow  # noqa: E402
-from lstmem_peft.serve.runtime import load_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "lstmem-demo"
 HISTORY = "k07 v19 ; k12 v03 ; k01 v05 ; k02 v11"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
 
 
 class FileEngine:

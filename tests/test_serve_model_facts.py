@@ -178,14 +178,6 @@ def test_vllm_options_that_would_change_the_log_probabilities_are_refused_before
 
 
 # ---------------------------------------------------------------------- the engine path of log-probabilities
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model()
-    torch.set_num_threads(threads)
-
-
 class KeepingEngine:
     """The library engine, keeping the scores it decodes with as vLLM's engine does: each decoded
     sequence carries the :class:`Scores` of its tokens (and with ``echo`` its prompt's after the

@@ -22,7 +22,6 @@ from test_serve import in_process  # noqa: E402  (the same in-process client)
 
 from lstmem_peft import MemoryCache  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import load_model  # noqa: E402
 from lstmem_peft.serve.store import SessionStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "lstmem-demo"
 HISTORY = "k07 v19 ; k12 v03 ; k01 v05 ; k02 v11 ; k30 v08"
 QUESTIONS = ["? k07", "? k12", "? k01", "? k02", "? k30"]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
 
 
 def user(text: str) -> dict:

@@ -37,7 +37,7 @@ from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import LoadedModel, load_model, trained_positions  # noqa: E402
+from lstmem_peft.serve.runtime import LoadedModel, trained_positions  # noqa: E402
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 from lstmem_peft.utils.offline import DEMO_ASSETS  # noqa: E402
 
@@ -45,14 +45,6 @@ pytestmark = pytest.mark.timeout(300)
 
 MODEL = "lstmem-demo"
 TRAINED = 64  # what the demo backbone's config.json records
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
 
 
 def facts_text(n: int, seed: int = 0) -> str:

@@ -26,7 +26,6 @@ from test_serve import in_process, reference_turn  # noqa: E402  (the same in-pr
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import load_model  # noqa: E402
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,14 +34,6 @@ MODEL = "lstmem-demo"
 POLICIES = ("none", "messages", "messages_and_answer")
 HISTORY = "k07 v19 ; k12 v03 ; k01 v05 ; k02 v11 ; k30 v08"
 SID = {"X-Session-Id": "doc"}
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest
-    yield load_model(device="cpu")
-    torch.set_num_threads(threads)
 
 
 def library_write(loaded, memory: MemoryCache | None, tokens: list[int]) -> MemoryCache:
