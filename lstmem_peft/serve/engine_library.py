@@ -54,6 +54,12 @@ class LibraryEngine:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
+        pad = tokenizer.pad_token_id
+        # the pad of written histories: the tokenizer's, else 0; of prompts and scored sequences,
+        # the tokenizer's pad, else its EOS, else 0 (padding is masked out either way)
+        self._write_pad = 0 if pad is None else pad
+        pad = pad if pad is not None else tokenizer.eos_token_id
+        self._pad = 0 if pad is None else pad
 
     def generate(
         self,
@@ -69,9 +75,7 @@ class LibraryEngine:
         strings and when it is cancelled; its tokens stream to ``on_token`` as they come. The
         answers' log-probabilities are not kept (``Decoded.scores`` ``None``): the server scores
         them from the same memory (:meth:`score`)."""
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        pad = 0 if pad is None else pad
+        tok, pad = self.tokenizer, self._pad
         ids, mask = left_pad(prompts, pad, self.device)
         kwargs = sampling.generate_kwargs()
         if any(stops) or cancelled is not None:
@@ -99,9 +103,6 @@ class LibraryEngine:
         """The model's :class:`Scores` of ``sequences[i][max(starts[i], 1):]`` (see
         :meth:`Engine.score <.engine.Engine.score>`): left-padded forwards with ``memory_write=False``
         of as many rows as :data:`SCORE_ELEMENTS` allows, the log-softmax in parts of 512 positions."""
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        pad = 0 if pad is None else pad
         out: dict[int, Scores] = {}
         waiting = list(range(len(rows)))
         while waiting:
@@ -114,7 +115,7 @@ class LibraryEngine:
             ):
                 group.append(waiting.pop(0))
                 width = max(width, len(sequences[group[-1]]))
-            ids, mask = left_pad([sequences[i] for i in group], pad, self.device)
+            ids, mask = left_pad([sequences[i] for i in group], self._pad, self.device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             with torch.no_grad():
                 logits = self.model(
@@ -153,9 +154,7 @@ class LibraryEngine:
         """:func:`~lstmem_peft.write_history` of the left-padded rows in one call (blocks of
         ``block_size``, block-end feedback after each; see :meth:`Engine.write
         <.engine.Engine.write>`), with each row's gate statistics (:class:`GateProbe`)."""
-        pad = self.tokenizer.pad_token_id
-        pad = 0 if pad is None else pad
-        ids, mask = left_pad(tokens, pad, self.device)
+        ids, mask = left_pad(tokens, self._write_pad, self.device)
         batch = gather([row.memory for row in rows])
         lengths = [len(t) for t in tokens]
         with torch.no_grad(), GateProbe(self.model, lengths, self.block_size) as probe:
