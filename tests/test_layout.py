@@ -152,6 +152,12 @@ def test_every_module_stands_in_a_wing_the_wheel_ships():
         _wing(module)
 
 
+def test_no_library_file_is_over_600_lines():
+    """Files along real seams: a module past 600 lines holds more than one thing to read at once."""
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"split these along a seam: {long}"
+
+
 def test_no_module_hands_on_names_it_does_not_use():
     """Moved names are moved, not re-exported: outside a package's ``__init__.py`` (the public
     faces), no ``from x import name as name`` and no module-level import kept only for others
