@@ -25,6 +25,7 @@ from lstmem_peft.eval import (
     Question,
     evaluate,
 )
+from lstmem_peft.tuner.kv_argument import kv_cache_in
 from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
 TEMPLATE = (
@@ -238,7 +239,7 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
 
     def spy(**kwargs):
         memory = kwargs.get("memory_cache")
-        kv = kwargs.get("past_key_values")
+        kv = kv_cache_in((), kwargs)  # under the name the installed transformers uses
         calls.append(
             {
                 "memory": None

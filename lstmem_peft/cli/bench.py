@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lstmem_peft.tuner.kv_argument import kv_kwargs
+
 from .bench_records import environment, save_record
 
 PRESETS = {
@@ -147,9 +149,15 @@ def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) 
         prompt = torch.randint(0, vocab, (1, length), device=device)
         token = torch.randint(0, vocab, (1, 1), device=device)
         memory, kv_mem, kv_plain = MemoryCache(), DynamicCache(), DynamicCache()
-        model(input_ids=prompt, past_key_values=kv_mem, use_cache=True, memory_cache=memory, logits_to_keep=1)
+        model(
+            input_ids=prompt,
+            **kv_kwargs(model, kv_mem),
+            use_cache=True,
+            memory_cache=memory,
+            logits_to_keep=1,
+        )
         with model.disable_adapter():
-            model(input_ids=prompt, past_key_values=kv_plain, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt, **kv_kwargs(model, kv_plain), use_cache=True, logits_to_keep=1)
 
         # Defaults bind this iteration's caches and token (the closures run inside the iteration).
         def setup(with_memory, kv_mem=kv_mem, kv_plain=kv_plain, length=length, memory=memory):
@@ -161,9 +169,9 @@ def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) 
 
         def run(with_memory, state, token=token, kv_mem=kv_mem, kv_plain=kv_plain):
             if with_memory:
-                model(input_ids=token, past_key_values=kv_mem, use_cache=True, memory_cache=state)
+                model(input_ids=token, **kv_kwargs(model, kv_mem), use_cache=True, memory_cache=state)
             else:
-                model(input_ids=token, past_key_values=kv_plain, use_cache=True)
+                model(input_ids=token, **kv_kwargs(model, kv_plain), use_cache=True)
 
         result = _alternate(run, reps, warmup, device, setup, context=adapter_off(model))
         result.update(
@@ -182,7 +190,7 @@ def _plain_blocks(model, history: torch.Tensor, block_size: int, kv) -> None:
     for start in range(0, history.shape[1], block_size):
         model(
             input_ids=history[:, start : start + block_size],
-            past_key_values=kv,
+            **kv_kwargs(model, kv),
             use_cache=kv is not None,
             logits_to_keep=1,
         )
@@ -255,10 +263,10 @@ def bench_e2e(
         if with_memory:
             memory = MemoryCache()
             write_history(model, history, memory, block_size=block_size, past_key_values=kv, progress=False)
-            model.generate(input_ids=full, past_key_values=kv, memory_cache=memory, **gen)
+            model.generate(input_ids=full, **kv_kwargs(model, kv), memory_cache=memory, **gen)
             return
         _plain_blocks(model, history, block_size, kv)
-        model.generate(input_ids=full, past_key_values=kv, **gen)
+        model.generate(input_ids=full, **kv_kwargs(model, kv), **gen)
 
     result = _alternate(run, reps, warmup, device, context=adapter_off(model))
     result.update(
@@ -361,8 +369,8 @@ def _forward_step_ops(model, prompt: torch.Tensor, with_memory: bool) -> Counter
     kv, cache = DynamicCache(), MemoryCache()
     kw = {"memory_cache": cache} if with_memory else {}
     with torch.no_grad(), adapter_off(model)(with_memory):
-        model(input_ids=prompt, past_key_values=kv, use_cache=True, **kw)
-        return count_ops(lambda: model(input_ids=prompt[:, :1], past_key_values=kv, use_cache=True, **kw))
+        model(input_ids=prompt, **kv_kwargs(model, kv), use_cache=True, **kw)
+        return count_ops(lambda: model(input_ids=prompt[:, :1], **kv_kwargs(model, kv), use_cache=True, **kw))
 
 
 def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:

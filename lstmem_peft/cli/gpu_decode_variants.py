@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from lstmem_peft.tuner.kv_argument import kv_kwargs
+
 from . import bench
 
 
@@ -24,7 +26,7 @@ def prefill(model, prompt: torch.Tensor, kv, memory, block_size: int) -> None:
         for start in range(0, prompt.shape[1], block_size):
             model(
                 input_ids=prompt[:, start : start + block_size],
-                past_key_values=kv,
+                **kv_kwargs(model, kv),
                 use_cache=True,
                 logits_to_keep=1,
                 **kw,
@@ -70,9 +72,9 @@ def _time_forward(model, kv, memory, length, token, s, device) -> dict:
 
     def run(with_memory, state):
         if with_memory:
-            model(input_ids=token, past_key_values=kv[True], use_cache=True, memory_cache=state)
+            model(input_ids=token, **kv_kwargs(model, kv[True]), use_cache=True, memory_cache=state)
         else:
-            model(input_ids=token, past_key_values=kv[False], use_cache=True)
+            model(input_ids=token, **kv_kwargs(model, kv[False]), use_cache=True)
 
     return bench._alternate(run, s["reps"], s["warmup"], device, setup, context=bench.adapter_off(model))
 
@@ -87,9 +89,9 @@ def _time_generate(model, kv, memory, length, ids, s, device, reps, warmup, **ge
 
     def run(with_memory, state):
         if with_memory:
-            model.generate(input_ids=ids, past_key_values=kv[True], memory_cache=state, **gen)
+            model.generate(input_ids=ids, **kv_kwargs(model, kv[True]), memory_cache=state, **gen)
         else:
-            model.generate(input_ids=ids, past_key_values=kv[False], **gen)
+            model.generate(input_ids=ids, **kv_kwargs(model, kv[False]), **gen)
 
     return bench._alternate(run, reps, warmup, device, setup, context=bench.adapter_off(model))
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lstmem_peft.tuner.kv_argument import kv_kwargs
+
 from .gpu_cases import TOLERANCES, bound_case, close_case, max_error
 from .gpu_step_limits import release
 
@@ -187,7 +189,7 @@ def _logit_errors(model, start, prompt, generated, logits_per_step) -> tuple[flo
     memory_err, plain_err, effect, scale = 0.0, 0.0, 0.0, 0.0
     kv = DynamicCache()
     with torch.no_grad(), model.disable_adapter():
-        plain_step = model(input_ids=prompt, past_key_values=kv, use_cache=True).logits[:, -1].float()
+        plain_step = model(input_ids=prompt, **kv_kwargs(model, kv), use_cache=True).logits[:, -1].float()
     for j, logits in enumerate(logits_per_step):
         ids = torch.cat([prompt, generated[:, :j]], 1)
         ref = _no_cache_logits(model, start, ids, memory=True)
@@ -195,7 +197,9 @@ def _logit_errors(model, start, prompt, generated, logits_per_step) -> tuple[flo
         if j:  # the plain backbone's KV-cached step on the same token
             with torch.no_grad(), model.disable_adapter():
                 token = generated[:, j - 1 : j]
-                plain_step = model(input_ids=token, past_key_values=kv, use_cache=True).logits[:, -1].float()
+                plain_step = (
+                    model(input_ids=token, **kv_kwargs(model, kv), use_cache=True).logits[:, -1].float()
+                )
         memory_err = max(memory_err, max_error(logits.float(), ref))
         plain_err = max(plain_err, max_error(plain_step, plain_ref))
         effect = max(effect, max_error(ref, plain_ref))

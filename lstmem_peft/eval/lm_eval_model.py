@@ -44,6 +44,7 @@ except ModuleNotFoundError as err:
 
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.tuner.history import write_history
+from lstmem_peft.tuner.kv_argument import kv_kwargs
 
 
 @register_model("lstmem")
@@ -102,7 +103,7 @@ class LSTMemLM(HFLM):
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=kv,
+                **kv_kwargs(self.model, kv),
                 memory_cache=memory,
                 max_new_tokens=new_tokens,
                 stopping_criteria=criteria,

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.tuner.history import find_memory, write_history
+from lstmem_peft.tuner.kv_argument import kv_kwargs
 from lstmem_peft.utils.errors import DataFormatError, read_json_object
 
 from .outputs import (
@@ -138,7 +139,7 @@ def _prefill_plain(run: _Run, ids: torch.Tensor, kv) -> None:
     for start in range(0, ids.shape[1], run.block_size):
         run.model(
             input_ids=ids[:, start : start + run.block_size],
-            past_key_values=kv,
+            **kv_kwargs(run.model, kv),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -187,7 +188,7 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
                 **run.decoding.generate_kwargs(),
             )
             if snapshot is not None:
-                kwargs["past_key_values"] = snapshot.restore()
+                kwargs.update(kv_kwargs(run.model, snapshot.restore()))
             if with_memory:
                 kwargs["memory_cache"] = memory.clone()
             _seed(run.decoding.seed)

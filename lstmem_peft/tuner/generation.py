@@ -59,6 +59,8 @@ from transformers.generation.stopping_criteria import (
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 from lstmem_peft.memory.engine import MemoryPass
 
+from .kv_argument import stale_cache_message
+
 #: Larger than any position: "this row never stops writing".
 _NEVER = torch.iinfo(torch.long).max
 
@@ -79,8 +81,9 @@ def resolve_generation_config(model, kwargs: dict) -> GenerationConfig:
     return config
 
 
-def refuse_inexact_modes(model, config: GenerationConfig, kwargs: dict) -> None:
-    """Raise for the decoding modes whose memory cannot follow the tokens exactly (see module doc)."""
+def refuse_inexact_modes(model, config: GenerationConfig, kwargs: dict, kv=None) -> None:
+    """Raise for the decoding modes whose memory cannot follow the tokens exactly (see module doc);
+    ``kv`` is the KV cache the caller passed (:func:`~lstmem_peft.tuner.kv_argument.kv_cache_in`)."""
     if config.guidance_scale is not None and config.guidance_scale != 1:
         raise NotImplementedError(
             "classifier-free guidance (guidance_scale) is not supported with LSTMem memory: transformers runs its "
@@ -98,10 +101,11 @@ def refuse_inexact_modes(model, config: GenerationConfig, kwargs: dict) -> None:
             "the model cannot be its own assistant_model with LSTMem memory: its drafts would run a second KV cache "
             "against the same memory. For self-speculative decoding pass assistant_early_exit=<layer> instead"
         )
-    if (config.num_beams or 1) > 1 and kwargs.get("past_key_values") is not None:
+    if (config.num_beams or 1) > 1 and kv is not None:
         raise NotImplementedError(
-            "beam search (num_beams > 1) with a past_key_values you pass in is not supported with LSTMem memory: the "
-            "memory of the returned hypotheses is recomputed from the prompt. Generate without past_key_values "
+            "beam search (num_beams > 1) with a KV cache you pass in (cache= or past_key_values=) is not supported "
+            "with LSTMem memory: the memory of the returned hypotheses is recomputed from the prompt. Generate "
+            "without a KV cache "
             "(put the whole context in input_ids), or use sampling / greedy decoding with your KV cache"
         )
     if (config.num_beams or 1) > 1 and prompt_ids(kwargs) is None:
@@ -254,9 +258,9 @@ class GenerateSession:
         return StoppingCriteriaList([_RowStop(self, own, user)])
 
     # ------------------------------------------------------------------ per forward
-    def memory_for(self, layout: MemoryLayout, kwargs: dict, batch: int, length: int, device) -> MemoryCache:
-        """The working memory for a forward of ``length`` tokens starting at the KV cache's position."""
-        kv = kwargs.get("past_key_values")
+    def memory_for(self, layout: MemoryLayout, kv, batch: int, length: int, device) -> MemoryCache:
+        """The working memory for a forward of ``length`` tokens starting at the position of ``kv``,
+        the forward's KV cache (``None``: the forward re-feeds the whole sequence)."""
         if torch.compiler.is_compiling() and self.work is not None and kv is not None and kv is self.kv:
             # a decoding step torch.compile traces (transformers compiles them on a static cache): the
             # cache is never cropped within the call, and the position the step starts at is the
@@ -266,8 +270,17 @@ class GenerateSession:
             self.compiled_steps = True
             return self.work
         position = self._kv_position(kv)
+        if kv is None and self.work is not None and length < self.position:
+            # without a KV cache every forward re-feeds the sequence so far; a shorter one continues a
+            # cache the hooks did not see (a transformers release that passes it another way)
+            raise RuntimeError(
+                stale_cache_message(
+                    f"a forward inside generate() fed {length} tokens after memory had reached position "
+                    f"{self.position}, as if it continued a KV cache"
+                )
+            )
         if self.work is None:
-            self._begin(layout, kv, position, batch, device, kwargs)
+            self._begin(layout, kv, position, batch, device)
         elif kv is not self.kv:
             raise RuntimeError(
                 "a forward inside generate() used another KV cache than the call's own; LSTMem memory follows one "
@@ -331,7 +344,7 @@ class GenerateSession:
             None if inputs is None else _LastForward(self._forward_start, self._forward_before, inputs, valid)
         )
 
-    def _begin(self, layout, kv, position, batch, device, kwargs) -> None:
+    def _begin(self, layout, kv, position, batch, device) -> None:
         self.work = self._working_copy(layout, batch, device)
         self.position = self.start_position = position
         self.start = _States(self.work)

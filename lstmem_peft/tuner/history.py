@@ -13,6 +13,7 @@ from lstmem_peft.memory.layer import LSTMemLayer
 
 from .context import closing_interrupted_passes, run_memory_only
 from .hooks import MemoryHooks, check_token_ids
+from .kv_argument import kv_kwargs
 from .model import LSTMemModel
 
 
@@ -86,6 +87,8 @@ def write_history(
     block_size: int | None = None,
     past_key_values=None,
     progress: bool | None = None,
+    *,
+    cache=None,
 ) -> MemoryCache:
     """Write a history into memory block by block, with block-end feedback after every block.
 
@@ -109,6 +112,8 @@ def write_history(
             ``memory_only=True``), except on backbones whose wrappers work after each module's
             forward (accelerate's ``device_map`` offload, FSDP, DeepSpeed ZeRO-3), which run whole.
         progress: show a progress bar; default: when there is more than one block.
+        cache: the KV cache under transformers' newer name (5.24 and later): the same as
+            ``past_key_values`` (pass one of them).
 
     Returns:
         ``memory_cache``.
@@ -121,6 +126,9 @@ def write_history(
     check_token_ids(input_ids)
     if not isinstance(memory_cache, MemoryCache):
         raise TypeError(f"memory_cache must be a MemoryCache, got {type(memory_cache).__name__}")
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the KV cache once: cache= or past_key_values=, not two caches")
+    past_key_values = cache if cache is not None else past_key_values
     B, T = input_ids.shape
     past = 0 if past_key_values is None else past_key_values.get_seq_length()
     full_mask = _full_mask(attention_mask, B, T, past, input_ids.device)
@@ -152,7 +160,7 @@ def write_history(
             input_ids=input_ids[:, start:end],
             attention_mask=mask,
             position_ids=pos,
-            past_key_values=past_key_values,
+            **kv_kwargs(model, past_key_values),
             use_cache=past_key_values is not None,
             memory_cache=memory_cache,
             memory_write=True,

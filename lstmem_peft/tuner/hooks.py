@@ -33,6 +33,7 @@ from .context import (
     checkpoint_kwargs,
 )
 from .generation import RECORD_LIMIT, GenerateSession, refuse_inexact_modes, resolve_generation_config
+from .kv_argument import check_cache_seen, kv_cache_in
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer
 
 
@@ -395,7 +396,7 @@ class MemoryHooks:
             check_token_ids(ids)
         batch, length = ref.shape[0], ref.shape[1]
         _refuse_packed(kwargs, length)
-        kv = kwargs.get("past_key_values")
+        kv = kv_cache_in(args, kwargs)
 
         def past() -> int:  # read only where needed: a static cache keeps its length on the device
             return 0 if kv is None or not hasattr(kv, "get_seq_length") else int(kv.get_seq_length())
@@ -404,7 +405,7 @@ class MemoryHooks:
         session = active.session if active is not None and active.owner is self and cache is None else None
         draft = session is not None and session.drafting()
         memory, write = self._memory_of(
-            cache, session, draft, write, plan.layout, kwargs, batch, length, ref, past
+            cache, session, draft, write, plan.layout, kv, batch, length, ref, past
         )
         write, feedback = _pass_flags(write, feedback, memory_only, config, session, kv)
         if session is not None and not draft:
@@ -431,26 +432,27 @@ class MemoryHooks:
             memory_only=memory_only,
         )
         model_pass.length = length
+        model_pass.kv = kv
         model_pass.token = ACTIVE.set(Active(self, module, model_pass, session))
         return args, kwargs
 
     @staticmethod
-    def _memory_of(cache, session, draft, write, layout, kwargs, batch, length, ref, past):
+    def _memory_of(cache, session, draft, write, layout, kv, batch, length, ref, past):
         """The memory a forward runs against and whether it writes (``None``: not said): a draft's
         read-only view of its ``generate`` call's verified memory, the call's own memory, the
         ``memory_cache`` passed, or a fresh memory for this forward only."""
         if draft:  # an early-exit draft: reads the verified memory, writes nothing
             return session.draft_memory(layout, batch, ref.device), False
         if session is not None:
-            return session.memory_for(layout, kwargs, batch, length, ref.device), (
+            return session.memory_for(layout, kv, batch, length, ref.device), (
                 session.write if write is None else write
             )
         if cache is None:
             if past():
                 raise ValueError(
-                    f"past_key_values holds {past()} tokens but no memory_cache was passed: LSTMem memory would "
+                    f"the KV cache holds {past()} tokens but no memory_cache was passed: LSTMem memory would "
                     "start empty while attention sees that context. Pass the MemoryCache that was written "
-                    "with those tokens (memory_cache=...), or no past_key_values"
+                    "with those tokens (memory_cache=...), or no KV cache"
                 )
             cache = MemoryCache()  # a fresh memory for this call only
         if not isinstance(cache, MemoryCache):
@@ -482,6 +484,12 @@ class MemoryHooks:
                 stop.error = err
             return output
         completed = output is not None and model_pass.memory_pass.layers_run > 0
+        if completed:
+            try:
+                check_cache_seen(model_pass.kv, output, model_pass.length)
+            except RuntimeError:
+                model_pass.close(False)  # attention saw context memory did not follow: commit nothing
+                raise
         model_pass.close(completed)
         if completed and active.session is not None and not model_pass.draft:
             active.session.forward_done(model_pass.length, model_pass.inputs, model_pass.memory_pass.valid)
@@ -513,7 +521,7 @@ class MemoryHooks:
                 check_token_ids(kwargs[name], name)
         adapter = self.active_adapter()
         config = resolve_generation_config(self.model, kwargs)
-        refuse_inexact_modes(self.model, config, kwargs)
+        refuse_inexact_modes(self.model, config, kwargs, kv_cache_in(args, kwargs))
         cache = MemoryCache() if memory_cache is None else memory_cache
         if not isinstance(cache, MemoryCache):
             raise TypeError(f"memory_cache must be a lstmem_peft.MemoryCache, got {type(cache).__name__}")
@@ -551,7 +559,7 @@ def _pass_flags(write, feedback, memory_only: bool, config, session, kv) -> tupl
     if memory_only and (not write or session is not None or kv is not None or torch.compiler.is_compiling()):
         raise ValueError(
             "memory_only=True stops a forward once memory is written, so it needs memory_write=True, no "
-            "past_key_values (the layers it skips would leave the KV cache incomplete), no generate() and no "
+            "KV cache (the layers it skips would leave the KV cache incomplete), no generate() and no "
             "torch.compile; write histories with lstmem_peft.write_history"
         )
     return write, feedback

@@ -32,6 +32,7 @@ from .attention import (
 from .config import LSTMemConfig, inside_peft_from_pretrained
 from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
+from .peft_gate import name_the_gate
 from .quant import check_projection, dense_weight
 
 
@@ -275,6 +276,7 @@ class LSTMemModel(BaseTuner):
             query.lstmem_depth[adapter_name] = depth
             query.lstmem_memory[adapter_name].set_depth_input(config.receives_depth(depth))
         MemoryHooks.attach(model)
+        name_the_gate(model)  # transformers' adapter methods that refuse this PEFT say why, and what works
 
     @staticmethod
     def _num_layers(model: nn.Module) -> int | None:
