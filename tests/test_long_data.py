@@ -4,8 +4,9 @@ The fake (a threaded http.server on 127.0.0.1) answers chat completions determin
 request's ``X-Request-Id`` (candidate and step): a chunk request gets ~160 characters of prose with
 one fact ("The code of ledger <id> is <word> <word>."), a question request gets a question about
 the fact in the chunk it was shown. It can misbehave per request (timeouts, 5xx, 429, malformed
-bodies, truncated replies, non-JSON questions, 404), die for good, write content the rules must
-reject, or press Ctrl-C in the client's process. The tokenizers are offline: one id per character
+bodies, truncated replies, non-JSON questions, 404, or any reply a function makes of the good one),
+die for good, serve only some model names, write content the rules must reject, or press Ctrl-C in
+the client's process. The tokenizers are offline: one id per character
 or one per word.
 """
 
@@ -31,6 +32,7 @@ from lstmem_peft.training import long_data as L
 from lstmem_peft.training.data import load_episodes
 from lstmem_peft.training.long_data import rules as R
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError
+from lstmem_peft.utils.extras import install_command
 from lstmem_peft.utils.offline import char_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,12 +58,15 @@ def _pick(key: str, n: int) -> list[str]:
 
 
 class FakeLLM:
-    """The fake endpoint. ``faults[(cid, step)]``: fault kinds for its successive attempts;
-    ``dead_from``: candidate index from which every request gets 503; ``bad[cid]``: content the rules
-    reject; ``ctrl_c_at``: a ``(cid, step)`` whose reply first presses Ctrl-C in the client."""
+    """The fake endpoint. ``faults[(cid, step)]``: fault kinds for its successive attempts (a kind,
+    or a function of the good reply's JSON returning the JSON or bytes to send, or ``(status, body,
+    content type)``); ``dead_from``: candidate index from which every request gets 503; ``models``:
+    the model names served (None: any; others get 404); ``bad[cid]``: content the rules reject;
+    ``ctrl_c_at``: a ``(cid, step)`` whose reply first presses Ctrl-C in the client."""
 
     def __init__(self):
-        self.faults: dict[tuple[str, str], list[str]] = {}
+        self.faults: dict[tuple[str, str], list] = {}
+        self.models: set[str] | None = None
         self.bad: dict[str, str] = {}
         self.dead_from: int | None = None
         self.ctrl_c_at: tuple[str, str] | None = None
@@ -103,6 +108,11 @@ class FakeLLM:
                     pass
 
             def _reply(self, fault, body, cid, step):
+                if fake.models is not None and body["model"] not in fake.models:
+                    message = f"The model `{body['model']}` does not exist."
+                    return self._send(
+                        404, {"error": {"message": message, "type": "NotFoundError", "code": 404}}
+                    )
                 if fault == "timeout":
                     time.sleep(1.0)
                 if fault in ("500", "dead", "404", "429"):
@@ -124,8 +134,10 @@ class FakeLLM:
                     "finish_reason": finish,
                 }
                 usage = {"prompt_tokens": 10, "completion_tokens": len(text), "total_tokens": 10 + len(text)}
-                self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                                 "choices": [choice], "usage": usage})  # fmt: skip
+                reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                         "choices": [choice], "usage": usage}  # fmt: skip
+                reply = fault(reply) if callable(fault) else reply
+                self._send(*reply) if isinstance(reply, tuple) else self._send(200, reply)
 
             def _send(self, status, payload, kind="application/json"):
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -370,7 +382,7 @@ def test_a_tokenizer_that_cannot_load_names_the_option(tmp_path):
 
 def test_the_openai_client_is_an_extra(fake, tokenizers, monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)
-    with pytest.raises(ImportError, match=r'pip install "lstmem-peft\[data\]"'):
+    with pytest.raises(ImportError, match=re.escape(install_command("data"))):
         L.Endpoint(config(fake, tokenizers["char"]))
 
 

@@ -19,7 +19,8 @@ with the same settings skips it; a half-written last line (a crash) is dropped a
 generated again. At the end the rules (:mod:`.rules`) judge every candidate with the
 current rule settings and the folder gets::
 
-    build.json        the generation settings (a rerun with other settings is refused)
+    build.json        the generation settings, recorded at the endpoint's first usable reply (once a
+                      candidate is finished, a rerun with other settings is refused); see .journal
     candidates.jsonl  the journal: every finished candidate, accepted or not, with its verdict
     train.jsonl       accepted records {"id", "topic", "target_tokens", "context_tokens", "context",
                       "qas": [{"question", "answer", "answer_tokens", "chunk"}]}: load_episodes' long_qa
@@ -27,10 +28,12 @@ current rule settings and the folder gets::
     README.md         the dataset card (YAML header, settings, counts, statistics, rule report)
 
 Requests go through the ``openai`` client (the ``data`` extra) with at most ``concurrency`` in
-flight; timeouts, connection errors, HTTP 408/409/429/5xx, malformed bodies, truncated replies
-(``finish_reason == "length"``) and unusable replies are retried with exponential backoff and
-jitter, at most ``max_attempts`` times, then :class:`EndpointError` names the endpoint and the last
-failure. The API key comes from an environment variable (``api_key_env``), never from an argument.
+flight; timeouts, connection errors, HTTP 408/409/429/5xx, truncated replies
+(``finish_reason == "length"``) and unusable replies (a body that is not JSON or not a chat
+completion, content that is not text: :func:`.endpoint.reply_text` checks each field) are retried
+with exponential backoff and jitter, at most ``max_attempts`` times, each retry logged (logger
+``lstmem.data``) with the endpoint and the reason; then :class:`EndpointError` names the endpoint
+and the last failure. The API key comes from an environment variable (``api_key_env``), never from an argument.
 """
 
 from .build import (

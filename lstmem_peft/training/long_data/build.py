@@ -12,17 +12,14 @@ import os
 import sys
 from dataclasses import MISSING, dataclass, fields
 
-from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError
+from lstmem_peft.utils.errors import MissingDataError
 
 from .config import (
     CARD,
     DATA,
-    FORMAT,
-    JOURNAL,
     PUBLISHED,
     QA_SYSTEM,
     REPORT,
-    SETTINGS,
     WORDS_PER_TOKEN,
     WRITER_SYSTEM,
     LongDataConfig,
@@ -33,6 +30,7 @@ from .config import (
     plan,
 )
 from .endpoint import BadReply, Endpoint
+from .journal import Journal, open_build, write_json, write_settings
 from .rules import (
     QA,
     Candidate,
@@ -89,10 +87,12 @@ def parse_qas(text: str, most: int) -> list[tuple[str, str]]:
         value = json.loads(text[start : end + 1]) if 0 <= start < end else None
     except json.JSONDecodeError as err:
         raise BadReply(f"question reply is not JSON ({err.msg})") from None
+    except RecursionError:
+        raise BadReply("question reply is not JSON (nested too deep)") from None
     items = value.get("qas") if isinstance(value, dict) else None
     pairs = [
         (item["question"].strip(), item["answer"].strip())
-        for item in items or []
+        for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
         and isinstance(item.get("question"), str)
         and isinstance(item.get("answer"), str)
@@ -171,7 +171,7 @@ async def generate_candidate(endpoint: Endpoint, tokenizer, index: int) -> dict:
     }  # fmt: skip
 
 
-# ---------------------------------------------------------------------- the journal
+# ---------------------------------------------------------------------- the build
 def _candidate(record: dict) -> Candidate:
     qas = tuple(QA(q["question"], q["answer"], q["answer_tokens"], q.get("chunk", 0)) for q in record["qas"])
     return Candidate(
@@ -180,91 +180,6 @@ def _candidate(record: dict) -> Candidate:
     )  # fmt: skip
 
 
-class Journal:
-    """``candidates.jsonl``: one JSON line per finished candidate, appended and fsynced as it finishes."""
-
-    FIELDS = ("id", "index", "context", "chunk_starts", "context_tokens", "target_tokens", "qas", "usage")
-
-    def __init__(self, path: str, seed: int):
-        self.path, self.seed = path, seed
-
-    def load(self) -> dict[int, dict]:
-        """Finished candidates by index. A last line cut short by a crash (no newline, or not JSON) is
-        dropped and the file truncated before it; damage anywhere else is a :class:`DataFormatError`."""
-        if not os.path.exists(self.path):
-            return {}
-        with open(self.path, "rb") as fh:
-            data = fh.read()
-        records, offset, n = {}, 0, 0
-        while (end := data.find(b"\n", offset)) >= 0:  # a line without its newline was cut short
-            line, n = data[offset:end], n + 1
-            try:
-                record = json.loads(line) if line.strip() else None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                if not data[end + 1 :].strip():
-                    break  # the last line, half-written: dropped, its candidate is generated again
-                raise DataFormatError(
-                    f"{self.path}:{n}", "one finished candidate per line (JSON)", "the line is not JSON",
-                    "Delete that line; its candidate will be generated again",
-                ) from None  # fmt: skip
-            if record is not None:
-                self._check(record, n)
-                records.setdefault(record["index"], record)
-            offset = end + 1
-        if offset < len(data):
-            with open(self.path, "r+b") as fh:
-                fh.truncate(offset)
-        return records
-
-    def _check(self, record, n: int) -> None:
-        missing = [f for f in self.FIELDS if not isinstance(record, dict) or f not in record]
-        if missing or record["id"] != candidate_id(self.seed, record["index"]):
-            raise DataFormatError(
-                f"{self.path}:{n}", f"a candidate of this build (seed {self.seed}) with fields {list(self.FIELDS)}",
-                f"missing {missing}" if missing else f"id {record['id']!r} of another build",
-                "Build into a new --out folder, or delete that line",
-            )  # fmt: skip
-
-    def append(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False) + "\n"
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-def _check_settings(out_dir: str, config: LongDataConfig) -> None:
-    """Write ``build.json``, or refuse a folder built with other generation settings."""
-    path, settings = os.path.join(out_dir, SETTINGS), config.generation()
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            before = json.load(fh).get("settings", {})
-        changed = [k for k in settings if before.get(k) != settings[k]]
-        if changed:
-            k = changed[0]
-            raise UsageError(
-                f"{out_dir} holds a build with {k}={before.get(k)!r}, not {settings[k]!r}"
-                + (f" (and {len(changed) - 1} more changed settings)" if len(changed) > 1 else "")
-                + ": rerun with the same settings to resume it, or pass a new output folder"
-            )
-    elif os.path.exists(os.path.join(out_dir, JOURNAL)):
-        raise DataFormatError(path, "the settings of the build in this folder", "missing", "Use a new folder")
-    else:
-        _write_json(path, {"format": FORMAT, "settings": settings})
-
-
-def _write_json(path: str, value, lines: bool = False) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        if lines:
-            fh.writelines(json.dumps(v, ensure_ascii=False) + "\n" for v in value)
-        else:
-            json.dump(value, fh, ensure_ascii=False, indent=1)
-            fh.write("\n")
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------- the build
 @dataclass
 class BuildResult:
     """What :func:`build_long_dataset` wrote: the folder, the data file and the report."""
@@ -286,23 +201,25 @@ def build_long_dataset(config: LongDataConfig, out_dir: str, progress: bool = Tr
     """Generate the candidates ``out_dir`` does not hold yet, then write the dataset, report and card.
 
     Rerunning with the same generation settings resumes: finished candidates are read from the
-    journal, never requested again. Raises :class:`EndpointError` when the endpoint fails for good
-    (finished candidates stay in the journal), ``UsageError`` when ``out_dir`` holds a build with
-    other settings. See the module docstring for the files.
+    journal, never requested again. ``build.json`` records the settings only once the tokenizer has
+    loaded and the endpoint has given a usable reply, so a run that fails before (a mistyped model or
+    tokenizer) blocks no corrected rerun. Raises :class:`EndpointError` when the endpoint fails for
+    good (finished candidates stay in the journal), ``UsageError`` when ``out_dir`` holds finished
+    candidates of other settings, ``DataFormatError`` naming a damaged ``build.json`` or journal line.
+    See the module docstring for the files.
     """
     from tqdm.auto import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
-    _check_settings(out_dir, config)
-    journal = Journal(os.path.join(out_dir, JOURNAL), config.seed)
-    records = journal.load()
+    journal, records, unrecorded = open_build(out_dir, config)
     todo = [i for i in range(config.num_candidates) if i not in records]
     if todo:
         tokenizer = load_tokenizer(config.tokenizer)
+        record_settings = (lambda: write_settings(out_dir, config)) if unrecorded else None
         done = config.num_candidates - len(todo)
         bar = tqdm(total=config.num_candidates, initial=done, desc="long candidates", disable=not progress)
         try:
-            _run(_generate(config, tokenizer, todo, journal, records, bar))
+            _run(_generate(config, tokenizer, todo, journal, records, bar, record_settings))
         except KeyboardInterrupt:
             print(
                 f"interrupted: {len(records)} finished candidates are kept in {journal.path}; rerun the same "
@@ -325,10 +242,13 @@ def _run(coroutine) -> None:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-async def _generate(config, tokenizer, todo, journal: Journal, records: dict, bar) -> None:
+async def _generate(
+    config, tokenizer, todo, journal: Journal, records: dict, bar, on_first_reply=None
+) -> None:
     """Candidates of ``todo`` on ``concurrency`` workers; each finished one is journaled at once. After
-    a failure no new candidate starts, those under way finish, then the first error is raised."""
-    endpoint, queue, errors = Endpoint(config), iter(todo), []
+    a failure no new candidate starts, those under way finish, then the first error is raised.
+    ``on_first_reply`` runs at the endpoint's first usable reply (it records the settings)."""
+    endpoint, queue, errors = Endpoint(config, on_first_reply), iter(todo), []
     settings, accepted = config.rule_settings(), 0
 
     async def worker():
@@ -368,10 +288,10 @@ def write_outputs(out_dir: str, config: LongDataConfig, records: list[dict]) -> 
         if verdict.accepted:
             keep = ("id", "topic", "target_tokens", "context_tokens", "context")
             rows.append({**{k: r[k] for k in keep}, "qas": [r["qas"][i] for i in verdict.kept]})
-    _write_json(os.path.join(out_dir, DATA), rows, lines=True)
+    write_json(os.path.join(out_dir, DATA), rows, lines=True)
     report = dataset_report(verdicts, records, rows)
     report.update(tokenizer=config.tokenizer, settings={**config.generation(), **_rule_options(config)})
-    _write_json(os.path.join(out_dir, REPORT), report)
+    write_json(os.path.join(out_dir, REPORT), report)
     with open(os.path.join(out_dir, CARD), "w", encoding="utf-8") as fh:
         fh.write(dataset_card(report, DATA))
     return BuildResult(out_dir, os.path.join(out_dir, DATA), report)
