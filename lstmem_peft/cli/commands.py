@@ -23,6 +23,7 @@ import sys
 
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError, looks_local
 
+from .eval_rows import check_rows, eval_rows
 from .parser import build_parser
 
 # Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
@@ -415,6 +416,7 @@ def _eval_options(args) -> dict:
             "--rescore re-scores without a model; expected no --model, --adapter or --resume with it. Drop "
             "--model/--adapter/--resume"
         )
+    check_rows(args)
     return options
 
 
@@ -464,6 +466,8 @@ def _eval(args) -> int:
     decoding = runner.Decoding(greedy=args.greedy)
     if args.seed is not None:
         decoding.seed = args.seed
+    if args.rows is not None:
+        return eval_rows(args, model, tokenizer, benchmark, out, decoding, template_kwargs)
     summary = runner.evaluate(
         model,
         tokenizer,

@@ -305,8 +305,38 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer limit (locomo, hotpotqa; default: the benchmark's own); for mab a cap on the per-source "
         "limits (smoke runs; default: none)",
     )
+    _eval_row_arguments(parser)
     _eval_benchmark_arguments(parser)
     _eval_model_arguments(parser)
+
+
+def _eval_row_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem eval ... --rows``: the named rows of one run (:mod:`lstmem_peft.eval.rows`)."""
+    parser.add_argument(
+        "--rows",
+        default=None,
+        metavar="ROWS",
+        help="named rows in one run, comma-separated: no-context, window, memory-only, paper, bm25 (or all); "
+        "per-group scores with 95%% bootstrap intervals, and costs (docs/evaluation.md, 'Rows')",
+    )
+    parser.add_argument(
+        "--window",
+        type=positive_int,
+        default=None,
+        help="--rows: positions prompt and answer may take (default: the model config's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=None,
+        help="--rows bm25: turns retrieved per question (default 10)",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        type=positive_int,
+        default=1000,
+        help="--rows: bootstrap resamples of the questions for the 95%% intervals (seed 0)",
+    )
 
 
 def _eval_benchmark_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ adapter beside its plain backbone.
     rescore("eval-results/locomo/predictions.jsonl", LoCoMo("locomo10.json", protocol="paper"), "paper")
 
 or from the shell: ``lstmem eval locomo locomo10.json --model <id> --adapter <path> [--protocol paper]``.
+Named rows in one run (no context, the window, memory only, the paper's protocol, BM25), with bootstrap
+intervals and costs: :func:`evaluate_rows` (``--rows``; :mod:`lstmem_peft.eval.rows`).
 General capabilities: :mod:`lstmem_peft.eval.lm_eval_model` (lm-evaluation-harness).
 """
 
@@ -16,6 +18,7 @@ from .mab import MemoryAgentBench
 from .outputs import markdown_table, plot_scores, protocols_table
 from .prompts import PromptBuilder
 from .protocol import Benchmark, History, Question, question_weighted, require_fields
+from .rows import ROWS, evaluate_rows
 from .runner import Decoding, evaluate, rescore
 from .scorers import PROTOCOLS
 
@@ -29,7 +32,9 @@ __all__ = [
     "PROTOCOLS",
     "PromptBuilder",
     "Question",
+    "ROWS",
     "evaluate",
+    "evaluate_rows",
     "markdown_table",
     "plot_scores",
     "protocols_table",

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from lstmem_peft.utils.errors import describe
@@ -151,39 +151,75 @@ def official_turn(turn: dict[str, Any]) -> str:
     return line + "\n"
 
 
-def official_sessions(conversation: dict[str, Any]) -> list[str]:
+def official_sessions(
+    conversation: dict[str, Any], keep: Collection[tuple[int, int]] | None = None
+) -> list[str]:
     """The pinned official code's conversation text, one string per session in prompt order: newest
     session first, the opening line on the first string, the per-session ``"\\n\\n"`` all after the
     last (oldest) one. ``"".join(...)`` is exactly what ``get_input_context`` returns after the code
-    prepends ``CONV_START_PROMPT`` (with its whole token budget)."""
-    numbers = _session_numbers(conversation)
+    prepends ``CONV_START_PROMPT`` (with its whole token budget).
+
+    ``keep``: only these ``(session number, turn index)`` turns, sessions without one left out (the
+    ``window`` and ``bm25`` rows); ``None``: every turn."""
+    numbers = [
+        n for n in _session_numbers(conversation) if keep is None or _kept_turns(conversation, n, keep)
+    ]
     sessions = [
         f"DATE: {conversation[f'session_{n}_date_time']}\nCONVERSATION:\n"
-        + "".join(official_turn(turn) for turn in conversation[f"session_{n}"])
+        + "".join(official_turn(turn) for turn in _kept_turns(conversation, n, keep))
         for n in reversed(numbers)
     ]
-    sessions[0] = (
-        CONVERSATION_START.format(conversation.get("speaker_a"), conversation.get("speaker_b")) + sessions[0]
-    )
+    opening = CONVERSATION_START.format(conversation.get("speaker_a"), conversation.get("speaker_b"))
+    if not sessions:
+        return [opening]
+    sessions[0] = opening + sessions[0]
     sessions[-1] += "\n\n" * len(numbers)
     return sessions
 
 
-def paper_sessions(conversation: dict[str, Any]) -> list[str]:
-    """δ-Mem's conversation text, one string per session, oldest first (δ-Mem: newest first)."""
+def paper_sessions(
+    conversation: dict[str, Any], keep: Collection[tuple[int, int]] | None = None
+) -> list[str]:
+    """δ-Mem's conversation text, one string per session, oldest first (δ-Mem: newest first); ``keep``
+    as in :func:`official_sessions`."""
     sessions = []
     for n in _session_numbers(conversation):
         turns = []
-        for turn in conversation[f"session_{n}"]:
+        kept = _kept_turns(conversation, n, keep)
+        if keep is not None and not kept:  # a session none of whose turns is kept
+            continue
+        for turn in kept:
             line = f'{turn["speaker"]} said, "{turn["text"]}"\n'
             if turn.get("blip_caption"):
                 line += f" and shared {turn['blip_caption']}."
             turns.append(line + "\n")
         sessions.append(f"\nDATE: {conversation[f'session_{n}_date_time']}\nCONVERSATION:\n" + "".join(turns))
-    sessions[0] = (
-        CONVERSATION_START.format(conversation.get("speaker_a"), conversation.get("speaker_b")) + sessions[0]
-    )
+    opening = CONVERSATION_START.format(conversation.get("speaker_a"), conversation.get("speaker_b"))
+    if not sessions:
+        return [opening]
+    sessions[0] = opening + sessions[0]
     return sessions
+
+
+def _kept_turns(conversation: dict[str, Any], n: int, keep: Collection[tuple[int, int]] | None) -> list:
+    """Session ``n``'s turns that ``keep`` holds (all of them when ``keep`` is ``None``)."""
+    turns = conversation[f"session_{n}"]
+    return list(turns) if keep is None else [t for i, t in enumerate(turns) if (n, i) in keep]
+
+
+def conversation_turns(conversation: dict[str, Any]) -> tuple[list[tuple[int, int]], list[str]]:
+    """Every turn, oldest first: its ``(session number, turn index)`` and its text for retrieval
+    (``<speaker>: <text>``, the image caption after it, and the session's date)."""
+    keys, texts = [], []
+    for n in _session_numbers(conversation):
+        date = conversation[f"session_{n}_date_time"]
+        for i, turn in enumerate(conversation[f"session_{n}"]):
+            text = f"{turn['speaker']}: {turn['text']}"
+            if turn.get("blip_caption"):
+                text += f" [shared {turn['blip_caption']}]"
+            keys.append((n, i))
+            texts.append(f"{text} ({date})")
+    return keys, texts
 
 
 def question_prompt(question: str, category: int, protocol: str = "official") -> str:
@@ -253,7 +289,22 @@ class LoCoMo(Benchmark):
                 if int(qa["category"]) in SCORED_CATEGORIES
             ]
             system = None if official else PAPER_SYSTEM
-            yield History(sample_id, "".join(sessions), questions, segments=sessions, system=system)
+            keys, texts = conversation_turns(conversation)
+            render = official_sessions if official else paper_sessions
+
+            def select(indices, conversation=conversation, keys=keys, render=render, whole=sessions):
+                kept = {keys[i] for i in indices}
+                return list(whole) if len(kept) == len(keys) else render(conversation, kept)
+
+            yield History(
+                sample_id,
+                "".join(sessions),
+                questions,
+                segments=sessions,
+                system=system,
+                turns=texts,
+                select=select,
+            )
 
     def settings(self) -> dict[str, Any]:
         return {

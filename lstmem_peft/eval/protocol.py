@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,11 @@ class History:
             another (LoCoMo sessions); block boundaries then also fall between segments. They must
             concatenate to ``text``. ``None``: the text is one stream.
         system: the protocol's system message (a system turn of the chat template), or ``None``.
+        turns: optionally, the history's turns as plain text, oldest first (LoCoMo): what the
+            ``window`` row keeps the newest of and the ``bm25`` row retrieves from
+            (:mod:`lstmem_peft.eval.rows`). ``None``: the history has no turns.
+        select: with ``turns``, the segments of the history holding only the turns whose indices
+            (into ``turns``) are given, in the protocol's own format and order.
     """
 
     id: str
@@ -65,6 +70,8 @@ class History:
     questions: list[Question]
     segments: list[str] | None = None
     system: str | None = None
+    turns: list[str] | None = None
+    select: Callable[[Collection[int]], list[str]] | None = field(default=None, repr=False, compare=False)
 
 
 class Benchmark:
