@@ -11,6 +11,7 @@ import torch
 
 from lstmem_peft.utils.offline import DEMO_ASSETS, demo_tokenizer
 
+from .backbones import resolve_model
 from .config import require_adapter_weights
 
 
@@ -20,8 +21,9 @@ def load_model_and_adapter(
     """Load a backbone and, when given, the LSTMem adapter trained on it, in eval mode.
 
     Args:
-        model: the backbone, a Hub id or a local folder; ``None``: the embedded demo's backbone (and
-            its word-level tokenizer).
+        model: the backbone: a short name of ``lstmem models`` (e.g. ``smollm2-135m``: its converted
+            folder, converted once from the installed package, :func:`~.backbones.resolve_model`), a
+            Hub id or a local folder; ``None``: the embedded demo's backbone (and its word-level tokenizer).
         adapter: the LSTMem adapter, a Hub id or a local folder; ``None``: the plain backbone, or
             with ``model=None`` the demo's ``full`` adapter.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
@@ -40,6 +42,7 @@ def load_model_and_adapter(
         require_adapter_weights(adapter)
         demo = PeftModel.from_pretrained(load_demo_backbone(), adapter)
         return demo.to(device).eval(), demo_tokenizer()
+    model = resolve_model(model)
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     if adapter is not None:
@@ -54,7 +57,7 @@ def load_tokenizer(model: str, adapter: str | None = None):
     from transformers import AutoTokenizer
 
     own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(adapter if own else model)
+    return AutoTokenizer.from_pretrained(adapter if own else resolve_model(model))
 
 
 def adapter_weights_file(adapter: str) -> str:
