@@ -5,7 +5,8 @@
 
 Timing two checkouts in two processes compares two moments of a shared machine as much as two
 versions of the code. This script takes the memory layer of ``--rev`` (``git show`` of every module
-the revision has in ``lstmem_peft/memory/`` and ``kernels/``, subfolders included: the layer and
+the revision has in ``lstmem_peft/memory/`` and its kernel package (``kernels/lstmem_kernels/``, or
+``kernels/`` before that folder held the package), subfolders included: the layer and
 what it imports, ``step.py`` and ``layer_common.py`` too since 4c9ef56 split the step out) into a
 temporary package beside the installed one and alternates the two in one process, round by round in
 rotating order:
@@ -65,7 +66,12 @@ def layer_class_at(rev: str, into: Path) -> type:
     """``LSTMemLayer`` as it was at ``rev``, imported from a copy under ``into``: the revision's
     kernels and memory modules, whichever it has (``memory/step.py`` and ``layer_common.py`` exist
     from 4c9ef56 on)."""
-    copy_modules(rev, "kernels/", into / "rev_kernels")
+    kernels = (
+        "kernels/lstmem_kernels/"
+        if _git("ls-tree", "--name-only", rev, "kernels/lstmem_kernels")
+        else "kernels/"
+    )
+    copy_modules(rev, kernels, into / "rev_kernels")
     memory = into / "rev_memory"
     if "layer.py" not in copy_modules(rev, "lstmem_peft/memory/", memory):
         raise SystemExit(f"{rev} has no lstmem_peft/memory/layer.py: pick a revision with the memory layer")

@@ -1,6 +1,6 @@
 """Wall time of a fresh start: ``import peft``, ``import lstmem_peft`` (alone, then with PEFT, which
-registers LSTMem), ``lstmem --version`` and ``lstmem --help``, each in a new process run from a
-temporary folder (the repository's ``kernels/`` folder would shadow the Hub's ``kernels`` package).
+registers LSTMem), ``lstmem --version`` and ``lstmem --help``, each in a new process run from the
+repository's root, where the README's commands run.
 
     python benchmarks/startup_time.py              # 3 runs of each, rounds in turn
     python benchmarks/startup_time.py --runs 5
@@ -18,8 +18,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STARTS = {
     "python -c 'import peft'": [sys.executable, "-c", "import peft"],
@@ -39,14 +41,13 @@ def main() -> None:
         raise SystemExit("no lstmem console script found: pip install -e . installs it")
     times: dict[str, list[float]] = {name: [] for name in STARTS}
     warnings: dict[str, int] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for _ in range(args.runs):
-            for name, command in STARTS.items():
-                command = [script, *command[1:]] if command[0] == "lstmem" else command
-                start = time.perf_counter()
-                result = subprocess.run(command, cwd=folder, capture_output=True, text=True, check=True)
-                times[name].append(time.perf_counter() - start)
-                warnings[name] = len(result.stderr.splitlines())
+    for _ in range(args.runs):
+        for name, command in STARTS.items():
+            command = [script, *command[1:]] if command[0] == "lstmem" else command
+            start = time.perf_counter()
+            result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+            times[name].append(time.perf_counter() - start)
+            warnings[name] = len(result.stderr.splitlines())
     print(f"{'start':<38} {'median s':>9} {'min s':>7} {'max s':>7}  stderr lines")
     for name, seconds in times.items():
         row = f"{statistics.median(seconds):9.2f} {min(seconds):7.2f} {max(seconds):7.2f}"

@@ -40,6 +40,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="Hub id or local path (default: a tiny offline Qwen3)")
     ap.add_argument("--max-new-tokens", type=int, default=20)
     args = ap.parse_args()
+    # what `lstmem` keeps off the terminal (README "Warnings"): transformers' weight-loading bars and the
+    # deprecation PEFT's own get_peft_model triggers (transformers' is_gradient_checkpointing)
+    from lstmem_peft.cli.quiet import quiet_command
+
+    quiet_command(loads_models=args.model is not None)
 
     base, tokenizer = load(args.model)
     model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, block_size=128))

@@ -15,10 +15,13 @@ global batch 32, AdamW, cosine decay with 10% warm-up, bf16, seed 42.
         --plan-dtype bfloat16 --plan-processes 8 --deepspeed examples/deepspeed_zero2.json
     accelerate launch ... examples/train_two_stage.py ... --fit-memory 24GB
 
-    # a CPU smoke test on the offline tiny model and local fixtures, one process or two (ZeRO-2)
-    python examples/train_two_stage.py --tiny --qasper qasper.json --long long.jsonl --output-dir /tmp/run \\
-        --stage1-steps 2 --stage2-steps 2 --global-batch 2
+    # a CPU smoke test on the offline tiny model, one process or two (ZeRO-2): --tiny reads the small
+    # QASPER and Long files shipped in examples/data/ unless --qasper / --long name others
+    python examples/train_two_stage.py --tiny --output-dir /tmp/run --stage1-steps 2 --stage2-steps 2 \\
+        --global-batch 2
     accelerate launch --config_file examples/accelerate_zero2_cpu.yaml examples/train_two_stage.py --tiny ...
+
+Training needs the ``train`` extra (TRL, datasets); without it the script stops at once, naming it.
 
 ``--memory-table`` prints the memory one process needs (backbone, adapter, gradients, AdamW state,
 activations per history length with and without gradient checkpointing, for the launch's processes
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -46,6 +50,13 @@ from lstmem_peft.training.memory_plan import (
     memory_table,
     parse_size,
 )
+
+#: Small files in the official layouts (QASPER's JSON release; the Long dataset's JSONL of context + qas)
+#: that ``--tiny`` trains on unless ``--qasper`` / ``--long`` name others.
+TINY_DATA = {
+    "qasper": Path(__file__).resolve().parent / "data" / "qasper_tiny.json",
+    "long": Path(__file__).resolve().parent / "data" / "long_tiny.jsonl",
+}
 
 
 def adapter_config() -> LSTMemConfig:
@@ -76,7 +87,9 @@ def model_config(args):
         return tiny_qwen3(len(char_tokenizer())).config
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(args.model)
+    from lstmem_peft.tuner.backbones import resolve_model
+
+    return AutoConfig.from_pretrained(resolve_model(args.model))  # a short name: its converted folder
 
 
 def plan_setting(args, stage: str) -> Setting:
@@ -103,7 +116,7 @@ def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap, checkp
     from datasets import Dataset
 
     from lstmem_peft.training.data import tokenize_episode
-    from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
+    from lstmem_peft.training.trainer import ACTIVATION_CHECKPOINTING, LSTMemTrainer, LSTMemTrainingConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     micro = args.micro_batch
@@ -121,7 +134,7 @@ def stage(model, tok, episodes, args, name, mode, lr, steps, history_cap, checkp
         max_steps=steps,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
-        gradient_checkpointing=checkpointing,
+        **{ACTIVATION_CHECKPOINTING: checkpointing},  # activation_checkpointing from transformers 5.24
         lr_scheduler_type="cosine",
         warmup_steps=0.1,  # a float below 1 is a fraction of the run
         optim="adamw_torch",
@@ -152,12 +165,37 @@ def checkpointing_for(args, dims: ModelDims, adapter: AdapterDims, name: str) ->
     return on
 
 
+def require_train_extra() -> None:
+    """Stop at once, naming the ``train`` extra, when TRL or datasets is missing."""
+    from lstmem_peft.utils.extras import missing_extra
+
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise SystemExit(f"error: {missing_extra(err, 'train', 'examples/train_two_stage.py')}") from None
+
+
+def quiet_upstream() -> None:
+    """What ``lstmem`` keeps off the terminal (README "Warnings"): transformers' weight-loading bars and
+    the one deprecation PEFT's own code triggers (transformers' ``is_gradient_checkpointing``)."""
+    from lstmem_peft.cli.quiet import quiet_command
+
+    quiet_command(loads_models=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="Qwen/Qwen3-4B-Instruct-2507")
+    ap.add_argument(
+        "--model",
+        default="Qwen/Qwen3-4B-Instruct-2507",
+        help="backbone: Hub id, local folder, or a short name of `lstmem models` (e.g. smollm2-135m)",
+    )
     ap.add_argument("--tiny", action="store_true", help="use the offline tiny model (smoke test)")
-    ap.add_argument("--qasper", help="QASPER file or Hub id (required to train)")
-    ap.add_argument("--long", help="long-document QA JSONL, context + qas (required to train)")
+    ap.add_argument("--qasper", help="QASPER file or Hub id (required to train; --tiny: examples/data/)")
+    ap.add_argument(
+        "--long", help="long-document QA JSONL, context + qas (required to train; --tiny: examples/data/)"
+    )
     ap.add_argument("--output-dir", help="where the stages and the adapter go (required to train)")
     ap.add_argument("--stage1-steps", type=int, default=70)
     ap.add_argument("--stage2-steps", type=int, default=26)
@@ -186,11 +224,16 @@ def main() -> None:
     if args.memory_table:
         print(memory_table(dims, adapter, plan_setting(args, "stage1")))
         return
+    if args.tiny:  # the shipped small files, unless others are named
+        args.qasper = args.qasper or str(TINY_DATA["qasper"])
+        args.long = args.long or str(TINY_DATA["long"])
     missing = [
         f"--{n.replace('_', '-')}" for n in ("qasper", "long", "output_dir") if getattr(args, n) is None
     ]
     if missing:
         ap.error(f"training needs {', '.join(missing)}")
+    require_train_extra()
+    quiet_upstream()
     ckpt1 = checkpointing_for(args, dims, adapter, "stage1")
     ckpt2 = checkpointing_for(args, dims, adapter, "stage2")
 

@@ -54,7 +54,7 @@ def test_serve_help_shows_the_defaults(capsys, monkeypatch):
         ("--port PORT", "8000"),
         ("--store STORE", "lstmem-sessions"),
         ("--max-batch MAX_BATCH", "32"),
-        ("--max-tokens MAX_TOKENS", "64"),
+        ("--max-tokens MAX_TOKENS", "64, at most half the context window"),
         ("--engine {hf,vllm}", "hf"),
     ]:
         entry = next(entry for entry in entries if entry.startswith(option + " "))

@@ -32,6 +32,9 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
         assert key in summary
     assert summary["num_pairs"] >= 8
     assert "memory only" in result.stdout and "no_depth_coupling" in result.stdout
+    assert summary["adapters"] == demo.ADAPTERS_SHIPPED
+    for caption in ("Recall from one block of 8 facts", "Each row is one trained adapter", "Updates:"):
+        assert caption in result.stdout, caption
     # what the shipped backbone and adapter do on held-out episodes
     assert summary["recall_in_context"] >= 0.9
     assert summary["recall_no_history"] <= 2 * summary["chance"]
@@ -62,6 +65,105 @@ def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
     assert losses[-1] < losses[0]
     result = demo.evaluate(model, num_episodes=256)
     assert result["recall_memory"] > result["recall_no_history"] + 0.2
+
+
+def test_the_summary_says_which_adapters_it_scored():
+    """``"adapters"``: the shipped ones (trained when the package was built), ones trained in this run
+    (``--train``), or, on ``--model`` without ``--train``, fresh untrained ones."""
+    scored = {
+        (train, model_id): demo.adapters_scored(demo.DemoSettings(train=train, model_id=model_id))
+        for train in (False, True)
+        for model_id in (None, "some/model")
+    }
+    assert scored == {
+        (False, None): "shipped (trained when the package was built)",
+        (False, "some/model"): "untrained (none ships for --model; --train trains them)",
+        (True, None): "trained in this run",
+        (True, "some/model"): "trained in this run",
+    }
+
+
+# The figures of docs/demo.md's tables (2026-11-27, the shipped adapters, 512 episodes).
+ONE_BLOCK = {"full": 0.836, "no_depth_coupling": 0.857, "no_feedback": 0.857}
+UPDATES = {
+    "full": (0.631, 0.152, 0.604),
+    "no_depth_coupling": (0.576, 0.184, 0.639),
+    "no_feedback": (0.570, 0.186, 0.668),
+    "full, feedback off while writing": (0.547, 0.203, 0.621),
+}
+
+
+def _one_block(recall: dict[str, float], n: int = 512) -> dict[str, dict]:
+    return {
+        name: {
+            "recall_in_context": 1.0,
+            "recall_no_history": 0.035,
+            "recall_memory": r,
+            "chance": 1 / 32,
+            "bag_of_values": 1 / 8,
+            "num_pairs": 8,
+            "num_episodes": n,
+        }
+        for name, r in recall.items()
+    }
+
+
+def test_the_first_table_says_what_it_shows_and_why_the_full_adapter_may_score_below_an_ablation():
+    text = demo.format_table(_one_block(ONE_BLOCK))
+    table_at = text.index("adapter  ")
+    above, below = text[:table_at], text[text.index("no_feedback  ") :]
+    for column in ("in context:", "no history:", "memory only:", "chance:", "1/pairs:"):
+        assert column in above, column
+    assert "512 held-out episodes" in above and "one block of 8 facts" in above
+    below = " ".join(below.split())
+    assert "The full adapter scores 0.021 below no_depth_coupling here." in below
+    assert "one standard error of the measurement is 0.016 at 512 episodes" in below
+    assert "do not help" in below and "the next table" in below and "docs/demo.md" in below
+    assert all(len(line) <= 100 for line in text.splitlines())
+    # the full adapter on top: no gap to explain; alone: nothing to compare
+    text = demo.format_table(_one_block({**ONE_BLOCK, "full": 0.9}))
+    assert "scores" not in text and "Each row is one trained adapter" in text
+    assert "Each row" not in demo.format_table(_one_block({"full": 0.836}))
+
+
+def test_the_update_table_says_what_each_column_is_and_why_rows_score_lower():
+    rows = {
+        name: {"update_newest": a, "update_oldest": b, "update_kept": c, "num_episodes": 512}
+        for name, (a, b, c) in UPDATES.items()
+    }
+    text = " ".join(demo.format_updates(rows).split())
+    assert "(higher is better)" in text and "(lower is better)" in text
+    assert (
+        "Below the full adapter's newest value (0.631, one standard error 0.021): no_depth_coupling; "
+        "no_feedback; full, feedback off while writing." in text
+    )
+    assert "The full adapter's untouched keys score 0.064 below no_feedback" in text
+    rows["no_feedback"]["update_newest"] = 0.7
+    assert (
+        "Below the full adapter's newest value (0.631, one standard error 0.021): no_depth_coupling; full,"
+        in (" ".join(demo.format_updates(rows).split()))
+    )
+
+
+def test_the_conversation_and_sweep_tables_have_captions():
+    from lstmem_peft.cli.demo_conversation import format_conversation
+
+    rows = {
+        "full, newest": {
+            "recall_by_position": [0.863, 0.867, 0.836, 0.844],
+            "write": "messages",
+            "num_sessions": 256,
+        },
+        "full, resend": {
+            "recall_by_position": [0.863, 0.898, 0.793, 0.820],
+            "write": "messages",
+            "num_sessions": 256,
+        },
+    }
+    text = " ".join(format_conversation(rows).split())
+    assert "Qn: recall from memory at the n-th question" in text
+    assert "One standard error of a figure: 0.022 at 256 sessions" in text
+    assert "A later question's figure is lower where the turns written before it" in text
 
 
 def test_missing_assets_name_the_rebuild_command(tmp_path):
@@ -99,7 +201,8 @@ def test_demo_runs_on_a_model_given_by_path(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["trained"] and summary["num_episodes"] == 16 and "train_full_s" in summary
+    assert summary["adapters"] == demo.ADAPTERS_TRAINED == "trained in this run"
+    assert summary["num_episodes"] == 16 and "train_full_s" in summary
 
 
 # ---------------------------------------------------------------------- issue 26: past the window, episodes
@@ -160,6 +263,9 @@ def test_a_scaled_down_sweep_marks_the_window_and_plots(shipped, tmp_path):
     assert sum(b["episodes"] for b in long["by_age"]) == 24
     assert record["adapters"]["full"]["cell_numbers_total"] == 2 * 4 * 8 * 8
     assert "window: 64 tokens" in demo_sweep.format_sweep(record)
+    caption = " ".join(demo_sweep.format_sweep(record).split("\n facts")[0].split())
+    assert caption.startswith("Recall against history length (24 episodes per length;")
+    assert "memory/ADAPTER:" in caption and "Recall falls as the history grows" in caption
     png = demo_sweep.plot_sweep({**record, "device": "CPU", "date": "2026-11-25"}, tmp_path / "sweep.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 

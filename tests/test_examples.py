@@ -1,5 +1,8 @@
-"""The examples run as a user would run them."""
+"""The examples run as a user would run them: as written in their docstrings, from a clone, and
+without a warning the user cannot act on (issue 48, item 4)."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,10 +10,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: stderr lines that are warnings (tests/test_quiet.py: the same pattern), and what ``import peft``
+#: alone prints on this machine, which the examples cannot change.
+WARNING = re.compile(r"Warning\b|\bwarn\(|WARNING|\bdeprecated\b|Loading weights|pin_memory")
+
+
+def _lines(stderr: str) -> set[str]:
+    lines = (re.sub(r"^[IWEF]\d{4} [\d:.]+ +\d+ ", "", line).strip() for line in stderr.splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.fixture(scope="module")
+def peft_alone(tmp_path_factory) -> set[str]:
+    cwd = tmp_path_factory.mktemp("peft")
+    result = subprocess.run([sys.executable, "-c", "import peft"], cwd=cwd, capture_output=True, text=True)
+    return _lines(result.stderr)
+
+
+def warnings_in(stderr: str, peft_alone: set[str]) -> list[str]:
+    return sorted(line for line in _lines(stderr) - peft_alone if WARNING.search(line))
 
 
 @pytest.mark.slow
-def test_quickstart_runs_offline(tmp_path):
+def test_quickstart_runs_offline(tmp_path, peft_alone):
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--max-new-tokens", "4"],
         cwd=tmp_path,
@@ -21,33 +43,17 @@ def test_quickstart_runs_offline(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reloaded adapter + memory give identical logits: True" in result.stdout
     assert result.stdout.count("Q: ") == 2
+    assert warnings_in(result.stderr, peft_alone) == []
 
 
 @pytest.mark.slow
-def test_two_stage_recipe_smoke_run(tmp_path):
-    import json
-
-    from eval_fixtures import QASPER_OFFICIAL
-
-    (tmp_path / "qasper.json").write_text(json.dumps(QASPER_OFFICIAL))
-    (tmp_path / "long.jsonl").write_text(
-        json.dumps(
-            {
-                "context": "The vault code is 1234. " * 20,
-                "qas": [{"question": "Vault code?", "answer": "1234"}],
-            }
-        )
-        + "\n"
-    )
+def test_two_stage_recipe_smoke_run(tmp_path, peft_alone):
+    """The docstring's CPU smoke test as written: ``--tiny`` trains on the files in examples/data/."""
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "examples" / "train_two_stage.py"),
             "--tiny",
-            "--qasper",
-            "qasper.json",
-            "--long",
-            "long.jsonl",
             "--output-dir",
             "run",
             "--stage1-steps",
@@ -65,4 +71,40 @@ def test_two_stage_recipe_smoke_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     card = (tmp_path / "run" / "adapter" / "README.md").read_text()
-    assert "### Training" in card and "qasper.json (2 episodes)" in card and "LSTMem: Hierarchical" in card
+    assert "### Training" in card and "LSTMem: Hierarchical" in card
+    assert "qasper_tiny.json (4 episodes)" in card and "long_tiny.jsonl (4 episodes)" in card
+    assert warnings_in(result.stderr, peft_alone) == []
+
+
+def test_the_docstrings_smoke_test_needs_only_what_ships():
+    doc = (ROOT / "examples" / "train_two_stage.py").read_text()
+    command = re.search(r"python examples/train_two_stage.py --tiny [^\n]*", doc).group(0)
+    assert "--qasper" not in command and "--long" not in command
+    for name in ("qasper_tiny.json", "long_tiny.jsonl"):
+        assert (ROOT / "examples" / "data" / name).is_file()
+
+
+@pytest.mark.slow
+def test_without_the_train_extra_the_recipe_names_it(tmp_path):
+    """``datasets`` missing: one line naming the extra and its install command, no traceback."""
+    blocked = tmp_path / "blocked" / "datasets"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'datasets'\", name='datasets')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_two_stage.py"), "--tiny", "--output-dir", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    from lstmem_peft.utils.extras import install_command
+
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "'datasets'" in result.stderr and install_command("train") in result.stderr

@@ -129,7 +129,7 @@ def test_the_emulation_is_as_bad_as_the_ptx_bounds(reverse):
 
 @triton.jit
 def _tanh_sigmoid_kernel(x_ptr, tanh_ptr, sigmoid_ptr, N: tl.constexpr):
-    """The kernels' inline tanh and sigmoid, written as in kernels/step/fused.py."""
+    """The kernels' inline tanh and sigmoid, written as in kernels/lstmem_kernels/step/fused.py."""
     r = tl.arange(0, N)
     x = tl.load(x_ptr + r)
     tl.store(tanh_ptr + r, 2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * x, 80.0))) - 1.0)

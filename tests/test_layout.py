@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The kernels' package: kernels/ itself is a plain folder (see test_nothing_at_the_root_shadows_a_package).
+KERNELS = ROOT / "kernels" / "lstmem_kernels"
 
 #: Each wing and the wings it may import (besides itself).
 MAY_IMPORT = {
@@ -44,7 +46,7 @@ def _modules() -> dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted(KERNELS.glob("*.py")):
         name = "lstmem_kernels" if path.stem == "__init__" else f"lstmem_kernels.{path.stem}"
         found[name] = path
     return found
@@ -150,6 +152,19 @@ def test_every_module_stands_in_a_wing_the_wheel_ships():
     assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
     for module in MODULES:
         _wing(module)
+
+
+def test_nothing_at_the_root_shadows_a_package():
+    """Python puts the working folder first on its path, and the README's commands run at the root: a
+    package or module there would hide any installed one of the same name (a ``kernels/__init__.py``
+    hid the Hub's ``kernels`` package, which bitsandbytes imports when PEFT loads it). The root holds
+    the one package it installs under its own name; ``kernels/`` is a plain folder around
+    ``lstmem_kernels``, which an installed ``kernels`` package outranks."""
+    importable = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    importable |= {p.stem for p in ROOT.glob("*.py")}
+    assert importable == {"lstmem_peft"}, f"importable at the root: {sorted(importable)}"
+    assert not list((ROOT / "kernels").glob("*.py")), "kernels/ holds only the lstmem_kernels package"
+    assert (KERNELS / "__init__.py").exists()
 
 
 def test_no_library_file_is_over_600_lines():

@@ -55,7 +55,73 @@ def test_adapter_files_are_peft_format_and_cite_the_paper(tmp_path):
     assert "LSTMem: Hierarchical Long Short-Term Online Memory" in card and "library_name: peft" in card
     model.save_pretrained(tmp_path)  # PEFT keeps the card; writing the section again replaces it
     write_model_card(model, tmp_path)
-    assert (tmp_path / "README.md").read_text().count("## LSTMem adapter") == 1
+    assert (tmp_path / "README.md").read_text().count("# LSTMem adapter") == 1
+
+
+def _front_matter_and_body(card: str) -> tuple[str, str]:
+    _, front, body = card.split("---\n", 2)
+    return front, body
+
+
+def test_the_card_opens_with_the_lstmem_section_names_the_base_model_and_leaves_nothing_unfilled(tmp_path):
+    """PEFT's save_pretrained writes the Hub's template (about 200 lines, most "[More Information
+    Needed]") and, for a backbone built from a config, ``base_model: ''``; the card replaces both, keeps
+    what a user added to the card, and names the base model it is given."""
+    model = make(layers_to_transform=[0, 2])
+    model.save_pretrained(tmp_path)
+    assert "[More Information Needed]" in (tmp_path / "README.md").read_text()  # PEFT's template
+    with open(tmp_path / "README.md", "a") as fh:
+        fh.write("\n## Notes of my own\n\nKept after the LSTMem section.\n")
+    write_model_card(model, tmp_path, base_model="Qwen/Qwen3-0.6B", summary="A test adapter.")
+    model.save_pretrained(tmp_path)  # again: PEFT updates the card it finds
+    write_model_card(model, tmp_path, base_model="Qwen/Qwen3-0.6B", summary="A test adapter.")
+    front, body = _front_matter_and_body((tmp_path / "README.md").read_text())
+    assert front.startswith("base_model: Qwen/Qwen3-0.6B\nlibrary_name: peft\n"), front
+    assert "- base_model:adapter:Qwen/Qwen3-0.6B\n" in front and "- lstmem\n" in front
+    lines = body.strip().splitlines()
+    assert lines[:4] == [
+        "<!-- lstmem:begin -->",
+        "# LSTMem adapter for Qwen/Qwen3-0.6B",
+        "",
+        "A test adapter.",
+    ]
+    assert "| base model | Qwen/Qwen3-0.6B |" in lines and lines.count("### Framework versions") == 1
+    assert lines[-3:] == ["## Notes of my own", "", "Kept after the LSTMem section."]
+    assert "More Information Needed" not in body and "Model Card for Model ID" not in body
+    assert len(lines) < 80, len(lines)
+
+
+def test_the_card_names_the_base_model_the_adapter_records_and_never_an_empty_one(tmp_path):
+    model = make()  # built from a config: no name anywhere
+    model.save_pretrained(tmp_path / "none")
+    assert "base_model: ''" in (tmp_path / "none" / "README.md").read_text()  # what PEFT writes
+    write_model_card(model, tmp_path / "none")
+    front, body = _front_matter_and_body((tmp_path / "none" / "README.md").read_text())
+    assert (
+        "base_model" not in front
+        and "| base model | not recorded (pass base_model= to write_model_card) |" in body
+    )
+    model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen3-4B"  # as from_pretrained records it
+    model.save_pretrained(tmp_path / "named")
+    write_model_card(model, tmp_path / "named")
+    front, body = _front_matter_and_body((tmp_path / "named" / "README.md").read_text())
+    assert front.startswith("base_model: Qwen/Qwen3-4B\n") and "# LSTMem adapter for Qwen/Qwen3-4B\n" in body
+    write_model_card(model, tmp_path / "named", base_model=str(tmp_path))  # a local folder: the body only
+    front, body = _front_matter_and_body((tmp_path / "named" / "README.md").read_text())
+    assert "base_model" not in front and f"| base model | {tmp_path} |" in body
+
+
+def test_the_shipped_demo_cards_open_with_the_lstmem_section():
+    from lstmem_peft.cli.demo_recall import ADAPTERS
+    from lstmem_peft.utils.offline import DEMO_ASSETS
+
+    for name in ADAPTERS:
+        front, body = _front_matter_and_body((DEMO_ASSETS / f"adapter_{name}" / "README.md").read_text())
+        assert "library_name: peft" in front and "- lstmem" in front
+        assert body.strip().startswith(
+            "<!-- lstmem:begin -->\n# LSTMem adapter for lstmem_peft/assets/demo/backbone"
+        )
+        assert f"The demo adapter `{name}`" in body and "More Information Needed" not in body
 
 
 @pytest.mark.slow

@@ -1355,7 +1355,7 @@ def test_unsupported_parameters_are_refused_by_name_and_supported_ones_accepted(
         ("/v1/chat/completions", {**chat, "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {**chat, "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {**chat, "logit_bias": {"x": 10}}, "logit_bias"),
         ("/v1/chat/completions", {**chat, "frequency_penalty": 0.5}, "frequency_penalty"),
         ("/v1/chat/completions", {**chat, "presence_penalty": -1}, "presence_penalty"),
         ("/v1/chat/completions", {**chat, "top_k": 5}, "top_k"),
@@ -1383,6 +1383,7 @@ def test_unsupported_parameters_are_refused_by_name_and_supported_ones_accepted(
         {"tool_choice": "none"},
         {"user": "u-1", "metadata": {"k": "v"}},
         {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}},
+        {"logit_bias": {"5": 10}, "min_tokens": 1, "ignore_eos": True},  # tests/test_serve_sampling.py
     ):
         assert http.post("/v1/chat/completions", json={**chat, **extra}).status_code == 200, extra
     assert http.post("/v1/completions", json={**completion, "best_of": 2, "n": 2}).status_code == 200

@@ -116,7 +116,7 @@ async def conversation(client) -> dict:
         answers.append(r.json()["choices"][0]["message"]["content"])
         return answers[-1]
 
-    messages = [user(HISTORY), {"role": "assistant", "content": "ok"}, user("? k12")]
+    messages = [user(HISTORY), {"role": "assistant", "content": "v19"}, user("? k12")]
     first = await turn(chat(messages), a)
     messages += [{"role": "assistant", "content": first}, user("? k07")]
     second = await turn(chat(messages, write="messages_and_answer"), a)

@@ -104,17 +104,23 @@ def test_the_trained_length_of_hub_backbones_comes_from_their_config():
 
 # ---------------------------------------------------------------------- the window at start
 def test_the_default_window_is_the_trained_length(loaded, tmp_path, caplog):
-    """No ``--context-window``: 64 tokens, not the config's 4,096, with a warning that says why;
-    the default ``max_tokens`` (64) would leave no room for a prompt, so it becomes 32, and a chat
-    that sets none is answered instead of refused."""
-    with caplog.at_level(logging.WARNING, logger="lstmem_peft.serve.app"):
+    """No ``--context-window``: 64 tokens, not the config's 4,096, logged (INFO: the right window,
+    nothing to act on) with why; the default ``max_tokens`` is at most half the window (32), without a
+    warning, and a chat that sets none is answered instead of refused. A given ``max_tokens`` that
+    leaves no room for a prompt becomes half the window, with a warning."""
+    with caplog.at_level(logging.INFO, logger="lstmem_peft.serve.app"):
         app = create_app(loaded, str(tmp_path / "store"))
     assert app.state.scheduler.window == TRAINED
     assert app.state.serving_chat.window == app.state.serving_completions.window == TRAINED
     assert app.state.serving_chat.default_max_tokens == TRAINED // 2
     logged = caplog.text
     assert "context window 64 tokens" in logged and "lstmem_trained_positions" in logged and "4096" in logged
-    assert "--max-tokens 64 leaves no room" in logged
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lstmem_peft.serve.app"):
+        given = create_app(loaded, str(tmp_path / "store"), default_max_tokens=64)
+    assert given.state.serving_chat.default_max_tokens == TRAINED // 2
+    assert "--max-tokens 64 leaves no room" in caplog.text
 
     async def ask(client):
         chat = {

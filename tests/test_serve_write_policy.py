@@ -219,7 +219,7 @@ def test_a_completion_writes_what_its_policy_names_bit_for_bit(loaded, tmp_path,
     ``messages_and_answer`` wrote it already."""
     app = create_app(loaded, str(tmp_path / "store"))
     fmt = ChatFormat(loaded.tokenizer)
-    prompt = HISTORY + " ; ? k01"
+    prompt = HISTORY + " ; ? k01 "  # the completion is appended to it: a space keeps its first word apart
 
     async def scenario(client):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "lstmem_write": policy}

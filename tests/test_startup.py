@@ -4,9 +4,12 @@ registering LSTMem with PEFT adds no backend and no output to what ``import peft
 README's first command installs what ``lstmem demo`` needs and nothing more, its second is what
 ``.ci/run`` runs.
 
-Each start is a fresh interpreter (a subprocess, run outside the repository, whose ``kernels/``
-folder would shadow the Hub's ``kernels`` package). The checks are on the modules a start loads, which
-do not depend on the machine's load; the one time bound is generous. Timings: benchmarks/startup_time.py.
+Each start is a fresh interpreter (a subprocess) run at the repository's root, where the README's
+commands run and where Python finds the root's folders first: ``import peft``, which imports
+bitsandbytes when it is installed, which imports the Hub's ``kernels`` package, is as clean there as
+anywhere (``kernels/`` is a plain folder around ``lstmem_kernels``, tests/test_layout.py). The checks
+are on the modules a start loads, which do not depend on the machine's load; the one time bound is
+generous. Timings: benchmarks/startup_time.py.
 """
 
 from __future__ import annotations
@@ -55,14 +58,20 @@ except SystemExit as exit_:
 """
 
 
-def probe(tmp_path: Path, code: str, *argv: str) -> tuple[dict, subprocess.CompletedProcess]:
-    """``code`` run in a fresh interpreter in ``tmp_path``: (the modules it loaded, its output)."""
+def probe(
+    tmp_path: Path, code: str, *argv: str, cwd: Path = ROOT, path: Path | None = None
+) -> tuple[dict, subprocess.CompletedProcess]:
+    """``code`` run in a fresh interpreter in ``cwd`` (the repository's root unless told), ``path``
+    first on its ``PYTHONPATH``: (the modules it loaded, its output). The report goes to ``tmp_path``."""
     report = tmp_path / "report.json"
     report.unlink(missing_ok=True)
+    env = {**os.environ, "COLUMNS": "1000"}  # argparse wraps no line
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", PROBE, str(report), code, *argv],
-        cwd=tmp_path,
-        env={**os.environ, "COLUMNS": "1000"},  # argparse wraps no line
+        cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -95,14 +104,14 @@ def test_version_and_help_load_neither_torch_nor_peft_and_print_no_warning(argv,
         assert SUBCOMMANDS[argv[0]][0] in result.stdout
 
 
-def test_the_console_script_answers_version_quietly_within_seconds(tmp_path):
+def test_the_console_script_answers_version_quietly_within_seconds():
     """The installed ``lstmem`` script, as a user runs it. The bound is generous (about 0.3 s on this
     2-core CPU when idle, 2026-11-27; over 10 s when torch and PEFT loaded)."""
     script = shutil.which("lstmem", path=os.path.dirname(sys.executable))
     if script is None:
         pytest.skip("no lstmem console script next to this Python: pip install -e . installs it")
     start = time.perf_counter()
-    result = subprocess.run([script, "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([script, "--version"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     elapsed = time.perf_counter() - start
     assert (result.returncode, result.stdout, result.stderr) == (0, f"lstmem-peft {__version__}\n", "")
     assert elapsed < 5.0, f"lstmem --version took {elapsed:.1f} s"
@@ -175,6 +184,66 @@ def test_registering_with_peft_adds_no_backend_and_no_output_to_peft_own(code, p
     assert not backends, f"{code!r} loaded optional backends that import peft does not: {sorted(backends)}"
     assert result.stdout == alone_result.stdout == ""
     assert _peft_output(result.stderr) == _peft_output(alone_result.stderr), result.stderr
+
+
+# ---------------------------------------------------------------------- import peft at the root
+#: A stand-in for the Hub's ``kernels`` package, whose ``get_kernel`` bitsandbytes calls when PEFT
+#: imports it (bitsandbytes 0.50's CPU backend, on a CPU with AVX512-BF16): it loads nothing.
+HUB_KERNELS = """
+class _Kernel:
+    gemm_4bit_forward = None  # bitsandbytes falls back to its own CPU code
+
+
+def get_kernel(repo_id, *args, **kwargs):
+    return _Kernel()
+"""
+
+#: bitsandbytes's warning when no ``kernels`` package is installed reads ``No module named 'kernels'``
+#: elsewhere; at the root, ``kernels/`` is a namespace package (a plain folder is one when nothing
+#: installed has the name), which holds no ``get_kernel``.
+NAMESPACE_KERNELS = "cannot import name 'get_kernel' from 'kernels' (unknown location)"
+
+# ``import peft``, and which ``kernels`` module it imported if any (code for PROBE).
+PEFT_AND_KERNELS = """
+import peft
+status = getattr(sys.modules.get("kernels"), "__file__", None)
+"""
+
+
+@pytest.fixture
+def hub_kernels(tmp_path) -> Path:
+    """A folder holding the stand-in ``kernels`` package, for PYTHONPATH."""
+    (tmp_path / "site" / "kernels").mkdir(parents=True)
+    (tmp_path / "site" / "kernels" / "__init__.py").write_text(HUB_KERNELS)
+    return tmp_path / "site"
+
+
+def test_at_the_root_an_installed_kernels_package_outranks_the_kernels_folder(hub_kernels, tmp_path):
+    report, _ = probe(
+        tmp_path,
+        "import kernels\nstatus = [kernels.__file__, hasattr(kernels, 'get_kernel')]",
+        path=hub_kernels,
+    )
+    assert report["status"] == [str(hub_kernels / "kernels" / "__init__.py"), True]
+    report, _ = probe(tmp_path, "import lstmem_kernels\nstatus = lstmem_kernels.__file__")
+    assert Path(report["status"]).parts[-2:] == ("lstmem_kernels", "__init__.py"), report["status"]
+
+
+@pytest.mark.slow
+def test_import_peft_at_the_root_with_bitsandbytes_is_clean(peft_alone, hub_kernels, tmp_path):
+    """With bitsandbytes installed, PEFT's import at the root imports the installed ``kernels``
+    package (here a stand-in) and prints nothing about it; with none installed, it prints what it
+    prints anywhere else (bitsandbytes's own request to install one, on a CPU it would use it on), and
+    names no file of the checkout."""
+    pytest.importorskip("bitsandbytes")
+    report, result = probe(tmp_path, PEFT_AND_KERNELS, path=hub_kernels)
+    assert "bitsandbytes" in report["modules"]
+    assert report["status"] in (None, str(hub_kernels / "kernels" / "__init__.py"))  # None: not asked for
+    assert result.stdout == "" and not re.search(r"\bkernels\b", result.stderr), result.stderr
+    (_, alone_result), (_, outside) = peft_alone, probe(tmp_path, "import peft", cwd=tmp_path)
+    assert alone_result.stdout == "" and str(ROOT) not in alone_result.stderr, alone_result.stderr
+    at_root = _peft_output(alone_result.stderr.replace(NAMESPACE_KERNELS, "No module named 'kernels'"))
+    assert at_root == _peft_output(outside.stderr), alone_result.stderr
 
 
 # ---------------------------------------------------------------------- the README's two commands

@@ -1203,6 +1203,83 @@ def test_lstmem_serve_write_policies_with_the_vllm_engine_equal_the_default_engi
     assert hf["none"][2][0] == ("none", 0) and hf["messages_and_answer"][2][0][1] > hf["messages"][2][0][1]
 
 
+def test_lstmem_serve_sampling_fields_with_the_vllm_engine_equal_the_default_engine(
+    setup, tmp_path, monkeypatch
+):
+    """``logit_bias``, ``min_tokens`` and ``ignore_eos`` with ``--engine vllm`` (issue 48 item 7): greedy
+    chat and completions requests on a session's memory (read-only) give the default engine's tokens,
+    texts, finish reasons and token counts (the default engine's against the library's ``generate``:
+    tests/test_serve_sampling.py). The EOS (``</s>``, 2) pushed up by 100 makes the fields decide each
+    answer's length: none, ``min_tokens`` tokens, or ``max_tokens`` with ``ignore_eos`` (the EOS ruled
+    out for the first ``min_tokens`` tokens there too, as vLLM does)."""
+    import asyncio
+
+    import httpx
+
+    from lstmem_peft.serve import create_app, load_model
+
+    _, _, root = setup
+    monkeypatch.delenv(SESSION_DIR_ENV)  # the store becomes vLLM's session directory
+    g = torch.Generator().manual_seed(7)
+    words = [
+        " ".join(f"w{t:03d}" for t in torch.randint(3, VOCAB, (n,), generator=g).tolist()) for n in (50, 5)
+    ]
+    cases = [
+        {},
+        {"logit_bias": {"2": 100}},
+        {"logit_bias": {"2": 100}, "min_tokens": 3},
+        {"logit_bias": {"2": 100}, "min_tokens": 2, "ignore_eos": True},
+        {"ignore_eos": True},
+        {"logit_bias": {"17": 100}},
+        {"logit_bias": {"17": 4.5, "40": -100, "41": -0.5}, "min_tokens": 1},
+    ]
+
+    async def scenario(app, name):
+        transport = httpx.ASGITransport(app=app)
+        out = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://serve", timeout=120) as client:
+            sid = {"X-Session-Id": "fields"}
+            base = {"model": name, "temperature": 0, "max_tokens": 6}
+            first = {**base, "messages": [{"role": "user", "content": words[0]}]}
+            r = await client.post("/v1/chat/completions", json=first, headers=sid)
+            assert r.status_code == 200, r.text
+            for fields in cases:
+                chat = {**base, "messages": [{"role": "user", "content": words[1]}], "lstmem_write": "none"}
+                completion = {**base, "prompt": words[1], "logprobs": 0, "lstmem_write": "none"}
+                for route, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+                    r = await client.post(route, json={**body, **fields}, headers=sid)
+                    assert r.status_code == 200, (fields, r.text)
+                    choice = r.json()["choices"][0]
+                    text = choice["message"]["content"] if "message" in choice else choice["text"]
+                    tokens = choice["logprobs"]["tokens"] if choice.get("logprobs") else None
+                    out.append(
+                        (text, choice["finish_reason"], r.json()["usage"]["completion_tokens"], tokens)
+                    )
+        return out
+
+    results = {}
+    for engine in ("hf", "vllm"):
+        loaded = load_model(
+            str(root / "base"),
+            str(root / "adapter"),
+            device="cpu",
+            dtype="float32",
+            engine=engine,
+            vllm_options=ENGINE,
+            store=str(tmp_path / engine),
+        )
+        app = create_app(loaded, str(tmp_path / engine))
+        app.state.scheduler.start()
+        try:
+            results[engine] = asyncio.run(scenario(app, loaded.name))
+        finally:
+            app.state.scheduler.stop()
+            loaded.engine.close()
+    assert results["vllm"] == results["hf"]
+    counts = [count for _, _, count, _ in results["hf"][::2]]  # chat, per case
+    assert counts[1:5] == [0, 3, 6, 6], counts  # EOS first; min_tokens; ignore_eos (pushed up, or not)
+
+
 HUB_SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams

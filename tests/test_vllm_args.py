@@ -109,6 +109,41 @@ def test_a_vllm_engine_too_short_for_one_history_block_is_refused_before_it_star
     check_block_fits(65, 64)
 
 
+def test_an_answers_sampling_fields_become_vllms_own():
+    """``logit_bias``, ``min_tokens`` and ``ignore_eos`` reach vLLM as its ``SamplingParams`` fields
+    (issue 48 item 7): the answer ends at the model's EOS (``stop_token_ids``, vLLM starting with no
+    tokenizer) unless ``ignore_eos``; the bias is a dict by token id; greedy decoding's ``top_p`` is 1.
+    (The engine's answers against the library engine's: tests/test_vllm.py.)"""
+    pytest.importorskip("fastapi")
+    from lstmem_peft.serve.decoding import Sampling
+    from lstmem_peft.serve.engine_vllm import answer_args
+
+    eos = frozenset({2, 7})
+    plain = answer_args(Sampling(6, 0.0, 1.0, 3, ("x",), None), eos)
+    assert plain == {
+        "n": 1,  # greedy: one sequence, repeated n times by the server
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "stop_token_ids": [2, 7],
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "logit_bias": None,
+        "detokenize": False,
+        "logprobs": None,
+        "prompt_logprobs": None,
+    }
+    fields = Sampling(
+        6, 0.7, 0.9, 2, (), 5, 3, True, logit_bias=((4, -100.0), (9, 2.5)), min_tokens=3, ignore_eos=True
+    )
+    args = answer_args(fields, eos)
+    assert args["stop_token_ids"] == [] and args["ignore_eos"] is True and args["min_tokens"] == 3
+    assert args["logit_bias"] == {4: -100.0, 9: 2.5}
+    assert (args["n"], args["temperature"], args["top_p"], args["seed"]) == (2, 0.7, 0.9, 5)
+    assert (args["logprobs"], args["prompt_logprobs"]) == (3, 3)
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -26,7 +26,9 @@ import torch
 
 from lstmem_peft.tuner.kv_argument import kv_kwargs
 
+from . import bench_settings
 from .bench_records import environment, save_record
+from .bench_settings import DEFAULTS, progress_bar
 
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
@@ -56,24 +58,6 @@ PRESETS = {
         (Path(__file__).resolve().parents[1] / "assets" / "configs" / "qwen3-4b.json").read_text()
     ),
 }
-DEFAULTS = {
-    "cpu": dict(
-        kv_lengths=[256, 1024, 2048],
-        histories=[2048, 4096],
-        answer_tokens=32,
-        write_tokens=4096,
-        prompt_tokens=256,
-        generate_tokens=32,
-    ),
-    "cuda": dict(
-        kv_lengths=[8192 * i for i in (1, 2, 4, 8, 16)],
-        histories=[8192, 32768, 131072],
-        answer_tokens=2048,
-        write_tokens=32768,
-        prompt_tokens=2048,
-        generate_tokens=256,
-    ),
-}
 
 
 def build_model(preset: str, device: torch.device, dtype: torch.dtype, **adapter):
@@ -95,6 +79,20 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype, **adapter
     return get_peft_model(base.eval(), LSTMemConfig(**adapter)).eval()
 
 
+def load_model(model: str, device: torch.device, dtype: torch.dtype, **adapter):
+    """A real backbone (``--model``: a short name of ``lstmem models``, a folder or a Hub id) with a
+    fresh LSTMem adapter on every layer: its own weights and dimensions instead of a preset's."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lstmem_peft.tuner.backbones import resolve_model
+    from lstmem_peft.tuner.config import LSTMemConfig
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(device)
+    torch.manual_seed(0)
+    return get_peft_model(base.eval(), LSTMemConfig(**adapter)).eval()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -111,26 +109,30 @@ def adapter_off(model):
     return lambda memory: contextlib.nullcontext() if memory else model.disable_adapter()
 
 
-def _alternate(run, reps: int, warmup: int, device: torch.device, setup=None, context=None) -> dict:
+def _alternate(
+    run, reps: int, warmup: int, device: torch.device, setup=None, context=None, desc: str = "timing"
+) -> dict:
     """Time ``run(memory, state)`` for memory in (True, False), alternating order. Untimed:
     ``state = setup(memory)``, and entering and leaving ``context(memory)`` (a context manager that
     encloses the timed call, e.g. :func:`adapter_off`).
 
     Besides each side's statistics, ``ratio_pairs`` holds those of the ratios within one repetition
     (its two runs are back to back, so a shared machine's slow minutes move both): steadier than the
-    ratio of the two medians when the load drifts during the run."""
+    ratio of the two medians when the load drifts during the run. ``desc``: the progress bar's label."""
     times = {True: [], False: []}
-    for i in range(warmup + reps):
-        for memory in (True, False) if i % 2 else (False, True):
-            state = setup(memory) if setup else None
-            with context(memory) if context else contextlib.nullcontext():
-                _sync(device)
-                start = time.perf_counter()
-                run(memory, state)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-            if i >= warmup:
-                times[memory].append(elapsed)
+    with progress_bar(2 * (warmup + reps), desc) as bar:
+        for i in range(warmup + reps):
+            for memory in (True, False) if i % 2 else (False, True):
+                state = setup(memory) if setup else None
+                with context(memory) if context else contextlib.nullcontext():
+                    _sync(device)
+                    start = time.perf_counter()
+                    run(memory, state)
+                    _sync(device)
+                    elapsed = time.perf_counter() - start
+                if i >= warmup:
+                    times[memory].append(elapsed)
+                bar.update()
     pairs = [m / p for m, p in zip(times[True], times[False], strict=True)]
     return {"lstmem": _stats(times[True]), "plain": _stats(times[False]), "ratio_pairs": _stats(pairs)}
 
@@ -173,7 +175,9 @@ def bench_decode(model, kv_lengths: list[int], reps: int = 10, warmup: int = 2) 
             else:
                 model(input_ids=token, **kv_kwargs(model, kv_plain), use_cache=True)
 
-        result = _alternate(run, reps, warmup, device, setup, context=adapter_off(model))
+        result = _alternate(
+            run, reps, warmup, device, setup, context=adapter_off(model), desc=f"decode, KV {length}"
+        )
         result.update(
             kv_length=length,
             lstmem_tok_s=1 / result["lstmem"]["median"],
@@ -223,7 +227,8 @@ def bench_write(
             return
         _plain_blocks(model, history, block_size, cache)
 
-    result = _alternate(run, reps, warmup, device, context=adapter_off(model))
+    label = f"write {tokens} tokens, {'KV kept' if kv else 'memory only'}"
+    result = _alternate(run, reps, warmup, device, context=adapter_off(model), desc=label)
     result.update(
         tokens=tokens,
         block_size=block_size,
@@ -268,7 +273,8 @@ def bench_e2e(
         _plain_blocks(model, history, block_size, kv)
         model.generate(input_ids=full, **kv_kwargs(model, kv), **gen)
 
-    result = _alternate(run, reps, warmup, device, context=adapter_off(model))
+    label = f"e2e, history {history_tokens}"
+    result = _alternate(run, reps, warmup, device, context=adapter_off(model), desc=label)
     result.update(
         history_tokens=history_tokens,
         answer_tokens=answer_tokens,
@@ -293,7 +299,8 @@ def bench_generate(model, prompt_tokens: int, new_tokens: int, reps: int = 6, wa
             return
         model.generate(input_ids=prompt, **gen)
 
-    result = _alternate(run, reps, warmup, device, context=adapter_off(model))
+    label = f"generate {new_tokens} after {prompt_tokens}"
+    result = _alternate(run, reps, warmup, device, context=adapter_off(model), desc=label)
     result.update(
         prompt_tokens=prompt_tokens,
         new_tokens=new_tokens,
@@ -388,14 +395,17 @@ def bench_ops(model, prompt_tokens: int = 16, new_tokens: int = 8) -> dict:
 
     device = next(model.parameters()).device
     prompt = torch.randint(0, model.get_base_model().config.vocab_size, (1, prompt_tokens), device=device)
-    _forward_step_ops(model, prompt, True)  # warm-up (derives and caches the layers' weights)
-    forward_extra = _forward_step_ops(model, prompt, True) - _forward_step_ops(model, prompt, False)
-    per_step = {}
-    for name, memory in (("lstmem", True), ("plain", False)):
-        _generate_ops(model, prompt, memory, 1)  # warm-up
-        per_step[name] = _generate_ops(model, prompt, memory, new_tokens + 1) - _generate_ops(
-            model, prompt, memory, 1
-        )
+    with progress_bar(9, "ops, counting") as bar:
+        _forward_step_ops(model, prompt, True)  # warm-up (derives and caches the layers' weights)
+        forward_extra = _forward_step_ops(model, prompt, True) - _forward_step_ops(model, prompt, False)
+        bar.update(3)
+        per_step = {}
+        for name, memory in (("lstmem", True), ("plain", False)):
+            _generate_ops(model, prompt, memory, 1)  # warm-up
+            per_step[name] = _generate_ops(model, prompt, memory, new_tokens + 1) - _generate_ops(
+                model, prompt, memory, 1
+            )
+            bar.update(3)
     layers = len(memory_layers(model))
     extra = per_step["lstmem"] - per_step["plain"]
     return dict(
@@ -422,10 +432,13 @@ def bench_scan(
 
     backends = ["naive", "torch"] + (["triton"] if device.type == "cuda" and triton_available() else [])
     rows = []
+    runs = len(lengths) * 2 * sum((naive_reps if b == "naive" else reps) + 1 for b in backends)
+    bar = progress_bar(len(batches) * runs, "scan")  # the naive scan's long lengths dominate the estimate
     for B in batches:
         for T in lengths:
             for backend in backends:
                 for mode in ("forward", "forward+backward"):
+                    bar.set_description(f"scan B={B} T={T} {backend} {mode}")
                     grad = mode != "forward"
                     g = torch.Generator().manual_seed(0)
                     x = {n: torch.randn(B, T, 4, 8, generator=g) for n in ("q", "k", "w")}
@@ -443,7 +456,9 @@ def bench_scan(
                         _sync(device)
                         if i:
                             times.append(time.perf_counter() - start)
+                        bar.update()
                     rows.append(dict(batch=B, T=T, backend=backend, mode=mode, **_stats(times)))
+    bar.close()
     for r in rows:
         naive = next(
             x
@@ -495,41 +510,52 @@ def run(
     dtype: str = "float32",
     out: str = "benchmarks/results",
     reps: int | None = None,
+    model: str | None = None,
+    progress: bool = True,
     **sizes,
 ) -> dict:
-    """What ``lstmem bench KIND`` does; returns the record written."""
+    """What ``lstmem bench KIND`` does; returns the record written. ``model``: time that backbone
+    (:func:`load_model`) instead of ``preset``'s random weights; the record names it. ``progress``:
+    progress bars on stderr (:mod:`.bench_settings`). Sizes not given: :data:`.bench_settings.DEFAULTS`."""
+    bench_settings.SHOW_PROGRESS = progress
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     defaults = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
+    reps = reps or defaults["reps"].get(kind)
     record = dict(
         benchmark=kind,
-        preset=None if kind == "scan" else preset,
+        preset=None if kind == "scan" or model is not None else preset,
+        **({"model": model} if model is not None else {}),
         device_kind=dev.type,
         dtype=dtype,
         **environment(dev),
     )
     if kind == "scan":
         record["rows"] = bench_scan(
-            sizes.get("lengths") or [63, 2048], sizes.get("batches") or [1, 4], dev, reps=reps or 5
+            sizes.get("lengths") or defaults["scan_lengths"],
+            sizes.get("batches") or defaults["scan_batches"],
+            dev,
+            reps=reps,
         )
     else:
-        model = build_model(preset, dev, getattr(torch, dtype))
+        if model is not None:
+            model = load_model(model, dev, getattr(torch, dtype))
+        else:
+            model = build_model(preset, dev, getattr(torch, dtype))
         if kind == "decode":
-            record["rows"] = bench_decode(
-                model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps or 10
-            )
+            record["rows"] = bench_decode(model, sizes.get("kv_lengths") or defaults["kv_lengths"], reps=reps)
         elif kind == "write":
             tokens = sizes.get("tokens") or defaults["write_tokens"]
-            record["rows"] = [bench_write(model, tokens, reps=reps or 3, kv=kv) for kv in (True, False)]
+            record["rows"] = [bench_write(model, tokens, reps=reps, kv=kv) for kv in (True, False)]
         elif kind == "generate":
             prompt = sizes.get("prompt_tokens") or defaults["prompt_tokens"]
             new_tokens = sizes.get("answer_tokens") or defaults["generate_tokens"]
-            record["rows"] = [bench_generate(model, prompt, new_tokens, reps=reps or 6)]
+            record["rows"] = [bench_generate(model, prompt, new_tokens, reps=reps)]
         elif kind == "ops":
             record["rows"] = [bench_ops(model, new_tokens=sizes.get("answer_tokens") or 8)]
         elif kind == "e2e":
             answer = sizes.get("answer_tokens") or defaults["answer_tokens"]
             record["rows"] = [
-                bench_e2e(model, n, answer, reps=reps or 3)
+                bench_e2e(model, n, answer, reps=reps)
                 for n in (sizes.get("histories") or defaults["histories"])
             ]
         else:

@@ -242,7 +242,9 @@ def _vllm_importable() -> bool:
 def vllm_sweep(s: dict, device: torch.device, dry_run: bool, log=print) -> dict:
     """``benchmarks/bench_vllm.py sweep`` in a child process; its record, or why it did not run."""
     if not _vllm_importable():
-        return dict(skipped="vllm is not importable in this environment (pip install 'lstmem-peft[vllm]')")
+        from lstmem_peft.utils.extras import install_command
+
+        return dict(skipped=f"vllm is not importable in this environment ({install_command('vllm')})")
     if not VLLM_SCRIPT.exists():
         return dict(skipped=f"{VLLM_SCRIPT} not found: run the suite from a source checkout")
     with tempfile.TemporaryDirectory(prefix="lstmem-gpu-vllm-") as tmp:
@@ -319,7 +321,9 @@ def kernels_speed(s: dict, device: torch.device, log=print) -> dict:
     if device.type != "cuda":
         skipped["triton"] = f"no CUDA device ({device.type}): the Triton kernels run on CUDA only"
     elif not triton_available():
-        skipped["triton"] = "triton is not importable (pip install 'lstmem-peft[triton]')"
+        from lstmem_peft.utils.extras import install_command
+
+        skipped["triton"] = f"triton is not importable ({install_command('triton')})"
     log(f"kernels: scan T={s['scan_lengths']} batch {s['scan_batches']}")
     scan = bench.bench_scan(s["scan_lengths"], s["scan_batches"], device, reps=s["scan_reps"])
     for row in scan:

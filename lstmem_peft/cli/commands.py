@@ -12,8 +12,10 @@ lstmem bench gpu --acceptance [--dry-run]   # on a GPU: what works, in one short
 lstmem bench report benchmarks/results                                   # RESULTS.md + plots
 lstmem eval locomo|hotpotqa|mab DATA --model ID --adapter PATH --out DIR [--protocol official|paper]
 lstmem eval locomo|hotpotqa|mab DATA --rescore RUN/predictions.jsonl --protocol paper --out DIR
+lstmem eval locomo DATA --model ID --adapter PATH --rows all --window 8192   # no-context ... bm25 rows, costs
 lstmem serve [--model ID --adapter PATH] [--store DIR] [--port N]   # OpenAI-compatible server with memory
 lstmem data long --out DIR --base-url URL --model NAME --tokenizer ID   # the stage-2 Long dataset
+lstmem models [list|prepare NAME|remove NAME]   # real backbones by short name: --model smollm2-135m anywhere
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .quiet import quiet_command  # upstream deprecations and loading bars off the terminal
+
+    quiet_command(loads_models=_loads_models(args))
     try:
         return RUNNERS[args.command](args)
     except KeyboardInterrupt:
@@ -77,6 +82,8 @@ def _where(args) -> str:
         return f"eval {args.benchmark}"
     if args.command in ("bench", "data"):
         return f"{args.command} {args.kind}"
+    if args.command == "models":
+        return f"models {args.action}"
     return args.command
 
 
@@ -117,8 +124,23 @@ def _check_folder(option: str, value: str | None, needs: str, expected: str, fix
 
 
 def _check_model(value: str | None) -> None:
-    fix = "Pass the folder save_pretrained wrote for the backbone, or its Hub id"
+    """A short name of ``lstmem models`` must be usable (converted, or its package installed); a local
+    folder must hold config.json."""
+    from lstmem_peft.tuner.backbones import check_model
+
+    check_model(value)  # cheap: no model loads, nothing converts yet
+    fix = (
+        "Pass the folder save_pretrained wrote for the backbone, its Hub id, or a short name of lstmem models"
+    )
     _check_folder("--model", value, "config.json", MODEL_EXPECTED, fix)
+
+
+def _resolve_model(value: str | None) -> str | None:
+    """A ``--model`` value as the loaders take it: a short name becomes its converted folder (converted
+    once, with a progress bar); a folder or Hub id stays as it is."""
+    from lstmem_peft.tuner.backbones import resolve_model
+
+    return resolve_model(value)
 
 
 def _check_adapter(value: str | None) -> None:
@@ -189,7 +211,7 @@ def _demo(args) -> int:
 
     run(
         train=args.train,
-        model_id=args.model,
+        model_id=_resolve_model(args.model),
         num_episodes=args.episodes,
         ablations=not args.no_ablations,
         train_steps=args.steps,
@@ -240,6 +262,16 @@ def _bench(args) -> int:
             raise UsageError(
                 f"{option} applies to lstmem bench gpu only; expected none with {args.kind}. Drop it"
             )
+    if args.model is not None and args.kind not in ("decode", "generate", "ops", "e2e", "write"):
+        raise UsageError(
+            f"--model applies to lstmem bench decode, generate, ops, e2e and write; expected none with "
+            f"{args.kind}. Drop it"
+        )
+    if args.model is not None and args.preset is not None:
+        raise UsageError(
+            "--model and --preset both choose the model; expected one of them. Drop --preset to time --model"
+        )
+    _check_model(args.model)
     if args.kind != "scan" and args.preset is not None and args.preset not in benchmarks.PRESETS:
         raise UsageError(
             f"--preset {args.preset}: unknown; expected one of {', '.join(sorted(benchmarks.PRESETS))}. "
@@ -259,6 +291,7 @@ def _bench(args) -> int:
         dtype=args.dtype,
         out=args.out,
         reps=args.reps,
+        model=args.model,
         kv_lengths=args.kv_lengths,
         histories=args.histories,
         answer_tokens=args.answer_tokens,
@@ -346,7 +379,7 @@ def _serve(args) -> int:
     from lstmem_peft.serve import serve
 
     serve(
-        model=args.model,
+        model=_resolve_model(args.model),
         adapter=args.adapter,
         store=args.store,
         host=args.host,
@@ -459,7 +492,7 @@ def _eval(args) -> int:
         print(f"wrote {out}/predictions.jsonl, {out}/summary.json, {out}/results.md")
         return 0
     model, tokenizer = loading.load_model_and_adapter(
-        args.model, args.adapter, dtype=args.dtype, device=args.device
+        _resolve_model(args.model), args.adapter, dtype=args.dtype, device=args.device
     )
     if args.benchmark == "mab" and args.chunk_tokenizer == "model":  # histories are built when iterated
         benchmark.count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -495,8 +528,67 @@ def _data(args) -> int:
     return long_data.run(args)
 
 
+def _models(args) -> int:
+    """``lstmem models``: list the known real backbones, convert one (printing its folder), or remove one."""
+    from lstmem_peft.tuner import backbones
+
+    if args.action == "prepare":
+        print(backbones.resolve_backbone(args.name, force=args.force))  # progress and notes on stderr
+    elif args.action == "remove":
+        folder = backbones.remove_backbone(args.name)
+        print(f"removed {folder}" if folder else f"{args.name}: not converted, nothing to remove")
+    else:
+        statuses = [backbones.backbone_status(name) for name in sorted(backbones.BACKBONES)]
+        if args.json:
+            import json
+
+            print(json.dumps(statuses, indent=2))
+        else:
+            print(_models_table(statuses, backbones.cache_home()))
+    return 0
+
+
+def _models_table(statuses: list[dict], cache) -> str:
+    """What ``lstmem models`` prints: each backbone, its state and what to run next."""
+    lines = []
+    for s in statuses:
+        lines.append(f"{s['name']}: {s['original']} ({s['license']}); {s['architecture']}")
+        size = f", {s['size_mb']} MB" if s["size_mb"] else ""
+        lines.append(
+            f"  source     pip package {s['package']} {s['version'] or ''}: {s['quantisation']}{size}"
+        )
+        if s["problem"]:
+            lines.append(f"  installed  no: {s['problem']}")
+        elif s["installed"]:
+            lines.append(f"  installed  yes ({s['package']} {s['installed_version'] or ''}: {s['file']})")
+        else:
+            lines.append(f"  installed  no: {s['install'][0]}")
+        if not s["gguf_installed"] and not s["converted"]:
+            lines.append(f"  gguf       not installed (needed to convert): {s['install'][1]}")
+        if s["converted"]:
+            lines.append(f"  converted  {s['folder']} ({s['folder_mb']} MB): --model {s['name']} uses it")
+        else:
+            lines.append(
+                f"  converted  no: lstmem models prepare {s['name']} (once; a first --model {s['name']} does it too)"
+            )
+    lines.append(f"converted backbones live in {cache} (set LSTMEM_HOME to move them)")
+    return "\n".join(lines)
+
+
+#: The subcommands that load a model with transformers (``lstmem bench report`` aside): its loading bars off.
+LOADS_MODELS = frozenset({"demo", "bench", "eval", "serve"})
+
+
+def _loads_models(args) -> bool:
+    """Whether the command loads a model with transformers (``lstmem models prepare`` checks the one it
+    converts by loading it): only then are transformers' loading bars turned off (importing it)."""
+    if args.command == "models":
+        return args.action == "prepare"
+    return args.command in LOADS_MODELS and getattr(args, "kind", None) != "report"
+
+
 #: What each subcommand of :data:`lstmem_peft.cli.parser.SUBCOMMANDS` runs: ``args`` -> exit status.
-RUNNERS = {"demo": _demo, "bench": _bench, "eval": _eval, "serve": _serve, "data": _data}
+RUNNERS = {"demo": _demo, "bench": _bench, "eval": _eval, "serve": _serve, "data": _data, "models": _models}
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from lstmem_peft.training.data import CLIENTS, ServedConversation, left_pad, syn
 from lstmem_peft.tuner.history import write_history
 from lstmem_peft.utils.offline import demo_tokenizer
 
-from .demo_recall import NUM_PAIRS, WINDOW, _pad_id
+from .demo_recall import NUM_PAIRS, SEEDS_DOC, WINDOW, _pad_id, caption, standard_error
 
 #: Questions asked after the facts, each in its own turn.
 QUESTIONS = 4
@@ -137,20 +137,35 @@ def evaluate_conversation(
 
 
 def format_conversation(results: dict[str, dict]) -> str:
-    """Rows: ``"adapter, client"``; columns: recall at each question position."""
+    """Rows: ``"adapter, client"``; columns: recall at each question position. The caption above says
+    what the rows and columns are; the one below, why a figure may be lower than another."""
     first = next(iter(results.values()))
-    n = len(first["recall_by_position"])
+    n, sessions = len(first["recall_by_position"]), first["num_sessions"]
     head = f"{'conversation (memory, written as served)':<44}" + "".join(
         f"{'Q' + str(q + 1):>7}" for q in range(n)
     )
     lines = [
-        f"Conversations: {NUM_PAIRS} facts as the first chat turn, then {n} questions in later turns, each "
-        f"written into memory after it is answered (lstmem_write={first['write']}); {first['num_sessions']} "
-        f"sessions. newest: the client sends its newest message only ({CLIENT_WINDOWS['newest']}-token "
-        f"window); resend: it re-sends the conversation into a {CLIENT_WINDOWS['resend']}-token window.",
+        caption(
+            f"Conversations: {NUM_PAIRS} facts as the first chat turn, then {n} questions in later turns, "
+            f"each written into memory after it is answered (lstmem_write={first['write']}); {sessions} "
+            f"sessions. Qn: recall from memory at the n-th question. newest: the client sends its newest "
+            f"message only ({CLIENT_WINDOWS['newest']}-token window); resend: it re-sends the conversation "
+            f"into a {CLIENT_WINDOWS['resend']}-token window."
+        ),
         head,
         "-" * len(head),
     ]
     for name, r in results.items():
         lines.append(f"{name:<44}" + "".join(f"{x:>7.3f}" for x in r["recall_by_position"]))
+    every = [x for r in results.values() for x in r["recall_by_position"]]
+    se = standard_error(sum(every) / len(every), sessions)
+    lines.append(
+        caption(
+            f"One standard error of a figure: {se:.3f} at {sessions} sessions. A later question's figure is "
+            "lower where the turns written before it (the earlier questions and answers) overwrote some "
+            "of the facts. Differences between rows within two standard errors are noise; each row is one "
+            "trained adapter (the training seed alone moves the demo's figures by a few hundredths: "
+            f"{SEEDS_DOC})."
+        )
+    )
     return "\n".join(lines)

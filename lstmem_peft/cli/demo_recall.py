@@ -17,6 +17,7 @@ command (:mod:`.demo`).
 from __future__ import annotations
 
 import random
+import textwrap
 
 import torch
 from tqdm.auto import tqdm
@@ -42,6 +43,20 @@ ADAPTERS = {
 #: 0.043 at 64 (``lstmem demo --sweep``, 2026-11-25). 64 tokens (the question and the last 20
 #: facts) is where it still works, and it is also the adapters' block size.
 WINDOW = 64
+
+#: Where the seed-to-seed spread of the demo's figures was measured (six adapters per variant, each
+#: trained with the shipped recipe: "Where the paper's components show"), named in the captions.
+SEEDS_DOC = "docs/demo.md"
+
+
+def standard_error(p: float, n: int) -> float:
+    """One standard error of a recall ``p`` measured on ``n`` episodes (binomial)."""
+    return (p * (1 - p) / max(n, 1)) ** 0.5
+
+
+def caption(text: str, width: int = 100) -> str:
+    """A printed table's caption, wrapped for a terminal (never inside a word, nor at a hyphen)."""
+    return textwrap.fill(text, width, break_on_hyphens=False, break_long_words=False)
 
 
 def adapter_config(**overrides) -> LSTMemConfig:

@@ -22,6 +22,7 @@ from lstmem_peft.utils.offline import NUM_KEYS, NUM_VALUES, demo_tokenizer
 from .demo_recall import (
     WINDOW,
     answers_correct,
+    caption,
     episode_rows,
     in_context_row,
     memory_state_size,
@@ -199,7 +200,16 @@ def format_sweep(record: dict) -> str:
     names = [k for k in record["rows"][0]["recall"] if k.startswith("memory/")]
     head = f"{'facts':>6}{'tokens':>8}{'blocks':>7}" + "".join(f"{n[7:][:17]:>18}" for n in names)
     head += f"{'memory+window':>15}{'window':>8}{'in context':>12}{'no history':>12}"
-    lines = [head, "-" * len(head)]
+    explained = caption(
+        f"Recall against history length ({record['num_episodes']} episodes per length; the asked key "
+        "appears once, anywhere). memory/ADAPTER: the history written into that adapter's memory, then "
+        "the question alone reads it. memory+window: the same with the last "
+        f"{record['window_tokens']} tokens in context too. window: the plain backbone cut to that window. "
+        "in context: the whole history in context. no history: the plain backbone, question alone (the "
+        "floor). Recall falls as the history grows: memory's state has a fixed size (last line), "
+        "the window keeps only the latest facts, and the backbone never read histories past its window."
+    )
+    lines = [explained, head, "-" * len(head)]
     for row in record["rows"]:
         r = row["recall"]
         ctx = f"{r['in_context']:.3f}" if row["fits_window"] else f"({r['in_context']:.3f})"
@@ -253,7 +263,9 @@ def plot_sweep(record: dict, path: str | Path) -> Path | None:
     try:
         import matplotlib
     except ModuleNotFoundError:
-        print("matplotlib is not installed: no plot (pip install 'lstmem-peft[bench]')")
+        from lstmem_peft.utils.extras import install_command
+
+        print(f"matplotlib is not installed: no plot ({install_command('bench')})")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

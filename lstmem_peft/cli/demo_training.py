@@ -385,7 +385,6 @@ def publish(folder: Path = DEMO_ASSETS) -> None:
     fixed ``memory_id`` (so saved memory stays valid across loads), and a model card with their
     settings, how they were trained and evaluated (``build.json``) and the citation. The weights are
     unchanged."""
-    from huggingface_hub import ModelCard
     from peft import PeftModel
 
     from lstmem_peft.training.card import record_training, write_model_card
@@ -410,20 +409,16 @@ def publish(folder: Path = DEMO_ASSETS) -> None:
             recall_in_context=recall.get("recall_in_context"),
             recall_no_history=recall.get("recall_no_history"),
         )
-        model.get_base_model().config._name_or_path = DEMO_BACKBONE  # the card's base_model
+        model.get_base_model().config._name_or_path = DEMO_BACKBONE  # never the builder's folder
+        variant = "the full method" if not ADAPTERS[name] else f"ablation {json.dumps(ADAPTERS[name])}"
+        summary = (
+            f"The demo adapter `{name}`, shipped with lstmem-peft for `lstmem demo`: a tiny adapter on the "
+            "package's tiny demo backbone, trained to recall key-value pairs written into memory, over a "
+            f"conversation too ({variant}). It is a working example of the method and the file format, "
+            "not a model for real text."
+        )
         with tempfile.TemporaryDirectory() as staging:  # a fresh card, not the one already there
-            intro = (
-                f"# LSTMem demo adapter: {name.replace('_', ' ')}\n\n"
-                "Shipped with lstmem-peft for `lstmem demo`: a tiny adapter on the package's tiny demo "
-                "backbone, trained to recall key-value pairs written into memory, over a conversation too "
-                f"({'the full method' if not ADAPTERS[name] else 'ablation ' + json.dumps(ADAPTERS[name])}). "
-                "It is a working example of the method and the file format, not a model for real text.\n\n"
-            )
-            (Path(staging) / "README.md").write_text(intro)
-            model.save_pretrained(staging)  # PEFT adds its metadata to the card it finds
-            write_model_card(model, staging)
-            card = ModelCard.load(Path(staging) / "README.md")  # no tag may name the builder's folder
-            card.data["tags"] = [t for t in card.data.get("tags", []) if not t.startswith("base_model:")]
-            card.save(Path(staging) / "README.md")
+            model.save_pretrained(staging)
+            write_model_card(model, staging, base_model=DEMO_BACKBONE, summary=summary)
             for file in ("README.md", "adapter_config.json", "adapter_model.safetensors"):
                 (target / file).write_bytes((Path(staging) / file).read_bytes())

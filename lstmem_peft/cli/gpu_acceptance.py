@@ -368,7 +368,9 @@ def _prepare_triton(dry_run: bool) -> str | None:
     try:
         mode = triton_mode()
     except ImportError as err:
-        return f"triton is not importable ({_first_line(err)}): pip install 'lstmem-peft[triton]'"
+        from lstmem_peft.utils.extras import install_command
+
+        return f"triton is not importable ({_first_line(err)}): {install_command('triton')}"
     if dry_run and mode != "interpreted":
         return (
             f"the Triton kernels are {mode} here, not interpreted: triton was imported (peft imports it where "

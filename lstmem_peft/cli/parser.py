@@ -90,7 +90,10 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--train", action="store_true", help="retrain the adapters from scratch with LSTMemTrainer"
     )
     parser.add_argument(
-        "--model", default=None, help="Hub id or local path of a causal LM (default: embedded tiny model)"
+        "--model",
+        default=None,
+        help="a causal LM: a short name of `lstmem models` (e.g. smollm2-135m), a local folder or a Hub id "
+        "(default: embedded tiny model)",
     )
     parser.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
     parser.add_argument(
@@ -146,6 +149,12 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", default=None, help="model dimensions: cpu-small (default) or qwen3-4b (gpu: qwen3-4b)"
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="decode, generate, ops, e2e, write: time this backbone's real weights instead of --preset's "
+        "random ones: a short name of `lstmem models` (e.g. smollm2-135m), a local folder or a Hub id",
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
         "--dtype",
@@ -190,7 +199,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="timed repetitions of each measurement after warm-up, each side's median, min and max recorded "
-        "(default: decode 10, generate 6, scan 5, write and e2e 3, gpu 20; ops counts and ignores it)",
+        "(default on a CPU: decode 5, scan 3, generate, write and e2e 2; on CUDA: decode 10, generate 6, "
+        "scan 5, write and e2e 3; gpu 20; ops counts and ignores it)",
     )
     _bench_size_arguments(parser)
 
@@ -202,40 +212,40 @@ def _bench_size_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         nargs="+",
         default=None,
-        help="decode, gpu: KV cache lengths (default: 256 1024 2048 on a CPU, 8192 16384 32768 65536 131072 on CUDA)",
+        help="decode, gpu: KV cache lengths (default: 128 256 on a CPU, 8192 16384 32768 65536 131072 on CUDA)",
     )
     parser.add_argument(
         "--histories",
         type=positive_int,
         nargs="+",
         default=None,
-        help="e2e: history lengths (default: 2048 4096 on a CPU, 8192 32768 131072 on CUDA)",
+        help="e2e: history lengths (default: 256 on a CPU, 8192 32768 131072 on CUDA)",
     )
     parser.add_argument(
         "--answer-tokens",
         type=positive_int,
         default=None,
-        help="e2e, generate, gpu: generated tokens (default: e2e 32 on a CPU, 2048 on CUDA; generate 32 "
+        help="e2e, generate, gpu: generated tokens (default: e2e 8 on a CPU, 2048 on CUDA; generate 8 "
         "on a CPU, 256 on CUDA; gpu 128)",
     )
     parser.add_argument(
         "--prompt-tokens",
         type=positive_int,
         default=None,
-        help="generate: prompt length (default: 256 on a CPU, 2048 on CUDA)",
+        help="generate: prompt length (default: 64 on a CPU, 2048 on CUDA)",
     )
     parser.add_argument(
         "--tokens",
         type=positive_int,
         default=None,
-        help="write: history tokens (default: 4096 on a CPU, 32768 on CUDA)",
+        help="write: history tokens (default: 256 on a CPU, 32768 on CUDA)",
     )
     parser.add_argument(
         "--lengths",
         type=positive_int,
         nargs="+",
         default=None,
-        help="scan, gpu: block lengths (default: scan 63 2048; gpu 2048 8192 32768)",
+        help="scan, gpu: block lengths (default: scan 63 256 on a CPU, 63 2048 on CUDA; gpu 2048 8192 32768)",
     )
     parser.add_argument(
         "--batches",
@@ -257,7 +267,10 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         "data", help="local file/folder in the benchmark's official format, or a Hub dataset id"
     )
     parser.add_argument(
-        "--model", default=None, help="base model: Hub id or local folder (not with --rescore)"
+        "--model",
+        default=None,
+        help="base model: a short name of `lstmem models` (e.g. smollm2-135m), a local folder or a Hub id "
+        "(not with --rescore)",
     )
     parser.add_argument(
         "--protocol",
@@ -404,10 +417,17 @@ def _eval_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: ``lstmem serve --max-tokens``: what it sets and its default, which fits any window.
+MAX_TOKENS_HELP = "max_tokens of a chat request that sets none (default: 64, at most half the context window)"
+
+
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``lstmem serve``: the model, the session store, the address, the keys and the batching."""
     parser.add_argument(
-        "--model", default=None, help="backbone: Hub id or local folder (default: embedded demo)"
+        "--model",
+        default=None,
+        help="backbone: a short name of `lstmem models` (e.g. smollm2-135m), a local folder or a Hub id "
+        "(default: embedded demo)",
     )
     parser.add_argument(
         "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)"
@@ -451,9 +471,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-batching", action="store_true", help="run requests one at a time")
     parser.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="larger bodies get 413")
-    parser.add_argument(
-        "--max-tokens", type=positive_int, default=64, help="max_tokens of a chat request that sets none"
-    )
+    parser.add_argument("--max-tokens", type=positive_int, default=None, help=MAX_TOKENS_HELP)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
         "--dtype",
@@ -496,6 +514,31 @@ def _data_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _models_arguments(parser: argparse.ArgumentParser) -> None:
+    """``lstmem models [list|prepare NAME|remove NAME]``: the real backbones known by short name."""
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", help="what to do (default: list)")
+    listing = actions.add_parser(
+        "list",
+        help="each backbone: what it is, whether its package is installed and it is converted, how to install it",
+        formatter_class=HelpFormatter,
+    )
+    listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    prepare = actions.add_parser(
+        "prepare",
+        help="convert a backbone's installed GGUF once into a float32 folder (progress bar) and print its path",
+        formatter_class=HelpFormatter,
+    )
+    prepare.add_argument("name", help="the backbone's short name (see lstmem models list)")
+    prepare.add_argument(
+        "--force", action="store_true", help="convert again even when a current conversion exists"
+    )
+    remove = actions.add_parser(
+        "remove", help="delete a backbone's converted folder", formatter_class=HelpFormatter
+    )
+    remove.add_argument("name", help="the backbone's short name")
+    parser.set_defaults(action="list", json=False)
+
+
 #: ``lstmem bench KIND``: each kind and what it measures (its help).
 BENCH_KINDS: dict[str, str] = {
     "decode": "one decode forward with memory against the plain backbone, by --kv-lengths",
@@ -518,6 +561,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
     "data": (
         "training data: build the stage-2 Long dataset through an OpenAI-compatible endpoint",
         _data_arguments,
+    ),
+    "models": (
+        "real backbones by short name (--model smollm2-135m): list, install hints, convert once offline",
+        _models_arguments,
     ),
 }
 

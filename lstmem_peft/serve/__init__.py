@@ -72,7 +72,12 @@ def serve(
     )
     try:
         app = create_app(loaded, store, api_keys=api_keys, **options)
-        print(f"lstmem serve: model {loaded.name!r}, sessions in {store}, http://{host}:{port}", flush=True)
+        window = app.state.scheduler.window
+        print(
+            f"lstmem serve: model {loaded.name!r}, context window {window} tokens, sessions in {store}, "
+            f"http://{host}:{port}",
+            flush=True,
+        )
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         loaded.engine.close()  # a vLLM engine's processes end with the server

@@ -70,8 +70,12 @@ from .serving_completions import ServingCompletions
 from .serving_memory import ServingMemory
 from .serving_models import ServingModels
 from .store import DEFAULT_VERSION_BYTES, DEFAULT_VERSIONS, SessionStore, namespace_for
+from .vocabulary import Vocabulary
 
 log = logging.getLogger(__name__)
+#: ``max_tokens`` of a chat request that sets none, unless ``--max-tokens`` says otherwise: at most half
+#: the window (create_app).
+DEFAULT_MAX_TOKENS = 64
 
 #: The longest default context window, in tokens: a window is prefilled at every turn, and what
 #: does not fit it is written into memory, which is what this server is for.
@@ -97,7 +101,8 @@ def context_window_of(loaded: LoadedModel, requested: int | None = None) -> int:
     Past the trained positions a model does not fail: it answers with confident garbage. So:
 
     * no ``requested`` window: the position limit, at most :data:`DEFAULT_WINDOW` (the default is
-      clamped; a warning is logged when the trained length, not the config's limit, set it);
+      clamped; logged at INFO when the trained length, not the config's limit, set it: the right
+      window, nothing to act on; ``lstmem serve``'s start line names the window);
     * a ``requested`` window over the position limit is **refused** (``ValueError`` naming the
       limit, where it comes from, the request and the fix), not clamped: whoever asked for a window
       expects that window, and a smaller one silently changes which messages are in context and
@@ -145,7 +150,7 @@ def context_window_of(loaded: LoadedModel, requested: int | None = None) -> int:
     if requested is not None:
         return requested
     if trained is not None and trained == default and (hard is None or trained < hard):
-        log.warning(
+        log.info(
             "lstmem serve: context window %d tokens, the positions the backbone was trained for (its config's "
             "%s; the model takes %s): longer conversations are answered from memory",
             default,
@@ -165,7 +170,7 @@ def create_app(
     batch_wait_ms: float = 5.0,
     batching: bool = True,
     max_body_bytes: int = 1 << 20,
-    default_max_tokens: int = 64,
+    default_max_tokens: int | None = None,
     session_versions: int = DEFAULT_VERSIONS,
     session_version_bytes: int = DEFAULT_VERSION_BYTES,
 ) -> FastAPI:
@@ -181,8 +186,9 @@ def create_app(
         batch_wait_ms: how long the worker waits for more requests to batch with the first one.
         batching: ``False`` runs requests one at a time (the benchmark's baseline).
         max_body_bytes: larger request bodies get 413.
-        default_max_tokens: ``max_tokens`` of chat requests that give none; one that leaves no room for
-            a prompt in the window becomes half the window (with a warning).
+        default_max_tokens: ``max_tokens`` of chat requests that give none; default: 64, at most half the
+            window (the demo's 64-token window: 32). A given one that leaves no room for a prompt in the
+            window becomes half the window (with a warning).
         session_versions: most versions kept per session (:mod:`.store`; the newest is always kept).
         session_version_bytes: most bytes of memory files kept per session.
 
@@ -191,6 +197,8 @@ def create_app(
         the app's lifespan) and ``metrics``.
     """
     window = context_window_of(loaded, context_window)
+    if default_max_tokens is None:  # the defaults fit together: room for a prompt in any window
+        default_max_tokens = max(1, min(DEFAULT_MAX_TOKENS, window // 2))
     if default_max_tokens >= window:
         log.warning(
             "lstmem serve: --max-tokens %d leaves no room for a prompt in the %d-token context window; chat "
@@ -229,10 +237,11 @@ def create_app(
     state = app.state
     state.loaded, state.store, state.scheduler, state.metrics = loaded, store, scheduler, metrics
     state.api_keys = frozenset(api_keys or ())
+    vocabulary = Vocabulary.of(loaded)  # the request handlers' tokenizer, and what text the model reads
     state.serving_models = ServingModels(loaded, scheduler, metrics)
-    state.serving_chat = ServingChat(loaded, scheduler, metrics, window, default_max_tokens)
-    state.serving_completions = ServingCompletions(loaded, scheduler, metrics, window)
-    state.serving_memory = ServingMemory(loaded, scheduler, metrics, store)
+    state.serving_chat = ServingChat(loaded, scheduler, metrics, window, default_max_tokens, vocabulary)
+    state.serving_completions = ServingCompletions(loaded, scheduler, metrics, window, vocabulary)
+    state.serving_memory = ServingMemory(loaded, scheduler, metrics, store, vocabulary)
     # the last added runs first: metrics see every answer, 413s included
     app.add_middleware(JsonBody)
     app.add_middleware(BodyLimit, limit=max_body_bytes)

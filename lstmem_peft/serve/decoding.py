@@ -23,6 +23,15 @@ class Sampling:
     seed: int | None
     logprobs: int | None = None  # log-probabilities of the answer's tokens, with this many top tokens
     echo: bool = False  # ... and of the prompt's tokens
+    #: OpenAI's ``logit_bias``: ``(token_id, bias)`` pairs, ids ascending, each bias added to that
+    #: token's logit before sampling (before temperature and ``top_p``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: vLLM's ``min_tokens``: the EOS tokens are ruled out, and stop strings are not looked for, until
+    #: this many tokens were generated
+    min_tokens: int = 0
+    #: vLLM's ``ignore_eos``: an EOS token does not end the answer (decoding goes on to ``max_tokens``
+    #: or a stop string); it stays in the answer's tokens, as a special token without text
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -37,7 +46,7 @@ class Sampling:
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one ``generate`` call; a seeded request runs alone
         (one RNG stream per call), which the scheduler enforces."""
-        scored = (self.logprobs, self.echo)
+        scored = (self.logprobs, self.echo, self.logit_bias, self.min_tokens, self.ignore_eos)
         if self.greedy:
             return ("greedy", self.max_tokens, self.n, self.stop, *scored)
         return ("sample", self.max_tokens, self.temperature, self.top_p, self.n, self.stop, *scored)
@@ -46,7 +55,11 @@ class Sampling:
         """Keyword arguments of ``model.generate`` for these parameters (``top_k`` off: OpenAI has none).
 
         Greedy decoding gets no ``num_return_sequences`` (transformers refuses it without sampling):
-        :func:`generate_rows` decodes once and repeats the answer ``n`` times."""
+        :func:`generate_rows` decodes once and repeats the answer ``n`` times. ``logit_bias`` is
+        transformers' ``sequence_bias`` of one-token sequences (its ``SequenceBiasLogitsProcessor``,
+        which runs before temperature and ``top_p``); ``ignore_eos`` is ``eos_token_id=None`` (no EOS
+        stopping criterion). ``min_tokens`` needs the prompt's width and the EOS tokens: the engine
+        adds its processor (:meth:`~.engine_library.LibraryEngine.generate`)."""
         if self.greedy:
             kwargs = {"do_sample": False}
         else:
@@ -54,7 +67,23 @@ class Sampling:
         kwargs["max_new_tokens"] = self.max_tokens
         if self.decoded > 1:
             kwargs["num_return_sequences"] = self.decoded
+        if self.logit_bias:
+            kwargs["sequence_bias"] = [[[token], float(bias)] for token, bias in self.logit_bias]
+        if self.ignore_eos:
+            kwargs["eos_token_id"] = None
         return kwargs
+
+
+def find_stop(text: str, stops: tuple[str, ...], after: int = 0) -> int:
+    """Where the answer ``text`` is cut: the start of the first stop string that ends past its first
+    ``after`` characters (the text of the tokens before ``min_tokens``, where vLLM does not look for
+    stop strings), or -1 when there is none."""
+    cuts = []
+    for stop in stops:
+        at = text.find(stop, max(0, after - len(stop) + 1))
+        if at >= 0:
+            cuts.append(at)
+    return min(cuts, default=-1)
 
 
 @dataclass

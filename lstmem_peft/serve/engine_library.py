@@ -16,14 +16,15 @@ used through the library's public API, and scattered back with ``clone`` + ``bat
 from __future__ import annotations
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import left_pad
 from lstmem_peft.tuner.history import memory_layers, row_blocks, write_history
 
-from .decoding import Decoded, Sampling, Scores
+from .decoding import Decoded, Sampling, Scores, find_stop
 from .engine import MemoryRow
 
 #: Logits held at once while scoring (rows x positions x vocabulary): larger batches are scored in parts.
@@ -38,6 +39,9 @@ class LibraryEngine:
         tokenizer: its tokenizer (pad token; stop strings are matched on decoded text).
         block_size: the adapter's history block length (``write_history`` writes in such blocks).
         vocab_size: the token ids the backbone embeds (bounds the logits a scoring forward holds).
+        eos_ids: the tokens that end an answer (the server's ``LoadedModel.eos_ids``), which
+            ``min_tokens`` rules out; default: the model's generation config's EOS, else the
+            tokenizer's.
 
     Attributes:
         model: the PeftModel the server answers with (tests and tools may run it directly).
@@ -48,11 +52,23 @@ class LibraryEngine:
     request_limit = None  # the model's position limit is the only bound
     session_root = None  # works on the rows' caches in RAM
 
-    def __init__(self, model: torch.nn.Module, tokenizer, block_size: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        block_size: int,
+        vocab_size: int,
+        eos_ids: frozenset[int] | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.vocab_size = vocab_size
+        if eos_ids is None:
+            eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = tokenizer.eos_token_id if eos is None else eos
+            eos_ids = frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self.eos_ids = eos_ids
         self.device = next(model.parameters()).device
         pad = tokenizer.pad_token_id
         # the pad of written histories: the tokenizer's, else 0; of prompts and scored sequences,
@@ -74,13 +90,27 @@ class LibraryEngine:
         :meth:`Engine.generate <.engine.Engine.generate>`): decoding of a row stops at its stop
         strings and when it is cancelled; its tokens stream to ``on_token`` as they come. The
         answers' log-probabilities are not kept (``Decoded.scores`` ``None``): the server scores
-        them from the same memory (:meth:`score`)."""
+        them from the same memory (:meth:`score`).
+
+        ``logit_bias`` and ``ignore_eos`` are ``generate``'s own (:meth:`Sampling.generate_kwargs
+        <.decoding.Sampling.generate_kwargs>`); ``min_tokens`` is transformers'
+        ``MinNewTokensLengthLogitsProcessor`` over :attr:`eos_ids` (with ``ignore_eos`` too, as vLLM
+        rules its EOS out for ``min_tokens``), and no stop string ends a row within its first
+        ``min_tokens`` tokens."""
         tok, pad = self.tokenizer, self._pad
         ids, mask = left_pad(prompts, pad, self.device)
         kwargs = sampling.generate_kwargs()
+        if sampling.min_tokens and self.eos_ids:
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [
+                    MinNewTokensLengthLogitsProcessor(
+                        ids.shape[1], sampling.min_tokens, sorted(self.eos_ids), device=self.device
+                    )
+                ]
+            )
         if any(stops) or cancelled is not None:
             kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [_StopRows(tok, ids.shape[1], stops, cancelled or (lambda row: False))]
+                [_StopRows(tok, ids.shape[1], stops, cancelled or (lambda row: False), sampling.min_tokens)]
             )
         if on_token is not None:
             kwargs["streamer"] = RowStreamer(on_token)
@@ -170,23 +200,32 @@ class LibraryEngine:
 
 # ---------------------------------------------------------------------- helpers
 class _StopRows(StoppingCriteria):
-    """Marks a row finished once its decoded answer contains a stop string, or when its request
-    was cancelled (the client went away)."""
+    """Marks a row finished once its decoded answer contains a stop string that cuts it (one that
+    ends past the text of its first ``min_tokens`` tokens: :func:`~.decoding.find_stop`, as
+    :func:`~.generation.cut_answer` cuts), or when its request was cancelled (the client went away)."""
 
-    def __init__(self, tokenizer, prompt_width: int, stops: list[tuple[str, ...]], cancelled) -> None:
+    def __init__(
+        self, tokenizer, prompt_width: int, stops: list[tuple[str, ...]], cancelled, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.width = prompt_width
         self.stops = stops
         self.cancelled = cancelled
+        self.min_tokens = min_tokens
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        generated = input_ids.shape[1] - self.width
         for row in range(input_ids.shape[0]):
             if self.cancelled(row):
                 done[row] = True
-            elif self.stops[row]:
-                text = self.tokenizer.decode(input_ids[row, self.width :], skip_special_tokens=True)
-                done[row] = any(s in text for s in self.stops[row])
+            elif self.stops[row] and generated >= self.min_tokens:
+                answer = input_ids[row, self.width :]
+                text = self.tokenizer.decode(answer, skip_special_tokens=True)
+                head = self.min_tokens and len(
+                    self.tokenizer.decode(answer[: self.min_tokens], skip_special_tokens=True)
+                )
+                done[row] = find_stop(text, self.stops[row], head) >= 0
         return done
 
 

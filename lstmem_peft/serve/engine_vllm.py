@@ -127,6 +127,35 @@ def vllm_scores(positions, tokens, top: int) -> tuple[list[float], list[list[tup
     return chosen, best
 
 
+def answer_args(sampling: Sampling, eos_ids: frozenset[int]) -> dict:
+    """The ``SamplingParams`` arguments of an answering request of ``sampling`` (all but its
+    ``extra_args``), decoding as the library engine decodes:
+
+    * the answer ends at ``eos_ids`` (``stop_token_ids``: the engine starts with no tokenizer, so
+      vLLM knows no EOS of its own), at none with ``ignore_eos`` (vLLM's own ``ignore_eos``);
+    * ``min_tokens`` and ``logit_bias`` are vLLM's own (its processors run before temperature and
+      ``top_p``, as transformers' do); ``min_tokens`` rules out ``stop_token_ids`` and the EOS tokens
+      vLLM knows, so with ``ignore_eos`` the caller adds ``eos_ids`` to those (what ``vllm serve``
+      does with its tokenizer's EOS);
+    * stop strings are cut afterwards (``detokenize`` off), as every engine's answers are.
+    """
+    top = sampling.logprobs
+    return {
+        "n": sampling.decoded,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "seed": sampling.seed,
+        "stop_token_ids": [] if sampling.ignore_eos else sorted(eos_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "min_tokens": sampling.min_tokens,
+        "logit_bias": dict(sampling.logit_bias) or None,
+        "detokenize": False,
+        "logprobs": top,
+        "prompt_logprobs": top if top is not None and sampling.echo else None,
+    }
+
+
 def claim_session_directory(root: str) -> str | None:
     """Make ``root`` this process's ``LSTMEM_SESSION_DIR`` (the vLLM processes started next inherit
     it); returns the value it had (``None``: unset).
@@ -246,21 +275,15 @@ class VLLMEngine:
 
         top = sampling.logprobs
         with self._inputs(rows) as names:
-            params = [
-                SamplingParams(
-                    n=sampling.decoded,
-                    max_tokens=sampling.max_tokens,
-                    temperature=sampling.temperature,
-                    top_p=1.0 if sampling.greedy else sampling.top_p,
-                    seed=sampling.seed,
-                    stop_token_ids=sorted(self.eos_ids),
-                    detokenize=False,
-                    logprobs=top,
-                    prompt_logprobs=top if top is not None and sampling.echo else None,
+            params = []
+            for name in names:
+                request = SamplingParams(
+                    **answer_args(sampling, self.eos_ids),
                     extra_args=_request_sessions(name, None, **{MEMORY_WRITE: False}),
                 )
-                for name in names
-            ]
+                if sampling.ignore_eos:  # what vLLM adds for its EOS, which it has no tokenizer to name
+                    request._all_stop_token_ids.update(self.eos_ids)
+                params.append(request)
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         decoded = []
         for output in outputs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .decoding import Decoded, Sampling, Scores
+from .decoding import Decoded, Sampling, Scores, find_stop
 from .engine import MemoryRow
 from .runtime import LoadedModel
 
@@ -38,8 +38,16 @@ class Answer:
     logprobs: TokenLogprobs | None = None  # with ``Sampling.logprobs``: see :func:`attach_logprobs`
 
 
-def cut_answer(tokenizer, token_ids: list[int], eos_ids: frozenset[int], stops: tuple[str, ...]) -> Answer:
+def cut_answer(
+    tokenizer, token_ids: list[int], eos_ids: frozenset[int], stops: tuple[str, ...], min_tokens: int = 0
+) -> Answer:
     """The answer a client sees: tokens up to EOS (excluded), text cut before the first stop string.
+
+    Args:
+        eos_ids: the tokens that end an answer (empty with ``ignore_eos``: an EOS is one more token
+            of the answer, without text).
+        min_tokens: stop strings that end within the text of the first ``min_tokens`` tokens do not
+            cut (vLLM's ``min_tokens``: stop strings are looked for once that many were generated).
 
     Returns:
         :class:`Answer`; ``token_ids`` are the tokens up to EOS, or the tokens whose decoding
@@ -53,7 +61,8 @@ def cut_answer(tokenizer, token_ids: list[int], eos_ids: frozenset[int], stops: 
         ids.append(t)
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if stops:
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        head = len(tokenizer.decode(ids[:min_tokens], skip_special_tokens=True)) if min_tokens else 0
+        cut = find_stop(text, stops, head)
         if cut >= 0:
             text, finish = text[:cut], "stop"
             for k in range(len(ids) + 1):  # the shortest token prefix that decodes past the cut
@@ -100,14 +109,20 @@ def generate_rows(
     if k < n:
         on_token, cancelled = _per_decoded_row(n, on_token, cancelled)
     decoded = loaded.engine.generate(rows, prompts, sampling, expanded_stops, on_token, cancelled)
+    eos_ids = answer_eos_ids(loaded, sampling)
     answers = [
-        cut_answer(loaded.tokenizer, d.token_ids, loaded.eos_ids, expanded_stops[r])
+        cut_answer(loaded.tokenizer, d.token_ids, eos_ids, expanded_stops[r], sampling.min_tokens)
         for r, d in enumerate(decoded)
     ]
     per_row = [answers[i * k : (i + 1) * k] for i in range(len(rows))]
     if k < n:  # greedy: the one decoded answer is each of the ``n`` choices
         per_row = [[replace(a[0], token_ids=list(a[0].token_ids)) for _ in range(n)] for a in per_row]
     return attach_logprobs(loaded, rows, prompts, sampling, per_row, decoded)
+
+
+def answer_eos_ids(loaded: LoadedModel, sampling: Sampling) -> frozenset[int]:
+    """The tokens that end an answer of ``sampling``: the model's EOS tokens, none with ``ignore_eos``."""
+    return frozenset() if sampling.ignore_eos else loaded.eos_ids
 
 
 def _per_decoded_row(n: int, on_token, cancelled):

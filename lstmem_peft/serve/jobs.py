@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from lstmem_peft.memory.cache import MemoryCache
 
-from .decoding import Sampling
+from .decoding import Sampling, find_stop
 from .protocol import DEFAULT_WRITE
 
 
@@ -27,6 +27,8 @@ class ChatTurn:
         messages: ``[{"role", "content"}]``, oldest first.
         display: the text shown for the turn in the session's record (the newest message).
         write: the write policy (``lstmem_write``).
+        version: the session version the conversation continues (``lstmem_version``); ``None``: the
+            record's prefix rule decides.
     """
 
     kind: ClassVar[str] = "turn"
@@ -34,6 +36,7 @@ class ChatTurn:
     messages: list[dict]
     display: str
     write: str = DEFAULT_WRITE
+    version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class CompletionTurn:
         prompt: the prompt, text or token ids.
         display: the text shown for the turn in the session's record (the prompt's end).
         write: the write policy (``lstmem_write``).
+        version: the session version the prompt continues (``lstmem_version``); ``None``: the
+            text-chain rule decides.
     """
 
     kind: ClassVar[str] = "turn"
@@ -51,6 +56,7 @@ class CompletionTurn:
     prompt: str | list[int]
     display: str
     write: str = DEFAULT_WRITE
+    version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,14 +173,20 @@ class Job:
 
 
 class StreamState:
-    """Incremental text of one streamed choice: emits only text that can no longer change."""
+    """Incremental text of one streamed choice: emits only text that can no longer change.
 
-    def __init__(self, job: Job, choice: int, tokenizer, stops: tuple[str, ...]) -> None:
+    The answer ends where :func:`~.generation.cut_answer` ends it: at a token of ``eos_ids`` (empty
+    with ``ignore_eos``), or at a stop string that ends past the text of the first ``min_tokens``
+    tokens."""
+
+    def __init__(self, job: Job, choice: int, tokenizer, stops: tuple[str, ...], min_tokens: int = 0) -> None:
         self.job, self.choice, self.tok, self.stops = job, choice, tokenizer, stops
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.sent = ""
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.closed = False
+        self._head: int | None = None  # characters of the first min_tokens tokens, once generated
 
     def push(self, token: int, eos_ids: frozenset[int]) -> None:
         if self.closed:
@@ -184,7 +196,10 @@ class StreamState:
             return
         self.ids.append(token)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if any(s in text for s in self.stops):
+        if self._head is None and len(self.ids) >= self.min_tokens:
+            head = self.ids[: self.min_tokens]
+            self._head = len(self.tok.decode(head, skip_special_tokens=True)) if head else 0
+        if self._head is not None and self.stops and find_stop(text, self.stops, self._head) >= 0:
             self.closed = True
             return
         safe = text[: len(text) - self.hold] if self.hold else text

@@ -3,13 +3,17 @@
 One self-contained HTML document (no external scripts: the server may run offline). It reads
 ``/v1/sessions`` and ``/v1/memory/{session}`` and draws SVG line charts of each memory layer's
 state norms (``||C||``, ``||D||``) and gate means (output gate ``o``, depth gate ``g``) per turn.
+Each turn of the conversation names the messages of its request it took in as new and, for an edit
+(``lstmem_version``, or a conversation that shares its first messages), the version it rolled back to.
 
 It also runs ``lstmem demo`` interactively ("Try the recall demo", open by default on the
 embedded demo model): write a history of facts ``kNN vNN ;`` into a session
 (``POST /v1/memory/{session}/write``), ask ``? kNN`` with the session (``POST
 /v1/chat/completions`` with ``X-Session-Id``: the answer from memory, greedy, one token) and
 without one (no history), see gold (the newest value written for that key) beside both answers,
-and watch the session's charts gain a point per write and question. A select beside the question
+and watch the session's charts gain a point per write and question. A request the server refuses
+(a question or history with words the model has no token for, a session name it does not take) shows
+the server's error message in red under the question, and adds no row. A select beside the question
 sets what asking writes into the session's memory (``lstmem_write``): ``messages`` (the question,
 the server's default) unless changed, ``messages_and_answer`` (the question and the answer) or
 ``none`` (read only). Each question's position since the session's last write from the page is in
@@ -56,6 +60,7 @@ max="512" style="width:5em"><button id="dgen">New random history</button></div>
 <select id="dwritepolicy"><option value="messages" selected>the question (the default)</option>
 <option value="messages_and_answer">the question and the answer</option>
 <option value="none">nothing (read only)</option></select></label></div>
+<div id="derror" class="wrong" role="alert"></div>
 <table id="dtable"><thead><tr><th>question</th><th>gold (newest written)</th><th>from memory</th>
 <th>without history</th><th title="the question's position since the session's last write">Q</th></tr></thead>
 <tbody></tbody></table><div id="dbypos" class="muted"></div></details>
@@ -68,6 +73,8 @@ key.value = new URLSearchParams(location.search).get('key') || localStorage.getI
 key.onchange = () => { localStorage.setItem('lstmem-key', key.value); load(); };
 const hdr = () => key.value ? {Authorization: 'Bearer ' + key.value} : {};
 const esc = s => String(s).replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+// a turn's new messages (indices into its request), as "2-5", "3" or "none"
+const span = n => n.length ? n[0] + (n.length > 1 ? '-' + n[n.length - 1] : '') : 'none';
 const COLORS = ['#1f77b4','#d62728','#2ca02c','#9467bd','#ff7f0e','#8c564b','#e377c2','#17becf'];
 function chart(title, series) {
   const W = 320, H = 170, P = 30;
@@ -126,7 +133,9 @@ async function show(id) {
     chart('depth gate g (mean)', per((t, l) => t.gates ? t.gates.depth_gate[l] : null));
   document.getElementById('conv').innerHTML = T.map((t, i) =>
     `<div class="turn"><div class="who">#${i+1} ${esc(t.kind)}, ${t.written} tokens written` +
-    `${t.write ? ' (lstmem_write ' + esc(t.write) + ')' : ''}</div>` +
+    `${t.write ? ' (lstmem_write ' + esc(t.write) + ')' : ''}` +
+    `${t.rolled_back_to != null ? ', rolled back to version ' + t.rolled_back_to : ''}` +
+    `${t.new_messages ? ', new messages ' + span(t.new_messages) + ' of the request' : ''}</div>` +
     `${esc(t.input)}</div>` +
     (t.answer ? `<div class="turn ans"><div class="who">answer</div>${esc(t.answer)}</div>` : '')).join('');
 }
@@ -158,7 +167,8 @@ async function demoWrite() {
     headers: {...hdr(), 'Content-Type': 'application/json'},
     body: JSON.stringify({messages: [{role: 'user', content: text}]})});
   const j = await r.json();
-  if (!r.ok) { $('dstatus').textContent = 'write failed: ' + (j.error ? j.error.message : r.status); return false; }
+  if (!r.ok) { $('dstatus').textContent = 'write refused'; $('derror').textContent = refusal(j, r); return false; }
+  $('derror').textContent = '';
   const mine = written[sid] = written[sid] || {};
   (asked[sid] = asked[sid] || {n: 0, by: []}).n = 0;  // positions count from this write
   for (const m of text.matchAll(/\b(k\d\d)\s+(v\d\d)\b/g)) mine[m[1]] = m[2];
@@ -175,12 +185,20 @@ async function answer(q, sid) {
   if (sid) body.lstmem_write = $('dwritepolicy').value;  // what asking writes into the session
   const r = await fetch('/v1/chat/completions', {method: 'POST', headers, body: JSON.stringify(body)});
   const j = await r.json();
-  return r.ok ? j.choices[0].message.content.trim() : 'error ' + r.status;
+  if (!r.ok) throw new Error(refusal(j, r));
+  return j.choices[0].message.content.trim();
 }
+// the server's own words for a refused request (a question the model cannot read names its vocabulary)
+const refusal = (j, r) => 'error ' + r.status + ': ' + (j.error ? j.error.message : r.statusText);
 async function demoAsk(q) {
   const sid = $('dsid').value.trim();
   const key = (q.match(/k\d\d/) || [])[0], gold = (written[sid] || {})[key] || '(not written here)';
-  const mem = await answer(q, sid), none = await answer(q, null);
+  let mem, none;
+  try { mem = await answer(q, sid); none = await answer(q, null); } catch (e) {
+    $('derror').textContent = e.message;  // nothing was answered or written: no row, no point
+    return;
+  }
+  $('derror').textContent = '';
   const mark = a => a === gold ? 'right">' + esc(a) + ' &#10003;' : 'wrong">' + esc(a) + ' &#10007;';
   const cell = a => `<td class="${mark(a)}</td>`;
   const s = asked[sid] = asked[sid] || {n: 0, by: []}, pos = s.n++;

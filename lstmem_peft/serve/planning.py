@@ -38,10 +38,12 @@ class Plan:
             text; the completion joins it when a later prompt carries it, or at once with
             ``write="messages_and_answer"``).
         write: the write policy (:data:`~.protocol.WritePolicy`) the scheduler applies.
-        rollback: the kept version the turn continues from, when it is not the session's newest (an
-            edited or regenerated conversation: :func:`plan_chat`; a completions prompt that extends
-            an older version's text: :func:`plan_completion`); ``None``: the newest. ``before``,
-            ``after`` and ``new_messages`` are relative to that version.
+        rollback: the kept version the turn continues from, when it is not the version the plan
+            was made on (an edited or regenerated conversation: :func:`plan_chat`; a completions
+            prompt that extends an older version's text: :func:`plan_completion`); ``None``: that
+            version. ``before``, ``after`` and ``new_messages`` are relative to the version continued.
+        kept: what the request shares with the version continued: chat, its first ``kept`` messages
+            (the rest are the new messages); completions, the characters of the prompt's text.
     """
 
     before: list[int]
@@ -51,6 +53,7 @@ class Plan:
     text_chain: str | None = None
     write: str = DEFAULT_WRITE
     rollback: int | None = None
+    kept: int = 0
 
     @property
     def new_tokens(self) -> list[int]:
@@ -76,6 +79,7 @@ def plan_chat(
     window: int,
     max_tokens: int,
     write: str = DEFAULT_WRITE,
+    pinned: bool = False,
 ) -> Plan:
     """Which messages are new, and the prompt, for a chat turn under the write policy ``write``.
 
@@ -97,6 +101,12 @@ def plan_chat(
     never happened. If no kept version qualifies (pruned), the request is refused (409, naming the
     oldest kept version and the fixes: fork a kept version, or reset).
 
+    ``pinned``: the client named the version its conversation continues (``lstmem_version``) and
+    ``session`` is that version (:meth:`~.store.SessionStore.at_version`), so ``messages`` is the whole
+    conversation: one that differs from the record from its first message on rolls back too (to the
+    empty session, version 0, when it is kept), and one message alone is never taken as a newest-only
+    client's. Rollback targets are then the versions up to the pinned one.
+
     The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
     the latest message must fit, or the request is refused (400). New messages before the prompt
     are written before answering (``before``), new messages in it after (``after``).
@@ -106,12 +116,12 @@ def plan_chat(
     k = 0
     while k < min(len(written), len(hashes)) and written[k] == hashes[k]:
         k += 1
-    if len(hashes) == 1 and len(written) > 1:
+    if len(hashes) == 1 and len(written) > 1 and not pinned:
         # one message that repeats the record's first, which holds more: a client that sends only its
         # newest message asks that again. It is new; rolling back would drop every later version
         k = 0
     rollback = None
-    if k > 0 and (k < len(written) or k == len(hashes)):  # edited, or nothing new: roll back
+    if (k > 0 or pinned) and (k < len(written) or k == len(hashes)):  # edited, or nothing new: roll back
         rollback, k = _rollback_target(session, k, len(hashes))
     encoded = [fmt.message(m["role"], m["content"]) for m in messages]
     new = list(range(k, len(messages)))
@@ -140,7 +150,7 @@ def plan_chat(
     ]
     before = [t for i in new if i < first for t in encoded[i]]
     after = [t for i in new if i >= first for t in encoded[i]]
-    return Plan(before, prompt + opening, after, new_messages, write=write, rollback=rollback)
+    return Plan(before, prompt + opening, after, new_messages, write=write, rollback=rollback, kept=k)
 
 
 def _rollback_target(session: Session, shared: int, sent: int) -> tuple[int, int]:
@@ -157,20 +167,30 @@ def _rollback_target(session: Session, shared: int, sent: int) -> tuple[int, int
         if shared < taken and shared < sent
         else f"sends no message that session {session.session!r} has not taken in (a regenerated answer)"
     )
+    raise _diverged(
+        f"the conversation {how}, and no kept version holds a prefix of it to roll back to",
+        session,
+        "messages",
+    )
+
+
+def _diverged(what: str, session: Session, param: str) -> ServeError:
+    """409 ``conversation_diverged``: ``what`` happened, the oldest kept version, and the fixes."""
     oldest = session.versions[0] if session.versions else None
     kept = (
-        f"its oldest kept version, {oldest['version']}, holds {oldest['messages']} of its {taken} messages"
+        f"its oldest kept version, {oldest['version']}, holds {oldest['messages']} of its "
+        f"{len(session.messages)} messages"
         if oldest is not None
         else "it keeps no version"
     )
-    raise ServeError(
+    return ServeError(
         409,
-        f"the conversation {how}, and no kept version holds a prefix of it to roll back to: {kept} (older "
-        "versions were pruned: lstmem serve --session-versions / --session-version-bytes keep more). Fork a kept "
-        "version into a new session (POST /v1/memory/{session}/fork) and continue there, send the conversation "
-        "as it is plus new messages, or DELETE /v1/memory/{session} to reset",
+        f"{what}: {kept} (older versions were pruned: lstmem serve --session-versions / "
+        "--session-version-bytes keep more). Fork a kept version into a new session "
+        "(POST /v1/memory/{session}/fork) and continue there, send the conversation as it is plus new "
+        "messages, or DELETE /v1/memory/{session} to reset",
         code="conversation_diverged",
-        param="messages",
+        param=param,
     )
 
 
@@ -181,6 +201,7 @@ def plan_completion(
     window: int,
     max_tokens: int,
     write: str = DEFAULT_WRITE,
+    pinned: bool = False,
 ) -> Plan:
     """Which part of a completions prompt is new, and what stays in context, under ``write``.
 
@@ -196,17 +217,28 @@ def plan_completion(
 
     A prompt of token ids is taken as it is (never re-tokenized); its decoded text is what the
     record's text chain sees.
+
+    ``pinned``: ``session`` is the version the client named (``lstmem_version``): the prompt
+    continues the newest version up to it whose text it extends, an empty text included (so the
+    whole prompt is new only on a version without completions text); none such (pruned) is 409.
     """
     tokens = None if isinstance(prompt, str) else list(prompt)
     if tokens is not None:
         prompt = fmt.tokenizer.decode(tokens, skip_special_tokens=False)
     rollback, length = None, 0
-    if _extends(prompt, session.completion_text):
+    if _extends(prompt, session.completion_text, pinned):
         length = session.completion_text["length"]
     else:
-        older = [t for t in session.targets()[:-1] if _extends(prompt, t["completion_text"])]
+        older = [t for t in session.targets()[:-1] if _extends(prompt, t["completion_text"], pinned)]
         if older:
             rollback, length = older[-1]["version"], older[-1]["completion_text"]["length"]
+        elif pinned:
+            raise _diverged(
+                f"the prompt does not extend the text of version {session.version} of session "
+                f"{session.session!r}, and no kept version before it holds a text that the prompt extends",
+                session,
+                "prompt",
+            )
     new_text = prompt[length:]
     budget = window - max_tokens
     _fit(budget, "prompt")
@@ -220,14 +252,21 @@ def plan_completion(
         new_ids = tokens if new_text == prompt else tokens_after(fmt.tokenizer, tokens, length)
         new_ids = tokens if new_ids is None else new_ids
     split = len(new_ids) - min(len(new_ids), len(context))
-    return Plan(new_ids[:split], context, new_ids[split:], text_chain=prompt, write=write, rollback=rollback)
-
-
-def _extends(prompt: str, chain: dict) -> bool:
-    """Whether ``prompt`` starts with the non-empty text ``chain`` (``{"length", "sha256"}``) names."""
-    length = chain["length"]
-    return bool(
-        length
-        and len(prompt) >= length
-        and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]
+    return Plan(
+        new_ids[:split],
+        context,
+        new_ids[split:],
+        text_chain=prompt,
+        write=write,
+        rollback=rollback,
+        kept=length,
     )
+
+
+def _extends(prompt: str, chain: dict, empty: bool = False) -> bool:
+    """Whether ``prompt`` starts with the text ``chain`` (``{"length", "sha256"}``) names; an empty
+    text counts only with ``empty``."""
+    length = chain["length"]
+    if not length:
+        return empty
+    return len(prompt) >= length and hashlib.sha256(prompt[:length].encode()).hexdigest() == chain["sha256"]

@@ -7,15 +7,19 @@ documents both. The memory routes (``/v1/memory/...``, ``/v1/sessions``) are thi
 (:mod:`.protocol_memory`).
 
 Requests: every field a request may carry is declared: an unknown field, or a known one this
-server does not implement (``tools``, ``logit_bias``, a ``response_format`` other than text,
-``suffix``, nonzero penalties, ...), is refused with a 400 error that names it, never ignored
-(``user`` and ``metadata`` are accepted: they tag a request and change nothing it generates). Values
-out of range are 400 errors too. One field is this server's own: ``lstmem_write``
-(:data:`WritePolicy`), what a chat or completions turn writes into memory. Sizes are bounded: ``n``
-(:data:`MAX_N`), stop strings (:data:`MAX_STOP` of at most :data:`MAX_STOP_CHARS` characters),
-prompts per completions request (:data:`MAX_PROMPTS`) and ``logprobs`` / ``top_logprobs``
-(:data:`MAX_LOGPROBS`); ``max_tokens`` is bounded by the context window (checked by the serving
-classes).
+server does not implement (``tools``, a ``response_format`` other than text, ``suffix``, nonzero
+penalties, ...), is refused with a 400 error that names it, never ignored (``user`` and ``metadata``
+are accepted: they tag a request and change nothing it generates). Values out of range are 400
+errors too. Sampling fields: OpenAI's (``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+``logit_bias``) and two of vLLM's that load generators send (``min_tokens``, ``ignore_eos``). Two
+fields are this server's own: ``lstmem_write`` (:data:`WritePolicy`), what a chat or completions turn
+writes into memory, and ``lstmem_version``, the session version the request's conversation continues
+(so an edited conversation replaces the old one). Sizes are bounded: ``n`` (:data:`MAX_N`), stop
+strings (:data:`MAX_STOP` of at most :data:`MAX_STOP_CHARS` characters), prompts per completions
+request (:data:`MAX_PROMPTS`), ``logprobs`` / ``top_logprobs`` (:data:`MAX_LOGPROBS`) and
+``logit_bias`` (:data:`MAX_LOGIT_BIAS` tokens, each bias within :data:`LOGIT_BIAS_LIMIT`);
+``max_tokens`` is bounded by the context window, ``min_tokens`` by ``max_tokens`` and
+``logit_bias``'s token ids by the vocabulary (checked by the serving classes).
 
 Responses: a completion (:class:`ChatCompletionResponse`, :class:`CompletionResponse`) or a stream
 of chunks (:class:`ChatCompletionChunk`, :class:`CompletionChunk`), each with OpenAI's ``usage`` and
@@ -35,6 +39,10 @@ MAX_STOP = 16  # OpenAI takes 4; lm-eval's generation tasks may send more (their
 MAX_STOP_CHARS = 1000
 MAX_PROMPTS = 128  # prompts per /v1/completions request, times n
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # tokens a logit_bias may name
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this, as OpenAI's
+#: The largest version number a request may name (a session's commit counter never gets near it).
+MAX_VERSION = 2**53
 
 FinishReason = Literal["stop", "length"]
 
@@ -52,6 +60,15 @@ WRITE_DESCRIPTION = (
     "answer is written when a later request sends it back; 'messages_and_answer': the new messages and then "
     "the answer (completions: the completion) are written by this turn (needs n = 1). OpenAI SDKs pass it in "
     "extra_body."
+)
+VERSION_DESCRIPTION = (
+    "lstmem: the session version this conversation continues: send back the lstmem.version of the response "
+    "you continue (needs X-Session-Id; chat: send the whole conversation). The messages (completions: the "
+    "text) shared with that version are skipped; where the request first differs from it (an edited "
+    "message, the first one included), the turn rolls back to the version before and writes the rest as new, "
+    "so the session equals one that got only the kept turns. A version that is not kept is 404, nothing "
+    "written. Without it, messages shared with the session's newest version from the first one on are "
+    "skipped and a conversation that does not start with them is taken as new messages."
 )
 
 
@@ -157,11 +174,25 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="OpenAI's: token id (a string of digits) -> a bias in [-100, 100] added to that token's "
+        "logit before sampling (before temperature and top_p)",
+    )
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="vLLM's: the EOS tokens are ruled out, and stop strings not looked for, until this many "
+        "tokens were generated (at most max_tokens)",
+    )
+    ignore_eos: bool = Field(
+        False, description="vLLM's: an EOS token does not end the answer; decoding goes on to max_tokens"
+    )
     user: str | None = None
     metadata: dict[str, str] | None = None
     # not a sampling parameter: what the turn writes into memory (chat and completions share it)
     lstmem_write: WritePolicy = Field(DEFAULT_WRITE, description=WRITE_DESCRIPTION)
+    lstmem_version: int | None = Field(None, ge=0, le=MAX_VERSION, description=VERSION_DESCRIPTION)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -188,10 +219,26 @@ class _Sampling(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value):
-        if value:
-            _unsupported("logit_bias")
+    def _check_bias(cls, value):
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}")
+        for token, bias in value.items():
+            if not token.isascii() or not token.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got {token!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"values are biases from -{LOGIT_BIAS_LIMIT:g} to {LOGIT_BIAS_LIMIT:g}, got {bias} for token "
+                    f"{token}"
+                )
         return value
+
+    def logit_biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token_id, bias)`` pairs, ids ascending (two keys of one id, ``"7"`` and
+        ``"07"``, keep the last one sent)."""
+        biases = {int(token): float(bias) for token, bias in (self.logit_bias or {}).items()}
+        return tuple(sorted(biases.items()))
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -327,8 +374,23 @@ class MemoryUsage(BaseModel):
     )
     rolled_back_to: int | None = Field(
         None,
-        description="the older version the turn continued from (an edited or regenerated conversation: the "
-        "versions after it were dropped); null: it continued the newest version",
+        description="the older version the turn continued from (an edited or regenerated conversation, or the "
+        "request's lstmem_version: the versions after it were dropped); null: it continued the newest version",
+    )
+    new_messages: list[int] | None = Field(
+        None,
+        description="chat: the indices of the request's messages this turn took in as new (written, or read "
+        "under lstmem_write 'none'), after the version it continued; the others were in that version",
+    )
+    new_text_from: int | None = Field(
+        None,
+        description="completions: the character of the prompt's text from which the turn took it in as new "
+        "(0: the whole prompt); what comes before was in the version it continued",
+    )
+    note: str | None = Field(
+        None,
+        description="said when a request without lstmem_version shares nothing with the session it continues: "
+        "everything was taken in as new, not as an edit",
     )
 
 
@@ -350,13 +412,20 @@ class ModelList(BaseModel):
 
 class _Chunk(BaseModel):
     """A streamed chunk: ``usage`` appears only in the chunk that carries it (the last one, with
-    ``stream_options.include_usage``), as OpenAI streams it; other chunks have no such key."""
+    ``stream_options.include_usage``), as OpenAI streams it; other chunks have no such key. So does
+    this server's ``lstmem`` (:class:`MemoryUsage`): in the chunk that ends the last choice, once the
+    turn was committed, with the ``version`` to send back as ``lstmem_version``."""
+
+    lstmem: MemoryUsage | None = Field(
+        None, description="in the chunk that ends the last choice only: what the request did to memory"
+    )
 
     @model_serializer(mode="wrap")
     def _omit_missing_usage(self, handler):
         data = handler(self)
-        if "usage" in data and data["usage"] is None:
-            del data["usage"]
+        for key in ("usage", "lstmem"):
+            if key in data and data[key] is None:
+                del data[key]
         return data
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol import ChatMessage, WritePolicy
+from .protocol import MAX_VERSION, ChatMessage, WritePolicy
 
 
 # ---------------------------------------------------------------------- requests
@@ -87,6 +87,16 @@ class TurnRecord(BaseModel):
     write: WritePolicy | None = Field(
         None, description="chat and completion turns: the write policy applied (lstmem_write)"
     )
+    rolled_back_to: int | None = Field(
+        None,
+        description="chat and completion turns: the older version the turn continued from (null: the newest)",
+    )
+    new_messages: list[int] | None = Field(
+        None, description="chat turns: the indices of the request's messages the turn took in as new"
+    )
+    new_text_from: int | None = Field(
+        None, description="completion turns: the character of the prompt from which it was new"
+    )
     prompt_tokens: int
     batch: int = Field(description="requests in the batch it ran in")
     gates: GateMeans | None
@@ -126,10 +136,6 @@ class MemoryImportResponse(BaseModel):
 
     session: str
     tokens_written: int = Field(description="tokens the imported memory holds")
-
-
-#: The largest version number a request may name (a session's commit counter never gets near it).
-MAX_VERSION = 2**53
 
 
 class VersionInfo(BaseModel):

@@ -58,8 +58,14 @@ completions text (:func:`.planning.plan_completion`), *rolls back*: it runs, by 
 on that version's memory and record (:meth:`~.store.SessionStore.at_version`, read from its file)
 instead of the newest; its commit continues the line from there and drops the versions after it.
 So a rolled-back turn leaves the session exactly as the kept turns and the new one, replayed into a
-fresh session, would. The response's ``lstmem.rolled_back_to`` names that version, and
-``lstmem.version`` the one the turn committed. Forks (``fork`` jobs:
+fresh session, would. A request that names the version its conversation continues
+(``lstmem_version``: the ``lstmem.version`` of the response it continues) is planned on that version
+(:meth:`JobRunner._plan`), so a conversation that differs from it from its first message on (an
+edited first message) rolls back too, to the empty session; without it a conversation that shares
+no first message with the newest version is taken as new messages. The response's
+``lstmem.rolled_back_to`` names the version continued when it is not the newest, ``lstmem.version``
+the one the turn committed, and ``lstmem.new_messages`` (``new_text_from``) what the turn took in
+as new. Forks (``fork`` jobs:
 :meth:`~.store.SessionStore.fork`) and prunes of a version (``prune`` jobs) run on this worker too,
 so they never race a turn of their session. Nothing here depends on the engine (:mod:`.engine`):
 ``--engine vllm`` reads and writes the same store through the same jobs.
@@ -79,7 +85,7 @@ from dataclasses import dataclass, field, replace
 from lstmem_peft.utils.chat import ChatFormat
 
 from .engine import MemoryRow
-from .generation import Answer, generate_rows, score_rows
+from .generation import Answer, answer_eos_ids, generate_rows, score_rows
 from .jobs import ChatTurn, Job, StreamState
 from .planning import Plan, plan_chat, plan_completion
 from .protocol import ServeError
@@ -125,7 +131,6 @@ class JobRunner:
         self.fmt = ChatFormat(loaded.tokenizer)
         self.store = store
         self.window = window
-        self.eos_ids = loaded.eos_ids
 
     # ------------------------------------------------------------------ helpers
     def _session(self, job: Job) -> Session:
@@ -225,19 +230,8 @@ class JobRunner:
         max_tokens = jobs[0].sampling.max_tokens
         turns = []
         for job in jobs:
-            session = self._session(job)
-            request = job.request
             try:
-                if isinstance(request, ChatTurn):
-                    plan = plan_chat(
-                        self.fmt, session, request.messages, self.window, max_tokens, request.write
-                    )
-                else:
-                    plan = plan_completion(
-                        self.fmt, session, request.prompt, self.window, max_tokens, request.write
-                    )
-                if plan.rollback is not None:  # an edited or regenerated conversation: an older version
-                    session = self.store.at_version(session, plan.rollback)
+                session, plan = self._plan(job, self._session(job), max_tokens)
             except ServeError as err:
                 job.emit(("error", err))
                 continue
@@ -250,21 +244,61 @@ class JobRunner:
             turns.append(_Turn(job, session, plan))
         return turns
 
+    def _plan(self, job: Job, session: Session, max_tokens: int) -> tuple[Session, Plan]:
+        """A turn's plan and the session at the version it continues: the newest, or the version the
+        request names (``lstmem_version``: its conversation continues that one), or an older one the
+        plan rolls back to (an edited or regenerated conversation). ``plan.rollback`` is that version
+        whenever it is not the newest."""
+        request = job.request
+        pinned = request.version is not None
+        base = self._pinned(session, request.version) if pinned else session
+        if isinstance(request, ChatTurn):
+            plan = plan_chat(self.fmt, base, request.messages, self.window, max_tokens, request.write, pinned)
+        else:
+            plan = plan_completion(
+                self.fmt, base, request.prompt, self.window, max_tokens, request.write, pinned
+            )
+        target = base.version if plan.rollback is None else plan.rollback
+        if target == session.version:
+            return session, plan
+        plan.rollback = target
+        return (base if target == base.version else self.store.at_version(session, target)), plan
+
+    def _pinned(self, session: Session, number: int) -> Session:
+        """``session`` at the version a request names (``lstmem_version``); 404 naming the fixes when
+        it is not kept."""
+        if number == session.version:
+            return session
+        try:
+            return self.store.at_version(session, number)
+        except ServeError as err:
+            raise ServeError(
+                404,
+                f"lstmem_version {number}: {err.message}. Send the lstmem.version of the latest response on "
+                f"this session (now {session.version}) or another kept version, or leave lstmem_version out "
+                "(the messages the session took in are then skipped by the prefix rule, and a conversation "
+                "that does not start with them is taken as new messages)",
+                code="version_not_found",
+                param="lstmem_version",
+            ) from None
+
     def _answer(self, turns: list[_Turn], memories: list[MemoryRow]) -> list[list[Answer]]:
         """Every turn's choices, generated from its memory read-only (:func:`~.generation.generate_rows`);
         turns that stream get their text deltas as the tokens come, and a cancelled turn's rows stop."""
         sampling = turns[0].job.sampling
         n = sampling.n
+        eos_ids = answer_eos_ids(self.loaded, sampling)  # none with ignore_eos
         for turn in turns:
             if turn.job.stream:
                 turn.streams = [
-                    StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop) for c in range(n)
+                    StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop, sampling.min_tokens)
+                    for c in range(n)
                 ]
 
         def on_token(row: int, token: int) -> None:
             streams = turns[row // n].streams
             if streams is not None:
-                streams[row % n].push(token, self.eos_ids)
+                streams[row % n].push(token, eos_ids)
 
         return generate_rows(
             self.loaded,
@@ -295,6 +329,7 @@ class JobRunner:
             return
         changes = self._record_changes(turn, choices)
         written = 0 if plan.write == "none" else len(plan.before) + len(plan.after) + len(turn.answer_ids)
+        report = self._report(turn)
         record = {
             "kind": job.request.mode,
             "input": job.request.display,
@@ -304,6 +339,8 @@ class JobRunner:
             "prompt_tokens": len(plan.prompt),
             "batch": batch,
             "gates": gates,
+            "rolled_back_to": plan.rollback,
+            **{k: v for k, v in report.items() if k != "note"},
         }
         new = self._commit_or_report(job, session, memory, record, **changes)
         if new is None:
@@ -321,8 +358,38 @@ class JobRunner:
             "seconds": elapsed,
             "version": new.version if job.session is not None else None,
             "rollback": plan.rollback,
+            **report,
         }
         job.emit(("done", result))
+
+    @staticmethod
+    def _report(turn: _Turn) -> dict:
+        """What the turn took in as new, said plainly: chat, ``new_messages`` (indices of the request's
+        messages; the others were in the version it continued); completions, ``new_text_from`` (the
+        character of the prompt from which it was new). A ``note`` when the request shares nothing
+        with a session that holds a conversation and names no version: it was taken as new, never
+        as an edit."""
+        request, plan, session = turn.job.request, turn.plan, turn.session
+        if isinstance(request, ChatTurn):
+            report = {"new_messages": list(range(plan.kept, len(request.messages)))}
+            held, what = (
+                len(session.messages) > 0 and len(request.messages) > 1,
+                "every message was taken in as new, on top of version {}: the conversation does not start with "
+                "the session's messages",
+            )
+        else:
+            report = {"new_text_from": plan.kept}
+            held, what = (
+                session.completion_text["length"] > 0,
+                "the whole prompt was taken in as new, on top of version {}: it does not start with the session's text",
+            )
+        if held and plan.kept == 0 and request.version is None and turn.job.session is not None:
+            report["note"] = (
+                what.format(session.version) + ". To have an edited conversation replace the old one "
+                "instead, send lstmem_version (the lstmem.version of the response it continues): the turn "
+                "then rolls back to the version before the first changed message"
+            )
+        return report
 
     def _record_changes(self, turn: _Turn, choices: list[Answer]) -> dict:
         """What the turn adds to the session's record: chat, its new messages (marked read, not

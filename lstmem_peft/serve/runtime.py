@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
+from lstmem_peft.tuner.backbones import resolve_model
 from lstmem_peft.tuner.history import memory_layers, memory_layout
 from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
 from lstmem_peft.utils.offline import DEMO_ASSETS
@@ -107,6 +108,7 @@ class LoadedModel:
             vocab_size = len(tokenizer)
         trained, trained_from = trained_positions(getattr(model, "config", None))
         block_size = int(configs[adapter].block_size)
+        eos_ids = end_of_sequence_ids(getattr(model, "generation_config", None), tokenizer)
         return cls(
             tokenizer=tokenizer,
             name=name,
@@ -114,10 +116,10 @@ class LoadedModel:
             block_size=block_size,
             max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None),
             vocab_size=vocab_size,
-            eos_ids=end_of_sequence_ids(getattr(model, "generation_config", None), tokenizer),
+            eos_ids=eos_ids,
             adapter_fingerprint=memory_fingerprint(memory_layers(model)),
             device=next(model.parameters()).device,
-            engine=LibraryEngine(model, tokenizer, block_size, vocab_size),
+            engine=LibraryEngine(model, tokenizer, block_size, vocab_size, eos_ids),
             trained_positions=trained,
             trained_from=trained_from,
         )
@@ -257,7 +259,8 @@ def load_model(
     """Load the embedded demo (no arguments) or a backbone + LSTMem adapter (local folders or Hub ids).
 
     Args:
-        model: backbone, Hub id or local folder; ``None`` with ``adapter=None``: the embedded demo.
+        model: backbone, a short name of ``lstmem models`` (its converted folder), a Hub id or a local
+            folder; ``None`` with ``adapter=None``: the embedded demo.
         adapter: LSTMem adapter folder or Hub id (required with ``model``).
         name: the model id served at ``/v1/models`` (default: ``lstmem-demo`` or the adapter's name).
         device: ``cpu`` or ``cuda`` (default: cuda when available); with ``engine="vllm"`` only ``cpu``
@@ -293,6 +296,7 @@ def load_model(
                 "model itself and session memories stay on the CPU: drop --device"
             )
         check_saved_memory_id(adapter)
+        model = resolve_model(model)  # a short name of `lstmem models`: its converted folder
         facts = LoadedModel.of_files(
             model, adapter, load_tokenizer(model, adapter), _served_name(name, adapter)
         )

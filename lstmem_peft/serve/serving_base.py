@@ -27,6 +27,7 @@ from .metrics import Metrics
 from .protocol import MemoryUsage, ServeError, Usage
 from .runtime import LoadedModel
 from .scheduler import Scheduler
+from .vocabulary import Vocabulary
 
 SESSION_HEADER = "X-Session-Id"
 
@@ -51,10 +52,26 @@ class ServingBase:
         loaded: the served model.
         scheduler: the worker that runs every job touching the model or a session.
         metrics: the app's metrics.
+        vocabulary: what the model reads (:class:`~.vocabulary.Vocabulary`, with the request
+            handlers' own tokenizer), shared by the app's serving classes; default: built on first use.
     """
 
-    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        vocabulary: Vocabulary | None = None,
+    ) -> None:
         self.loaded, self.scheduler, self.metrics = loaded, scheduler, metrics
+        self._vocabulary = vocabulary
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """What the model reads, and the check of the texts a request brings."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary.of(self.loaded)
+        return self._vocabulary
 
     def check_model(self, name: str) -> None:
         """404 unless ``name`` is the served model's id."""
@@ -110,7 +127,7 @@ class ServingGeneration(ServingBase):
     :meth:`delta_chunk`, :meth:`final_chunk`.
 
     Args:
-        loaded, scheduler, metrics: see :class:`ServingBase`.
+        loaded, scheduler, metrics, vocabulary: see :class:`ServingBase`.
         window: the context window in tokens: ``max_tokens`` must be below it.
     """
 
@@ -119,8 +136,15 @@ class ServingGeneration(ServingBase):
     response_class: type[BaseModel]
     chunk_class: type[BaseModel]
 
-    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
-        super().__init__(loaded, scheduler, metrics)
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        window: int,
+        vocabulary: Vocabulary | None = None,
+    ) -> None:
+        super().__init__(loaded, scheduler, metrics, vocabulary)
         self.window = window
 
     # ------------------------------------------------------------------ request checks
@@ -154,6 +178,18 @@ class ServingGeneration(ServingBase):
             )
 
     @staticmethod
+    def check_version(body, session: str | None) -> None:
+        """``lstmem_version`` names a version of the request's session: it needs ``X-Session-Id``."""
+        if body.lstmem_version is not None and session is None:
+            raise ServeError(
+                400,
+                f"lstmem_version {body.lstmem_version} names a version of a session, but the request has no "
+                f"{SESSION_HEADER} header: send the session's id in it, or leave lstmem_version out",
+                param="lstmem_version",
+                code="invalid_value",
+            )
+
+    @staticmethod
     def check_stream_logprobs(logprobs: bool, stream: bool) -> None:
         """Log-probabilities come from a scoring forward after the answer: not in a stream."""
         if logprobs and stream:
@@ -164,14 +200,46 @@ class ServingGeneration(ServingBase):
                 code="unsupported_parameter",
             )
 
+    def check_sampling_fields(self, body, max_tokens: int) -> None:
+        """``min_tokens`` at most ``max_tokens`` (vLLM's rule), and ``logit_bias`` naming token ids of
+        the vocabulary."""
+        if body.min_tokens > max_tokens:
+            raise ServeError(
+                400,
+                f"min_tokens {body.min_tokens} is more than max_tokens {max_tokens}: the answer could not have "
+                "that many tokens; send min_tokens <= max_tokens",
+                param="min_tokens",
+                code="invalid_value",
+            )
+        size = self.loaded.vocab_size
+        outside = [token for token, _ in body.logit_biases() if token >= size]
+        if outside:
+            raise ServeError(
+                400,
+                f"logit_bias names token id {outside[0]}; the vocabulary of {self.loaded.name} has {size} "
+                f"tokens, ids 0 to {size - 1}",
+                param="logit_bias",
+                code="invalid_value",
+            )
+
     @staticmethod
     def sampling_of(body, max_tokens: int, logprobs: int | None, echo: bool = False) -> Sampling:
         """The decoding parameters. Greedy (``temperature`` 0, or ``top_p`` 0: a nucleus of the one
         most likely token) decoding has no seed to apply, so seeded greedy requests batch."""
-        if body.greedy:
-            return Sampling(max_tokens, 0.0, 1.0, body.n, body.stops(), None, logprobs, echo)
+        greedy = (0.0, 1.0, None)
+        temperature, top_p, seed = greedy if body.greedy else (body.temperature, body.top_p, body.seed)
         return Sampling(
-            max_tokens, body.temperature, body.top_p, body.n, body.stops(), body.seed, logprobs, echo
+            max_tokens,
+            temperature,
+            top_p,
+            body.n,
+            body.stops(),
+            seed,
+            logprobs,
+            echo,
+            logit_bias=body.logit_biases(),
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
         )
 
     def reply(self, body, session: str | None, texts: list[str] | None = None) -> Reply:
@@ -207,8 +275,9 @@ class ServingGeneration(ServingBase):
     async def _events(self, job: Job, first: tuple, reply: Reply) -> AsyncIterator[str]:
         """The server-sent events of a streamed job: the opening chunks, a chunk per text delta, a
         last chunk per choice (its ``finish_reason``), the usage chunk when asked for, ``[DONE]``.
-        A job that fails sends an :class:`~.protocol.ErrorResponse` event, then ``[DONE]``. A client
-        that goes away before the end cancels the job: its rows stop decoding, nothing is committed."""
+        The chunk that ends the last choice carries the ``lstmem`` field. A job that fails sends an
+        :class:`~.protocol.ErrorResponse` event, then ``[DONE]``. A client that goes away before the
+        end cancels the job: its rows stop decoding, nothing is committed."""
         event = first
         try:
             for chunk in self.opening_chunks(reply):
@@ -221,8 +290,12 @@ class ServingGeneration(ServingBase):
                 yield _sse(event[1].body())
             else:
                 result = event[1]
+                last = len(result["choices"]) - 1
                 for choice, answer in enumerate(result["choices"]):
-                    yield _sse(self.final_chunk(reply, choice, answer.finish_reason))
+                    chunk = self.final_chunk(reply, choice, answer.finish_reason)
+                    if choice == last:  # the turn's memory report, with the version to send back
+                        chunk.lstmem = memory_usage([result], reply.session)
+                    yield _sse(chunk)
                 self.metrics.count_result(result)
                 if reply.include_usage:
                     yield _sse(self.usage_chunk(reply, usage([result])))
@@ -279,15 +352,22 @@ def usage(results: list[dict]) -> Usage:
 
 def memory_usage(results: list[dict], session: str | None) -> MemoryUsage:
     """The ``lstmem`` field: the write policy applied, tokens written by the request, held by the
-    session after it, batch size, the version committed and the version a turn rolled back to."""
+    session after it, batch size, the version committed, the version a turn rolled back to, and what
+    the turn took in as new (a request with several prompts runs on fresh memories: its last).
+    Without a session nothing is stored (the request's history goes into a fresh memory that is
+    dropped with the answer): 0 tokens written, 0 held."""
+    stored = session is not None
     return MemoryUsage(
         session=session,
-        memory_tokens_written=sum(r["written"] for r in results),
-        session_tokens_written=results[-1]["tokens_written"],
+        memory_tokens_written=sum(r["written"] for r in results) if stored else 0,
+        session_tokens_written=results[-1]["tokens_written"] if stored else 0,
         batch_size=max(r["batch"] for r in results),
         write=results[0]["write"],
         version=results[-1].get("version"),
         rolled_back_to=next((r["rollback"] for r in results if r.get("rollback") is not None), None),
+        new_messages=results[-1].get("new_messages"),
+        new_text_from=results[-1].get("new_text_from"),
+        note=results[-1].get("note"),
     )
 
 

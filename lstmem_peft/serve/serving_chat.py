@@ -30,13 +30,14 @@ from .protocol import (
 from .runtime import LoadedModel
 from .scheduler import Scheduler
 from .serving_base import Reply, ServingGeneration, finite
+from .vocabulary import Vocabulary
 
 
 class ServingChat(ServingGeneration):
     """The chat completions endpoint.
 
     Args:
-        loaded, scheduler, metrics, window: see :class:`~.serving_base.ServingGeneration`.
+        loaded, scheduler, metrics, window, vocabulary: see :class:`~.serving_base.ServingGeneration`.
         default_max_tokens: ``max_tokens`` of requests that give neither it nor ``max_completion_tokens``.
     """
 
@@ -51,8 +52,9 @@ class ServingChat(ServingGeneration):
         metrics: Metrics,
         window: int,
         default_max_tokens: int,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
-        super().__init__(loaded, scheduler, metrics, window)
+        super().__init__(loaded, scheduler, metrics, window, vocabulary)
         self.default_max_tokens = default_max_tokens
 
     async def create(
@@ -64,14 +66,24 @@ class ServingChat(ServingGeneration):
         self.check_stream_options(body)
         max_tokens = body.max_completion_tokens or body.max_tokens or self.default_max_tokens
         self.check_max_tokens(max_tokens)
+        self.check_sampling_fields(body, max_tokens)
         if body.top_logprobs is not None and not body.logprobs:
             raise ServeError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_stream_logprobs(bool(body.logprobs), body.stream)
         self.check_write(body)
+        self.check_version(body, session)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self.vocabulary.check_texts(
+            [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)], "messages"
+        )
         job = Job(
-            ChatTurn(messages, display=messages[-1]["content"], write=body.lstmem_write),
+            ChatTurn(
+                messages,
+                display=messages[-1]["content"],
+                write=body.lstmem_write,
+                version=body.lstmem_version,
+            ),
             namespace,
             session,
             sampling=self.sampling_of(body, max_tokens, logprobs),

@@ -11,8 +11,6 @@ with ``stream`` (one prompt) a series of :class:`~.protocol.CompletionChunk` eve
 
 from __future__ import annotations
 
-import copy
-
 from fastapi.responses import StreamingResponse
 
 from .generation import TokenLogprobs
@@ -31,26 +29,31 @@ from .protocol import (
 from .runtime import LoadedModel
 from .scheduler import Scheduler
 from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite
+from .vocabulary import Vocabulary
 
 
 class ServingCompletions(ServingGeneration):
     """The completions endpoint (what lm-eval's ``local-completions`` talks to).
 
     Args:
-        loaded, scheduler, metrics, window: see :class:`~.serving_base.ServingGeneration`.
+        loaded, scheduler, metrics, window, vocabulary: see :class:`~.serving_base.ServingGeneration`.
     """
 
     response_class = CompletionResponse
     chunk_class = CompletionChunk
     id_prefix = "cmpl-"
 
-    def __init__(self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, window: int) -> None:
-        super().__init__(loaded, scheduler, metrics, window)
-        try:  # the request handlers' own tokenizer (the worker thread uses loaded.tokenizer)
-            self.tokenizer = copy.deepcopy(loaded.tokenizer)
-        except Exception:  # noqa: BLE001  (a tokenizer that cannot be copied is shared)
-            self.tokenizer = loaded.tokenizer
-        self.vocab = loaded.vocab_size
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        window: int,
+        vocabulary: Vocabulary | None = None,
+    ) -> None:
+        super().__init__(loaded, scheduler, metrics, window, vocabulary)
+        # the request handlers' own tokenizer (the worker thread uses loaded.tokenizer)
+        self.tokenizer = self.vocabulary.tokenizer
 
     async def create(
         self, body: CompletionRequest, namespace: str, session: str | None
@@ -62,8 +65,18 @@ class ServingCompletions(ServingGeneration):
         prompts = body.prompts()
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         self._check_request(body, prompts, max_tokens, session)
+        self.check_sampling_fields(body, max_tokens)
         self.check_write(body)
-        self._check_token_ids(prompts)
+        self.check_version(body, session)
+        self.vocabulary.check_ids(prompts)  # token ids the model embeds
+        self.vocabulary.check_texts(  # text it can read
+            [
+                (f"prompt {i}" if len(prompts) > 1 else "prompt", p)
+                for i, p in enumerate(prompts)
+                if isinstance(p, str)
+            ],
+            "prompt",
+        )
         texts = [
             p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
         ]
@@ -74,7 +87,9 @@ class ServingCompletions(ServingGeneration):
             Job(
                 ScorePrompt(p)
                 if max_tokens == 0
-                else CompletionTurn(p, display=text[-500:], write=body.lstmem_write),
+                else CompletionTurn(
+                    p, display=text[-500:], write=body.lstmem_write, version=body.lstmem_version
+                ),
                 namespace,
                 session,
                 sampling=sampling,
@@ -122,16 +137,14 @@ class ServingCompletions(ServingGeneration):
                 400, "stream=true takes one prompt per request", param="stream", code="unsupported_parameter"
             )
         self.check_stream_logprobs(body.logprobs is not None, body.stream)
-
-    def _check_token_ids(self, prompts: list) -> None:
-        """Token-id prompts are used as they are: every id must be in the vocabulary."""
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str) and max(p) >= self.vocab:
-                raise ServeError(
-                    400,
-                    f"prompt {i} has token id {max(p)}; the vocabulary has {self.vocab} tokens",
-                    param="prompt",
-                )
+        if max_tokens == 0 and body.lstmem_version is not None:
+            raise ServeError(
+                400,
+                "lstmem_version names the version a turn continues; a completion that only scores its prompt "
+                "(max_tokens 0) reads the session's newest version and writes nothing: leave lstmem_version out",
+                param="lstmem_version",
+                code="unsupported_parameter",
+            )
 
     def _check_echo_fits(self, prompts: list, max_tokens: int) -> None:
         """With ``echo``, the echoed tokens must be the whole prompt, in context: each prompt and

@@ -43,26 +43,38 @@ from .runtime import LoadedModel, state_norms
 from .scheduler import Scheduler
 from .serving_base import ServingBase, valid_session
 from .store import Session, SessionStore
+from .vocabulary import Vocabulary
 
 
 class ServingMemory(ServingBase):
     """The memory endpoints of one store.
 
     Args:
-        loaded, scheduler, metrics: see :class:`~.serving_base.ServingBase`.
+        loaded, scheduler, metrics, vocabulary: see :class:`~.serving_base.ServingBase`.
         store: the sessions.
     """
 
     def __init__(
-        self, loaded: LoadedModel, scheduler: Scheduler, metrics: Metrics, store: SessionStore
+        self,
+        loaded: LoadedModel,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        store: SessionStore,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
-        super().__init__(loaded, scheduler, metrics)
+        super().__init__(loaded, scheduler, metrics, vocabulary)
         self.store = store
 
     async def write(self, namespace: str, session: str, body: MemoryWriteRequest) -> MemoryWriteResponse:
         """``POST /v1/memory/{session}/write``: text as it is, or messages in the chat format (then
         recorded as written, so a chat that re-sends them does not write them again)."""
         valid_session(session)
+        if body.messages is not None:  # text the model cannot read is refused, not written as padding
+            self.vocabulary.check_texts(
+                [(f"messages[{i}].content", m.text()) for i, m in enumerate(body.messages)], "messages"
+            )
+        else:
+            self.vocabulary.check_texts([("text", body.text)], "text")
         if body.messages is not None:
             request = WriteMemory(
                 display=body.messages[-1].text()[-500:],

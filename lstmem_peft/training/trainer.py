@@ -25,6 +25,7 @@ does nothing) are refused when the trainer is built, each with its fix
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import weakref
@@ -60,6 +61,19 @@ from .distributed import (  # after TRL: a missing train extra is named before a
 )
 
 HISTORY_MODES = ("stage1", "stage2")
+#: The training argument that turns gradient (activation) checkpointing on: ``activation_checkpointing``
+#: on transformers 5.24 and later, where ``gradient_checkpointing`` is its deprecated alias (removed in
+#: transformers 6), else ``gradient_checkpointing``. ``LSTMemTrainingConfig(**{ACTIVATION_CHECKPOINTING:
+#: True})`` turns it on without a deprecation warning on every supported transformers.
+ACTIVATION_CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(SFTConfig)}
+    else "gradient_checkpointing"
+)
+CHECKPOINTING_HELP = (
+    "Recompute decoder layers in backward to save activation memory on long histories: exact with LSTMem in "
+    "non-reentrant mode (transformers' default); reentrant mode is refused."
+)
 #: The accelerator whose DeepSpeed engine last trained a model (see LSTMemTrainer.train).
 _DEEPSPEED_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -155,11 +169,13 @@ class LSTMemTrainingConfig(SFTConfig):
         context_dropout (`float`, *optional*, defaults to `0.2`):
             Probability of dropping the answer pass's prompt (all but its last token).
 
-    Defaults that differ from ``SFTConfig``: gradient checkpointing off (``gradient_checkpointing=True``
-    turns it on, exact in transformers' non-reentrant mode; it saves activation memory on long
-    histories at about 1.3x the step time), ``remove_unused_columns=False`` and
-    ``dataset_kwargs={"skip_prepare_dataset": True}`` (episode columns are kept and not re-tokenized),
-    ``bf16`` on when a CUDA device supports it.
+    Defaults that differ from ``SFTConfig``: gradient checkpointing off (``activation_checkpointing=True``
+    turns it on, ``gradient_checkpointing=True`` before transformers 5.24, which deprecates that name;
+    :data:`ACTIVATION_CHECKPOINTING` is the one this transformers reads. Exact in transformers'
+    non-reentrant mode; it saves activation memory on long histories at about 1.3x the step time),
+    ``remove_unused_columns=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}`` (episode
+    columns are kept and not re-tokenized), ``bf16`` on when a CUDA device supports it, and
+    ``dataloader_pin_memory`` only with CUDA (pinning on a CPU-only machine does nothing but warn).
     """
 
     history_mode: str = field(
@@ -173,12 +189,25 @@ class LSTMemTrainingConfig(SFTConfig):
     context_dropout: float = field(
         default=K.CONTEXT_DROPOUT, metadata={"help": "Prompt dropout probability."}
     )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={
-            "help": "Recompute decoder layers in backward to save activation memory on long histories: exact "
-            "with LSTMem in non-reentrant mode (transformers' default); reentrant mode is refused."
-        },
+    if ACTIVATION_CHECKPOINTING == "activation_checkpointing":  # transformers 5.24 on
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                "help": CHECKPOINTING_HELP + " Default: off.",
+                "nargs": "?",
+                "const": True,
+            },
+        )
+        # TRL's default (True) would be a use of transformers' deprecated alias: unset, it follows the above
+        gradient_checkpointing: bool | None = field(
+            default=None,
+            metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5.24 on)."},
+        )
+    else:
+        gradient_checkpointing: bool = field(default=False, metadata={"help": CHECKPOINTING_HELP})
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Pin the batches' host memory; default: when an accelerator (CUDA) is there."},
     )
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Episode columns must reach the collator."}
@@ -194,6 +223,11 @@ class LSTMemTrainingConfig(SFTConfig):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        if self.dataloader_pin_memory is None:  # pinning without an accelerator only warns
+            self.dataloader_pin_memory = torch.cuda.is_available()
+        unset = getattr(self, ACTIVATION_CHECKPOINTING) is None and self.gradient_checkpointing is None
+        if ACTIVATION_CHECKPOINTING == "activation_checkpointing" and unset:
+            self.activation_checkpointing = False  # off, by the current name: transformers warns of no alias
         self._check_precision_beside_deepspeed()
         super().__post_init__()
         if self.history_mode not in HISTORY_MODES:
