@@ -108,3 +108,39 @@ def test_without_the_train_extra_the_recipe_names_it(tmp_path):
 
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "'datasets'" in result.stderr and install_command("train") in result.stderr
+
+
+@pytest.mark.slow
+def test_english_training_runs_checkpoints_and_resumes(tmp_path, peft_alone):
+    """examples/train_english.py on a tiny random Llama with a character tokenizer (the real backbone is
+    the default; docs/real-model-training.md): it trains, scores held-out episodes, checkpoints, and a
+    second run with more steps resumes from the checkpoint instead of starting over."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import tiny_model
+
+    from lstmem_peft.utils.offline import char_tokenizer
+
+    folder = tmp_path / "tiny-llama"
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    model.resize_token_embeddings(len(tokenizer))  # English text: one id per printable character
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "examples" / "train_english.py"), "--output-dir", str(out)]
+    command += ["--model", str(folder), "--layers", "all", "--batch", "2", "--eval-every", "2"]
+    command += ["--eval-episodes", "2", "--save-every", "2", "--threads", "1"]
+    first = subprocess.run(
+        [*command, "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "last.pt").exists() and (out / "adapter" / "adapter_config.json").exists()
+    second = subprocess.run(
+        [*command, "--steps", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {out / 'last.pt'} at step 2" in second.stdout
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert records and any("memory" in json.dumps(r) for r in records)
+    assert warnings_in(first.stderr + second.stderr, peft_alone) == []

@@ -1,0 +1,446 @@
+"""Train an LSTMem adapter on English memory episodes for a real chat model (issue 45), on a CPU.
+
+    python examples/train_english.py --output-dir /tmp/english-adapter --steps 300
+    python examples/train_english.py --output-dir /tmp/english-adapter --steps 600   # resumes at 300
+    python examples/train_english.py --output-dir /tmp/english-adapter --eval-only   # score last.pt
+
+Each step draws a fresh batch of ``english_episodes`` (train split; the knobs of the curriculum stage
+the step is in), writes each history into a fresh memory with gradients through the writes (stage 1)
+and reads the gold answer (with ``--choice-weight``: every one of the episode's ``choices``) from it
+(``forced_choice``'s ``"text"`` layout: ``"Question: ...\\nAnswer:"``, then the candidate and EOS).
+The loss is
+
+* ``answer``: the mean cross-entropy of the gold answer's tokens (EOS included), as the trainer's;
+* ``choice`` (weight ``--choice-weight``): a cross-entropy over the episode's choices, each scored by
+  the sum of its tokens' log-probabilities, the gold the target. The distractors are values of the
+  same kind (in multi-fact histories, the other people's values), so a prior over likely answers
+  cannot lower it: only what the memory holds about this history can;
+* ``contrast`` (weight ``--contrast-weight``): each gold answer read again from the memory of the
+  next episode of the batch; ``-log sigmoid(own - other)`` of the two scores.
+
+What these measured on SmolLM2-135M-Instruct (no binding yet): docs/real-model-training.md.
+
+Every ``--eval-every`` steps it scores held-out episodes (disjoint names, values and sentence forms)
+with ``forced_choice`` under ``memory`` and ``empty`` memory and logs both with ``chance`` to
+``<output-dir>/log.jsonl``; every ``--save-every`` steps it writes ``<output-dir>/last.pt`` (adapter,
+optimizer, step, settings) and a loadable adapter folder ``<output-dir>/adapter`` (``PeftModel.
+from_pretrained``). Rerun the same command (a larger ``--steps``) to resume from ``last.pt``.
+
+Why not ``LSTMemTrainer``: the choice and contrast losses need several reads from the memory each
+history was written into, or from another episode's (``B`` writes, up to ``sum C_i + B`` reads), and
+the data is an endless, step-indexed stream whose stage follows the step; the trainer's
+``compute_loss`` scores the gold answer only, over a fixed dataset. The write and the reads here are
+the library's own (``write_history``, ``forced_choice.read_scores``), as the trainer and the
+forced-choice check call them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+
+def parse_layers(text: str, num_layers: int) -> list[int] | None:
+    """``all``, ``12-29``, ``8,12,16`` or ``every2`` -> layer indices (``None``: all)."""
+    if text == "all":
+        return None
+    if text.startswith("every"):
+        k = int(text[5:])
+        return list(range(k - 1, num_layers, k))
+    out: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            out += list(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def parse_curriculum(text: str) -> list[tuple[int, tuple[int, int]]]:
+    """``0:1-1,150:1-2,300:2-4`` -> [(first step, (min facts, max facts)), ...]."""
+    stages = []
+    for part in text.split(","):
+        step, facts = part.split(":")
+        lo, _, hi = facts.partition("-")
+        stages.append((int(step), (int(lo), int(hi or lo))))
+    return sorted(stages)
+
+
+def stage_at(curriculum, step: int) -> tuple[int, tuple[int, int]]:
+    index = max(i for i, (first, _) in enumerate(curriculum) if first <= step)
+    return index, curriculum[index][1]
+
+
+def episode_knobs(args, facts: tuple[int, int]) -> dict:
+    return dict(
+        num_facts=facts,
+        chatter=0.0,
+        updates=0.0,
+        same_relation=args.same_relation,
+        min_choices=args.min_choices,
+        style=args.style,
+    )
+
+
+#: Options a rerun may change; every other setting is the saved run's.
+RUN_LENGTH = (
+    "steps",
+    "max_minutes",
+    "threads",
+    "eval_every",
+    "save_every",
+    "eval_only",
+    "no_recall",
+    "eval_episodes",
+    "eval_facts",
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument(
+        "--model", default="smollm2-135m", help="backbone (a short name of `lstmem models`, a folder)"
+    )
+    ap.add_argument("--steps", type=int, default=300, help="total optimizer steps (resume continues to it)")
+    ap.add_argument("--batch", type=int, default=4, help="episodes per step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--layers", default="12-29", help="memory layers: all, 12-29, 8,12,16, every2")
+    ap.add_argument("--r", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--choice-weight", type=float, default=0.0, help="weight of the choice cross-entropy")
+    ap.add_argument(
+        "--answer-weight", type=float, default=1.0, help="weight of the gold-answer cross-entropy"
+    )
+    ap.add_argument(
+        "--contrast-weight",
+        type=float,
+        default=0.0,
+        help="weight of -log sigmoid(gold score from its own history's memory - from the next episode's)",
+    )
+    ap.add_argument("--curriculum", default="0:1-1,150:1-2,300:2-4", help="first_step:min-max facts, ...")
+    ap.add_argument("--same-relation", type=float, default=1.0)
+    ap.add_argument("--min-choices", type=int, default=4)
+    ap.add_argument("--style", default="notes", choices=["notes", "chat", "mixed"])
+    ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--eval-episodes", type=int, default=48)
+    ap.add_argument(
+        "--eval-facts",
+        default="1,2",
+        help="held-out facts per history, one eval each: 1,2 or 2-3 ('': the stage's)",
+    )
+    ap.add_argument("--save-every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with AVX512-BF16/AMX)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop (after a checkpoint) past this")
+    ap.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="no training: score last.pt on --eval-episodes held-out episodes per --eval-facts "
+        "(forced choice, and greedy recall by normalised match), written to eval.json",
+    )
+    ap.add_argument("--no-recall", action="store_true", help="--eval-only without the greedy recall")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    from lstmem_peft.cli.quiet import quiet_command
+
+    quiet_command(loads_models=True)  # what lstmem keeps off the terminal (README "Warnings")
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from tqdm import tqdm
+
+    from lstmem_peft import LSTMemConfig, MemoryCache, write_history
+    from lstmem_peft.eval.forced_choice import choice_rows, forced_choice, read_scores
+    from lstmem_peft.training.data import left_pad
+    from lstmem_peft.training.english import english_episodes
+    from lstmem_peft.tuner.loading import load_model_and_adapter
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    last = os.path.join(args.output_dir, "last.pt")
+    log_path = os.path.join(args.output_dir, "log.jsonl")
+    saved = torch.load(last, map_location="cpu", weights_only=False) if os.path.exists(last) else None
+    if saved is not None:  # the run's settings are the saved ones, except how long to run
+        keep = {k: v for k, v in saved["args"].items() if k not in RUN_LENGTH}
+        vars(args).update(keep)
+
+    base, tokenizer = load_model_and_adapter(args.model, dtype="float32", device="cpu")
+    num_layers = base.config.num_hidden_layers
+    config = LSTMemConfig(
+        r=args.r,
+        num_heads=args.heads,
+        layers_to_transform=parse_layers(args.layers, num_layers),
+        block_size=256,
+    )
+    if saved is not None:
+        config.memory_id = saved["memory_id"]
+    model = get_peft_model(base, config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
+    step = 0
+    if saved is not None:
+        set_peft_model_state_dict(model, saved["adapter"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        print(f"resumed from {last} at step {step}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    curriculum = parse_curriculum(args.curriculum)
+
+    def schedule(s: int) -> float:  # linear warm-up, then cosine to zero at --steps
+        warm = min(1.0, (s + 1) / max(1, args.warmup))
+        return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    n_params = sum(p.numel() for p in trainable)
+    print(f"memory layers {args.layers} ({n_params / 1e6:.2f} M trainable); steps {step}->{args.steps}")
+
+    def eval_sets(at: int) -> list[tuple[int, int]]:
+        if not args.eval_facts:
+            return [stage_at(curriculum, at)[1]]
+        sets = []
+        for part in args.eval_facts.split(","):
+            lo, _, hi = part.partition("-")
+            sets.append((int(lo), int(hi or lo)))
+        return sets
+
+    def normalise(text: str) -> str:
+        return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
+
+    @torch.no_grad()
+    def recall(facts: tuple[int, int], max_new_tokens: int = 8) -> dict:
+        """Greedy answers from memory (read-only) to held-out questions; a hit when the normalised
+        answer starts with the normalised gold. Also from an empty memory, for the same check."""
+        held = english_episodes(
+            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
+        )
+        model.eval()
+        hits = {"memory": 0, "empty": 0}
+        samples = []
+        for start in range(0, len(held), 8):
+            chunk = held[start : start + 8]
+            laid = [choice_rows(tokenizer, e, "text") for e in chunk]
+            prompts = [rows[0][0][: len(rows[0][0]) - rows[0][1]] for _, rows in laid]  # the prompt alone
+            ids, mask = left_pad(prompts, pad)
+            for condition in hits:
+                cache = MemoryCache()
+                if condition == "memory":
+                    h, hm = left_pad([h for h, _ in laid], pad)
+                    write_history(model, h, cache, attention_mask=hm, progress=False)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    memory_cache=cache,
+                    memory_write=False,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+                texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+                for e, text in zip(chunk, texts, strict=True):
+                    hit = normalise(text).startswith(normalise(e["gold"]))
+                    hits[condition] += hit
+                    if condition == "memory" and len(samples) < 6:
+                        samples.append({"question": e["question"], "gold": e["gold"], "answer": text.strip()})
+        model.train()
+        return {
+            "facts": list(facts),
+            "n": len(held),
+            **{c: v / len(held) for c, v in hits.items()},
+            "samples": samples,
+        }
+
+    @torch.no_grad()
+    def other_history(facts: tuple[int, int]) -> dict:
+        """Forced choice with another held-out episode's history in memory (one of the same relation
+        where there is one): the control for what memory adds whatever the history says. Recall shows
+        as ``memory`` (own history) above this, not only above an empty memory."""
+        held = english_episodes(
+            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
+        )
+        swapped = []
+        for i, e in enumerate(held):
+            same = [
+                o
+                for o in held[i + 1 :] + held[:i]
+                if o["relation"] == e["relation"] and o["gold"] != e["gold"]
+            ]
+            other = same[0] if same else held[(i + 1) % len(held)]
+            swapped.append({**e, "history": other["history"]})
+        model.eval()
+        with autocast:
+            res = forced_choice(
+                model, tokenizer, swapped, conditions=("memory",), layout="text", batch_size=8
+            )
+        model.train()
+        return {"facts": list(facts), "n": len(held), "memory_other_history": res["memory"]}
+
+    def evaluate(at: int) -> dict:
+        """Held-out forced choice (memory, empty, chance) at each of ``--eval-facts`` (default: the stage's)."""
+        model.eval()
+        out: dict = {"eval": []}
+        t = time.time()
+        for facts in eval_sets(at):
+            knobs = episode_knobs(args, facts)
+            held = english_episodes(args.eval_episodes, "heldout", seed=1000 + args.seed, **knobs)
+            with torch.no_grad(), autocast:
+                res = forced_choice(
+                    model, tokenizer, held, conditions=("memory", "empty"), layout="text", batch_size=8
+                )
+            out["eval"].append(
+                {
+                    "facts": list(facts),
+                    "memory": res["memory"],
+                    "empty": res["empty"],
+                    "chance": round(res["chance"], 4),
+                    "n": res["num_episodes"],
+                }
+            )
+        model.train()
+        out["eval_s"] = round(time.time() - t, 1)
+        return out
+
+    def checkpoint() -> None:
+        tmp = last + ".tmp"
+        torch.save(
+            {
+                "adapter": get_peft_model_state_dict(model),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "args": vars(args),
+                "memory_id": config.memory_id,
+            },
+            tmp,
+        )
+        os.replace(tmp, last)
+        model.save_pretrained(os.path.join(args.output_dir, "adapter"))
+
+    def log(record: dict) -> None:
+        with open(log_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    if args.eval_only:
+        result = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **evaluate(step)}
+        result["recall"] = [] if args.no_recall else [recall(facts) for facts in eval_sets(step)]
+        result["other_history"] = [other_history(facts) for facts in eval_sets(step)]
+        with open(os.path.join(args.output_dir, "eval.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(json.dumps(result, indent=1))
+        return
+
+    model.train()
+    if step == 0:
+        log(
+            {
+                "step": 0,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "settings": vars(args),
+                **evaluate(0),
+            }
+        )
+    start = time.time()
+    run_losses: list[tuple[float, float, float]] = []
+    bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
+    while step < args.steps:
+        stage, facts = stage_at(curriculum, step)
+        rng_seed = args.seed * 1_000_003 + step
+        episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts))
+        laid = [choice_rows(tokenizer, e, "text") for e in episodes]
+        gold = [list(e["choices"]).index(e["gold"]) for e in episodes]
+        if args.choice_weight == 0:  # only the gold reads are needed
+            laid = [(h, [rows[g]]) for (h, rows), g in zip(laid, gold, strict=True)]
+            gold = [0] * len(laid)
+        reads = [ids for _, rows in laid for ids, _ in rows]
+        n_answer = [n for _, rows in laid for _, n in rows]
+        owner = [i for i, (_, rows) in enumerate(laid) for _ in rows]
+        if args.contrast_weight:  # each gold read again, from the next episode's memory
+            for i, ((_, rows), g) in enumerate(zip(laid, gold, strict=True)):
+                reads.append(rows[g][0])
+                n_answer.append(rows[g][1])
+                owner.append((i + 1) % len(laid))
+        owner = torch.tensor(owner)
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * schedule(step)
+        t0 = time.time()
+        with autocast:
+            cache = MemoryCache()
+            ids, mask = left_pad([h for h, _ in laid], pad)
+            write_history(model, ids, cache, attention_mask=mask, progress=False)
+            cache.batch_select_indices(owner)
+            flat = read_scores(model, reads, n_answer, pad, cache).float()
+        answer_sum, answer_tokens, choice_terms, correct = 0.0, 0, [], 0
+        at = 0
+        for (_, rows), g in zip(laid, gold, strict=True):
+            s = flat[at : at + len(rows)]
+            answer_sum = answer_sum - s[g]
+            answer_tokens += rows[g][1]
+            choice_terms.append(torch.logsumexp(s, 0) - s[g])
+            correct += int(s.argmax().item() == g)
+            at += len(rows)
+        answer_loss = answer_sum / answer_tokens
+        contrast_loss = torch.zeros(())
+        if args.contrast_weight:
+            own = torch.stack([flat[sum(len(r) for _, r in laid[:i]) + g] for i, g in enumerate(gold)])
+            other = flat[at : at + len(laid)]
+            contrast_loss = -torch.nn.functional.logsigmoid(own - other).mean()
+        choice_loss = torch.stack(choice_terms).mean()
+        loss = (
+            args.answer_weight * answer_loss
+            + args.choice_weight * choice_loss
+            + args.contrast_weight * contrast_loss
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0).item()
+        optimizer.step()
+        step += 1
+        step_s = time.time() - t0
+        run_losses.append((answer_loss.item(), choice_loss.item(), correct / len(laid)))
+        record = {
+            "step": step,
+            "stage": stage,
+            "facts": list(facts),
+            "answer_loss": round(answer_loss.item(), 4),
+            "choice_loss": round(choice_loss.item(), 4),
+            "contrast_loss": round(contrast_loss.item(), 4),
+            "train_choice_acc": correct / len(laid),
+            "grad_norm": round(grad_norm, 4),
+            "lr": optimizer.param_groups[0]["lr"],
+            "step_s": round(step_s, 2),
+        }
+        recent = run_losses[-20:]
+        bar.set_postfix(
+            ans=f"{sum(a for a, _, _ in recent) / len(recent):.3f}",
+            ch=f"{sum(c for _, c, _ in recent) / len(recent):.3f}",
+            acc=f"{sum(x for _, _, x in recent) / len(recent):.2f}",
+            s=f"{step_s:.1f}",
+        )
+        bar.update(1)
+        if step % args.eval_every == 0 or step == args.steps:
+            record.update(evaluate(step))
+            record["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            for e in record["eval"]:
+                tqdm.write(
+                    f"step {step}: held-out forced choice ({e['facts']} facts, n={e['n']}): memory {e['memory']:.3f} "
+                    f"empty {e['empty']:.3f} chance {e['chance']:.3f}"
+                )
+        log(record)
+        out_of_time = args.max_minutes is not None and (time.time() - start) / 60 > args.max_minutes
+        if step % args.save_every == 0 or step == args.steps or out_of_time:
+            checkpoint()
+        if out_of_time:
+            tqdm.write(f"stopping at step {step}: --max-minutes {args.max_minutes} reached (rerun to resume)")
+            break
+    bar.close()
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
