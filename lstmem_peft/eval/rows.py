@@ -42,10 +42,9 @@ import torch
 from tqdm.auto import tqdm
 
 from lstmem_peft.memory.cache import MemoryCache
-from lstmem_peft.tuner.history import write_history
 
 from .protocol import Benchmark, History, Question
-from .runner import LONG_HISTORY_BLOCKS, Decoding, _complete, _KVSnapshot, _prefill_plain, _Run, _seed, _setup
+from .runner import Decoding, _complete, _KVSnapshot, _Run, _setup, fill_history, generate_answer
 
 #: The rows, in the order the reports show them, and what each one is (``results.md`` lists them).
 ROWS = {
@@ -219,25 +218,10 @@ def _clock(run: _Run) -> float:
 
 
 def _generate(run: _Run, question: Question, input_ids, cache, memory) -> tuple[str, dict]:
-    """One answer, from a copy of ``memory`` and the restored ``cache``; its time and token counts."""
-    kwargs = dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=question.max_new_tokens,
-        pad_token_id=run.pad_token_id,
-        **run.decoding.generate_kwargs(),
-    )
-    from lstmem_peft.tuner.kv_argument import kv_kwargs
-
-    if cache is not None:
-        kwargs.update(kv_kwargs(run.model, cache))
-    if memory is not None:
-        kwargs["memory_cache"] = memory.clone()
-    _seed(run.decoding.seed)
+    """One answer (:func:`~lstmem_peft.eval.runner.generate_answer`); its time and token counts."""
     start = _clock(run)
-    output = run.model.generate(**kwargs)
+    new = generate_answer(run, question, input_ids, cache, memory)
     seconds = _clock(run) - start
-    new = output[0, input_ids.shape[1] :]
     text = run.tokenizer.decode(new, skip_special_tokens=True).strip()
     return text, {
         "answer_s": seconds,
@@ -273,16 +257,13 @@ def answer_row(plan: _Plan, row: str) -> Iterator[tuple[Question, str, dict]]:
         memory = MemoryCache() if adapter else None
         kv, prompt = None, None
         if row == "memory-only":
-            _write(run, pieces, memory, None)
+            _fill(run, pieces, memory, None)
         elif windowed is not None:
             from transformers import DynamicCache
 
-            _write(run, outside, memory, None)
+            _fill(run, outside, memory, None)  # the paper row's turns beyond the window: memory only
             kv = DynamicCache(config=run.config)
-            if adapter:
-                _write(run, pieces, memory, kv)
-            else:
-                _prefill(run, pieces, kv)
+            _fill(run, pieces, memory, kv)  # the window: memory and KV, or (no adapter) the KV alone
             prompt = windowed
         write_s = _clock(run) - start
         snapshot = _KVSnapshot(kv) if kv is not None else None
@@ -333,24 +314,9 @@ def _answer_bm25(plan: _Plan) -> Iterator[tuple[Question, str, dict]]:
         )
 
 
-def _write(run: _Run, pieces: list[list[int]], memory: MemoryCache, kv) -> None:
-    for piece in pieces:
-        if piece:  # a bar of its own for long histories only
-            long = run.progress and len(piece) > LONG_HISTORY_BLOCKS * run.block_size
-            write_history(
-                run.model,
-                _tensor(run, piece),
-                memory,
-                block_size=run.block_size,
-                past_key_values=kv,
-                progress=long,
-            )
-
-
-def _prefill(run: _Run, pieces: list[list[int]], kv) -> None:
-    for piece in pieces:
-        if piece:
-            _prefill_plain(run, _tensor(run, piece), kv)
+def _fill(run: _Run, pieces: list[list[int]], memory: MemoryCache | None, kv) -> None:
+    """:func:`~lstmem_peft.eval.runner.fill_history` on token-id lists."""
+    fill_history(run, [_tensor(run, piece) for piece in pieces], memory, kv)
 
 
 # ---------------------------------------------------------------------- the run

@@ -145,6 +145,45 @@ def _prefill_plain(run: _Run, ids: torch.Tensor, kv) -> None:
         )
 
 
+def fill_history(run: _Run, pieces: list[torch.Tensor], memory: MemoryCache | None, kv) -> None:
+    """Feed the history's pieces (``(1, n)`` token ids each): written into ``memory`` (and ``kv``, when
+    given) block by block with feedback, or, without a memory, prefilled into ``kv`` alone."""
+    for piece in pieces:
+        if piece.shape[1] == 0:
+            continue
+        if memory is not None:  # a bar of its own for long histories (MemoryAgentBench contexts)
+            long = piece.shape[1] > LONG_HISTORY_BLOCKS * run.block_size
+            write_history(
+                run.model,
+                piece,
+                memory,
+                block_size=run.block_size,
+                past_key_values=kv,
+                progress=run.progress and long,
+            )
+        elif kv is not None:
+            _prefill_plain(run, piece, kv)
+
+
+def generate_answer(run: _Run, question: Question, input_ids: torch.Tensor, kv, memory) -> torch.Tensor:
+    """The tokens ``generate`` answers ``question`` with, from ``input_ids`` (``(1, n)``), the KV cache
+    ``kv`` (restored by the caller) and a copy of ``memory`` (either may be ``None``), re-seeded first."""
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=question.max_new_tokens,
+        pad_token_id=run.pad_token_id,
+        **run.decoding.generate_kwargs(),
+    )
+    if kv is not None:
+        kwargs.update(kv_kwargs(run.model, kv))
+    if memory is not None:
+        kwargs["memory_cache"] = memory.clone()
+    _seed(run.decoding.seed)
+    output = run.model.generate(**kwargs)
+    return output[0, input_ids.shape[1] :]
+
+
 @torch.no_grad()
 def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question, str]]:
     """Answer every question of ``history`` with one system, each from the same snapshot."""
@@ -160,41 +199,15 @@ def _answer(run: _Run, history: History, system: str) -> Iterator[tuple[Question
     memory = MemoryCache() if with_memory else None  # reset before every independent history
     context = run.model.disable_adapter() if run.has_adapter and not with_memory else nullcontext()
     with context:
-        for piece in pieces:
-            if piece.shape[1] == 0:
-                continue
-            if with_memory:  # a bar of its own for long histories (MemoryAgentBench contexts)
-                long = piece.shape[1] > LONG_HISTORY_BLOCKS * run.block_size
-                write_history(
-                    run.model,
-                    piece,
-                    memory,
-                    block_size=run.block_size,
-                    past_key_values=kv,
-                    progress=run.progress and long,
-                )
-            elif kv is not None:
-                _prefill_plain(run, piece, kv)
+        fill_history(run, pieces, memory, kv)
         snapshot = _KVSnapshot(kv) if kv is not None else None
         prefix = torch.cat(pieces, dim=1) if in_prompt else None
         for question in history.questions:
             q_ids = torch.tensor([run.builder.question_ids(history, question, in_prompt)], device=run.device)
             input_ids = q_ids if prefix is None else torch.cat([prefix, q_ids], dim=1)
-            kwargs = dict(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=question.max_new_tokens,
-                pad_token_id=run.pad_token_id,
-                **run.decoding.generate_kwargs(),
-            )
-            if snapshot is not None:
-                kwargs.update(kv_kwargs(run.model, snapshot.restore()))
-            if with_memory:
-                kwargs["memory_cache"] = memory.clone()
-            _seed(run.decoding.seed)
-            output = run.model.generate(**kwargs)
-            text = run.tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
-            yield question, text.strip()
+            restored = snapshot.restore() if snapshot is not None else None
+            new = generate_answer(run, question, input_ids, restored, memory)
+            yield question, run.tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 # ---------------------------------------------------------------------- entry points
