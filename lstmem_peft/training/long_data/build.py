@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from dataclasses import MISSING, dataclass, fields
 
 from lstmem_peft.utils.errors import MissingDataError
@@ -233,13 +236,42 @@ def build_long_dataset(config: LongDataConfig, out_dir: str, progress: bool = Tr
 
 
 def _run(coroutine) -> None:
-    """``asyncio.run``, also from inside a running event loop (a notebook): then on its own thread."""
+    """``asyncio.run``, also from inside a running event loop (a notebook): then on its own thread.
+
+    On the main thread, Ctrl-C raises :class:`KeyboardInterrupt` where the loop is, at once
+    (:func:`_interrupt_at_once`), instead of ``asyncio.run``'s own handling (cancel the main task,
+    raise once it ends cancelled), which returns normally when a library under the request (the HTTP
+    client's shielded clean-up) absorbs that cancellation: a Ctrl-C then went unnoticed. The loop's
+    tasks are still cancelled and their ``finally`` blocks run as ``asyncio.run`` closes."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        with _interrupt_at_once():
+            return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+@contextlib.contextmanager
+def _interrupt_at_once():
+    """SIGINT raises ``KeyboardInterrupt`` wherever the main thread is, for the block (nothing changes
+    off the main thread or where the process has its own SIGINT handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+
+    def interrupt(signum, frame):  # a handler of our own: asyncio.run then installs none
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def _generate(
