@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from lstmem_peft.cli.bench import build_model
-from lstmem_peft.cli.bench_records import environment
+from lstmem_peft.cli.bench.command import build_model
+from lstmem_peft.cli.bench.records import environment
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.memory.layer import LSTMemLayer
 

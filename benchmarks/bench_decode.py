@@ -27,7 +27,7 @@ from peft import get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lstmem_peft import LSTMemConfig, MemoryCache
-from lstmem_peft.cli.bench import adapter_off
+from lstmem_peft.cli.bench.command import adapter_off
 
 
 def random_model(hidden: int, layers: int):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lstmem_peft.cli.bench import NO_KERNEL_OPS, count_ops
+from lstmem_peft.cli.bench.command import NO_KERNEL_OPS, count_ops
 from lstmem_peft.memory.layer import LSTMemLayer
 
 

@@ -140,7 +140,7 @@ def step_sides(old: type, calls: int, cold_mb: float = 0.0) -> dict:
 
 
 def generate_sides(old: type, prompt_tokens: int, new_tokens: int) -> dict:
-    from lstmem_peft.cli.bench import build_model
+    from lstmem_peft.cli.bench.command import build_model
     from lstmem_peft.memory.cache import MemoryCache
 
     model = build_model("cpu-small", torch.device("cpu"), torch.float32)

@@ -1,7 +1,7 @@
 """Do depth coupling and block-end feedback change recall on the demo backbone? (issue 26, item 2)
 
 Trains fresh adapters on the shipped demo backbone with the shipped recipe
-(:func:`lstmem_peft.cli.demo.train_adapter`: LSTMemTrainer, histories of 1 to 8 facts, batch 64,
+(:func:`lstmem_peft.cli.demo.training.train_adapter`: LSTMemTrainer, histories of 1 to 8 facts, batch 64,
 lr 3e-3 cosine), one per (variant, seed), and scores each on the same held-out episodes:
 
 * ``one_block_8``: 8 facts in one block (the shipped demo's task);
@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft.cli import demo, demo_recall
-from lstmem_peft.cli.bench_records import environment
+from lstmem_peft.cli.bench.records import environment
+from lstmem_peft.cli.demo import command as demo
+from lstmem_peft.cli.demo import recall as demo_recall
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import long_recall_episodes
 from lstmem_peft.tuner.history import write_history
@@ -72,7 +73,7 @@ def score(model, tok, num: int = 512) -> dict:
         write_history(model, turn_ids(tok, texts, first=t == 0), cache, progress=False)
     histories, reads, n_ans = demo_recall.episode_rows(tok, episodes)
     out["turns_4x2"] = demo_recall.answers_correct(model, tok, reads, n_ans, cache).float().mean().item()
-    # updates: the newest value wins (lstmem_peft.cli.demo.evaluate_updates)
+    # updates: the newest value wins (lstmem_peft.cli.demo.recall.evaluate_updates)
     updates = demo.evaluate_updates(model, tok, num_episodes=num, seed=EVAL_SEED)
     out.update({k: v for k, v in updates.items() if k.startswith("update_")})
     return {k: round(v, 4) for k, v in out.items()}
@@ -118,7 +119,8 @@ def train_and_score(variant: str, seed: int, steps: int, out: Path) -> dict:
 
 
 def score_shipped(out: Path) -> list[dict]:
-    """The shipped adapters (seed 42, the same recipe, trained by ``demo.build``) on the same episodes."""
+    """The shipped adapters (seed 42, the same recipe, trained by ``lstmem_peft.cli.demo.training.build``) on
+    the same episodes."""
     from peft import PeftModel
 
     records = []

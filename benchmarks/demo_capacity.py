@@ -3,7 +3,7 @@
 The shipped demo adapter (n_h 4, r 8: 2 x 4 x 8 x 8 = 512 cell numbers per sequence) recalls 0.85
 of 8 facts, 0.53 of 16 and is at chance by 64. Two things could set that limit: the state's size,
 or the training histories (1 to 8 facts, so nothing taught the memory to hold more). This trains
-fresh adapters on the shipped backbone with the shipped recipe (:func:`lstmem_peft.cli.demo.train_adapter`,
+fresh adapters on the shipped backbone with the shipped recipe (:func:`lstmem_peft.cli.demo.training.train_adapter`,
 600 steps, batch 64, lr 3e-3 cosine) varying ``r`` and the longest training history, and scores
 memory-only recall on held-out histories of 8 to 64 facts (the asked key appears once, anywhere;
 blocks of 64 tokens, feedback after each; the same episodes as ``demo_ablation.py`` at 8, 16, 32)::
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft.cli import demo, demo_recall
-from lstmem_peft.cli.bench_records import environment
+from lstmem_peft.cli.bench.records import environment
+from lstmem_peft.cli.demo import command as demo
+from lstmem_peft.cli.demo import recall as demo_recall
 from lstmem_peft.training.data import long_recall_episodes
 
 OUT = Path(__file__).parent / "demo" / "capacity-runs.jsonl"

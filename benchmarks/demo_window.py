@@ -10,17 +10,17 @@ Training episodes (:func:`window_training_rows`): histories of ``--min-facts`` t
 key-value facts (:func:`~lstmem_peft.training.data.long_recall_episodes`: the asked key appears
 once, anywhere), written into memory by :class:`~lstmem_peft.training.trainer.LSTMemTrainer` in
 blocks of 64 tokens with block-end feedback (stage 1: gradients through writing and feedback); the
-read sequence is what :func:`lstmem_peft.cli.demo_recall.window_row` keeps, BOS, the last history tokens
-that fit the demo's 64-token :data:`~lstmem_peft.cli.demo_recall.WINDOW`, the question, then the answer.
+read sequence is what :func:`lstmem_peft.cli.demo.recall.window_row` keeps, BOS, the last history tokens
+that fit the demo's 64-token :data:`~lstmem_peft.cli.demo.recall.WINDOW`, the question, then the answer.
 So a fact that fell out of the window can only come from memory. ``--memory-only-share`` of the
 episodes instead hold 1 to 8 facts with the question alone (the shipped recipe's histories, which
 bootstrap the key-value binding); ``--init shipped`` starts from the shipped full adapter instead of
 the paper's initialisation. Everything else is the shipped recipe
-(:func:`lstmem_peft.cli.demo_training.train_adapter`: the full adapter n_h 4, r 8, alpha 16 on both layers,
+(:func:`lstmem_peft.cli.demo.training.train_adapter`: the full adapter n_h 4, r 8, alpha 16 on both layers,
 batch 64, lr 3e-3 cosine, 5% warmup, no context dropout).
 
 Scoring (:func:`score`, 512 episodes per length, the same episodes for every run, so runs pair):
-:func:`lstmem_peft.cli.demo_sweep.recall_conditions` on histories of 16, 32, 64 and 128 facts gives per
+:func:`lstmem_peft.cli.demo.sweep.recall_conditions` on histories of 16, 32, 64 and 128 facts gives per
 episode ``memory+window`` (this adapter), ``memory/full`` (this adapter, question alone),
 ``window`` (plain backbone cut to the window), ``in_context`` (plain backbone, whole history) and
 ``no_history``; each is reported over all episodes and over those whose asked fact fell outside the
@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-from lstmem_peft.cli.demo_recall import WINDOW, window_row
-from lstmem_peft.cli.demo_sweep import recall_conditions
-from lstmem_peft.cli.demo_training import train_adapter
+from lstmem_peft.cli.demo.recall import WINDOW, window_row
+from lstmem_peft.cli.demo.sweep import recall_conditions
+from lstmem_peft.cli.demo.training import train_adapter
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import left_pad, long_recall_episodes, tokenize_episode
 from lstmem_peft.tuner.history import write_history
@@ -95,7 +95,7 @@ def windowed_row(tok, episode: dict, window: int = WINDOW, add_eos: bool = True)
     """One episode as the trainer's token lists, the read sequence cut to the window.
 
     ``history_input_ids`` (BOS + the whole history, all of it written into memory); ``input_ids``:
-    :func:`~lstmem_peft.cli.demo_recall.window_row`, i.e. BOS, the last history tokens that fit ``window``
+    :func:`~lstmem_peft.cli.demo.recall.window_row`, i.e. BOS, the last history tokens that fit ``window``
     beside the question, the question, then the answer (EOS included when ``add_eos``); ``labels``:
     -100 except on the answer. The same rows the demo's "memory + window" condition scores."""
     row = tokenize_episode(tok, episode, history_max_tokens=1 << 30, add_eos=add_eos)
@@ -158,7 +158,7 @@ def train_window_adapter(
     lr: float = 3e-3,
     output_dir: str | None = None,
 ):
-    """Train an adapter on ``rows`` with the shipped recipe (:func:`lstmem_peft.cli.demo_training.train_adapter`);
+    """Train an adapter on ``rows`` with the shipped recipe (:func:`lstmem_peft.cli.demo.training.train_adapter`);
     returns ``(model, trainer)``. ``init``: ``"fresh"`` (the paper's initialisation, the demo's adapter
     config) or ``"shipped"`` (the shipped full adapter's weights, trained further)."""
     if init not in ("fresh", "shipped"):
@@ -177,7 +177,7 @@ def train_window_adapter(
 # ---------------------------------------------------------------------- scoring
 def outside_window(tok, episodes: list[dict], window: int = WINDOW) -> torch.Tensor:
     """Per episode: did the asked fact fall out of the window? True when the asked key's token is
-    not among the history tokens :func:`~lstmem_peft.cli.demo_recall.window_row` keeps (a fact cut in two
+    not among the history tokens :func:`~lstmem_peft.cli.demo.recall.window_row` keeps (a fact cut in two
     at the window's edge counts as outside: its key is gone)."""
     flags = []
     for e in episodes:

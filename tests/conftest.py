@@ -40,7 +40,7 @@ def pytest_report_header(config):
 def loaded():
     """``lstmem serve``'s embedded demo model (the library engine, on the CPU) for the serve tests,
     run on one thread (a tiny model: one is fastest); the thread count is restored afterwards."""
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

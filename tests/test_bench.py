@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_peft.cli import bench, bench_records
+from lstmem_peft.cli.bench import command as bench
+from lstmem_peft.cli.bench import records as bench_records
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_unknown_preset_and_kind_are_errors(tmp_path):
 def gpu_dry_run(tmp_path_factory):
     """``lstmem bench gpu --dry-run`` into a tmp folder, with a free memory that holds the KV caches of
     16 tokens but not those of 64, and a length past the config's positions."""
-    from lstmem_peft.cli import bench_gpu
+    from lstmem_peft.cli.bench import gpu_suite as bench_gpu
     from lstmem_peft.cli.commands import main
 
     out = tmp_path_factory.mktemp("gpu-dry-run")
@@ -223,7 +224,7 @@ def test_gpu_suite_vllm_step_runs_bench_vllm_sweep_with_cuda_graphs_on_a_saved_r
 
     import torch
 
-    from lstmem_peft.cli import bench_gpu
+    from lstmem_peft.cli.bench import gpu_suite as bench_gpu
 
     script = tmp_path / "bench_vllm.py"
     script.write_text(

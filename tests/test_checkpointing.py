@@ -143,10 +143,9 @@ def _trainer_losses(tmp_path, checkpointing, steps=3):
     from peft import get_peft_model
 
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.cli.demo import demo_tokenizer
     from lstmem_peft.training.data import synthetic_recall_episodes, tokenize_episode
     from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
-    from lstmem_peft.utils.offline import tiny_qwen3
+    from lstmem_peft.utils.offline import demo_tokenizer, tiny_qwen3
 
     tok = demo_tokenizer()
     torch.manual_seed(0)

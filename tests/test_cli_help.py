@@ -62,7 +62,8 @@ def test_serve_help_shows_the_defaults(capsys, monkeypatch):
 
 
 def test_bench_help_explains_each_kind_and_reps_with_the_real_defaults(capsys, monkeypatch):
-    from lstmem_peft.cli import bench, bench_gpu
+    from lstmem_peft.cli.bench import command as bench
+    from lstmem_peft.cli.bench import gpu_suite as bench_gpu
     from lstmem_peft.cli.parser import BENCH_KINDS, build_parser
 
     text = " ".join(_help(capsys, monkeypatch, "bench").split())

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from lstmem_peft.cli import demo, demo_recall, demo_sweep
+from lstmem_peft.cli.demo import command as demo
+from lstmem_peft.cli.demo import recall as demo_recall
+from lstmem_peft.cli.demo import sweep as demo_sweep
 
 
 def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -48,7 +50,7 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
 
 def test_demo_train_runs_the_chat_phase_of_the_shipped_adapters():
     """``lstmem demo --train`` trains as the shipped adapters were: 600 steps, then the chat phase."""
-    from lstmem_peft.cli.demo_training import CHAT_STEPS
+    from lstmem_peft.cli.demo.training import CHAT_STEPS
     from lstmem_peft.cli.parser import build_parser
 
     args = build_parser().parse_args(["demo", "--train"])
@@ -146,7 +148,7 @@ def test_the_update_table_says_what_each_column_is_and_why_rows_score_lower():
 
 
 def test_the_conversation_and_sweep_tables_have_captions():
-    from lstmem_peft.cli.demo_conversation import format_conversation
+    from lstmem_peft.cli.demo.conversation import format_conversation
 
     rows = {
         "full, newest": {

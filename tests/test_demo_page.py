@@ -37,7 +37,7 @@ def test_the_requests_the_page_sends_write_a_session_and_answer_from_it(tmp_path
     asked with the session (from memory) and without one (no history); the session then lists the
     write and the question as its two commits, with the memory norms the charts draw."""
     from lstmem_peft.serve import app as app_module
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

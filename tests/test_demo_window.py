@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_peft.cli.demo import WINDOW
+from lstmem_peft.cli.demo.recall import WINDOW
 from lstmem_peft.training.data import long_recall_episodes
 from lstmem_peft.utils.offline import demo_tokenizer
 

@@ -42,12 +42,11 @@ from peft import get_peft_model
 from safetensors.torch import load_file
 
 from lstmem_peft import LSTMemConfig
-from lstmem_peft.cli.demo import demo_tokenizer
 from lstmem_peft.training import distributed as distributed_module
 from lstmem_peft.training.data import synthetic_recall_episodes, tokenize_episode
 from lstmem_peft.training.distributed import check_distributed_setup, shard_backbone
 from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
-from lstmem_peft.utils.offline import tiny_qwen3
+from lstmem_peft.utils.offline import demo_tokenizer, tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "scripts" / "dist_train.py")

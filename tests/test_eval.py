@@ -661,7 +661,8 @@ def nothing_loads(monkeypatch):
     bad inputs must be refused before any of it."""
     import types
 
-    from lstmem_peft.cli import bench, demo
+    from lstmem_peft.cli.bench import command as bench
+    from lstmem_peft.cli.demo import command as demo
     from lstmem_peft.tuner import loading
 
     def loaded(*args, **kwargs):

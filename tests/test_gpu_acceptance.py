@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lstmem_peft.cli import gpu_acceptance as acc
-from lstmem_peft.cli import gpu_cases
 from lstmem_peft.cli.commands import main
+from lstmem_peft.cli.gpu import acceptance as acc
+from lstmem_peft.cli.gpu import cases as gpu_cases
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def test_each_step_is_isolated_timed_and_cut_at_the_deadline(monkeypatch, tmp_pa
 
 def test_a_record_of_the_acceptance_is_one_lstmem_bench_report_reads(monkeypatch, tmp_path):
     """Written into benchmarks/results (its default), the record must not break ``lstmem bench report``."""
-    from lstmem_peft.cli import bench_records
+    from lstmem_peft.cli.bench import records as bench_records
 
     monkeypatch.setattr(
         acc, "plan", lambda *a: [acc.Step("kernel-scan", "check", lambda limit: dict(cases=[]))]

@@ -151,7 +151,7 @@ NEEDS_AN_EXTRA = [
     ("trainer", "import lstmem_peft.training.trainer", "train"),
     (
         "demo training",
-        "from lstmem_peft.cli import demo\ndemo.train_adapter(demo.load_backbone(), max_steps=1)",
+        "from lstmem_peft.cli.demo import command as demo\ndemo.train_adapter(demo.load_backbone(), max_steps=1)",
         "train",
     ),
     ("evaluation", "import lstmem_peft.eval", "eval"),
@@ -159,7 +159,7 @@ NEEDS_AN_EXTRA = [
     ("parquet data", "from lstmem_peft.training.data import read_file\nlist(read_file('x.parquet'))", "eval"),
     (
         "benchmark plots",
-        "from lstmem_peft.cli.bench_records import _plot\n_plot(None, {}, 'x', 'x', None)",
+        "from lstmem_peft.cli.bench.records import _plot\n_plot(None, {}, 'x', 'x', None)",
         "bench",
     ),
     (
@@ -258,6 +258,11 @@ def test_the_wheel_ships_every_module_the_license_and_the_package_version(tmp_pa
     assert not any(f.startswith("kernels/") for f in files), "the wheel ships lstmem_kernels, not kernels/"
     assert not expected - files, f"missing from the wheel: {sorted(expected - files)}"
     assert any(f.startswith("lstmem_peft/assets/demo/adapter_full/") for f in files)
+    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+
+    for name in SHIPPED_ADAPTERS:  # every shipped adapter whole: config, weights and card
+        for part in ("adapter_config.json", "adapter_model.safetensors", "README.md"):
+            assert f"lstmem_peft/assets/adapters/{name}/{part}" in files
     dist_info = f"lstmem_peft-{lstmem_peft.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in files
     metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()

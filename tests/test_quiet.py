@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_peft.cli import bench, quiet
+from lstmem_peft.cli import quiet
+from lstmem_peft.cli.bench import command as bench
 from lstmem_peft.cli.parser import BENCH_KINDS
 from lstmem_peft.utils.extras import install_command, missing_extra
 

@@ -112,7 +112,7 @@ def test_the_card_names_the_base_model_the_adapter_records_and_never_an_empty_on
 
 
 def test_the_shipped_demo_cards_open_with_the_lstmem_section():
-    from lstmem_peft.cli.demo_recall import ADAPTERS
+    from lstmem_peft.cli.demo.recall import ADAPTERS
     from lstmem_peft.utils.offline import DEMO_ASSETS
 
     for name in ADAPTERS:

@@ -778,7 +778,7 @@ def test_an_interrupted_commit_leaves_the_previous_version(tmp_path, loaded):
     """A crash between writing the new memory file and the record: the record still names the old,
     intact file, and the orphan is removed on load."""
     from lstmem_peft.serve.engine import MemoryRow
-    from lstmem_peft.serve.runtime import fresh_memory, write_rows
+    from lstmem_peft.serve.memories import fresh_memory, write_rows
     from lstmem_peft.serve.store import SessionStore
 
     store = SessionStore(tmp_path, loaded.layout)
@@ -897,9 +897,9 @@ def test_the_prompt_is_the_latest_turns_that_fit_the_window_and_only_new_ones_ar
     """The chat policy (``plan_chat``): the prompt holds the latest whole messages that fit
     ``window - max_tokens`` (older turns live only in memory), and only messages the session has not
     written are written."""
+    from lstmem_peft.serve.conversation import message_hash
     from lstmem_peft.serve.planning import plan_chat
     from lstmem_peft.serve.protocol import ServeError
-    from lstmem_peft.serve.runtime import message_hash
     from lstmem_peft.serve.store import Session
     from lstmem_peft.utils.chat import ChatFormat
 
@@ -938,7 +938,7 @@ def test_a_real_backbone_and_adapter_load_from_local_folders(tmp_path):
     from peft import PeftModel, get_peft_model
 
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
     from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()
@@ -988,7 +988,7 @@ def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_pa
     place("user/backbone", lambda d: (backbone.save_pretrained(d), tok.save_pretrained(d)))
     place("user/adapter", lambda d: get_peft_model(backbone, LSTMemConfig()).save_pretrained(d))
     code = (
-        "from lstmem_peft.serve.runtime import load_model\n"
+        "from lstmem_peft.serve.loading import load_model\n"
         "served = load_model('user/backbone', 'user/adapter', device='cpu')\n"
         "print(served.name, type(served.model).__name__)\n"
     )
@@ -1004,8 +1004,8 @@ def test_a_backbone_and_adapter_load_by_hub_id_from_the_offline_hub_cache(tmp_pa
 def test_a_turn_writes_new_messages_outside_the_window_before_answering_and_the_rest_after(loaded):
     """``plan_chat`` / ``plan_completion`` split the new tokens: those older than the prompt are
     written before answering (``before``), those in the prompt after it (``after``), in order."""
+    from lstmem_peft.serve.conversation import message_hash
     from lstmem_peft.serve.planning import plan_chat, plan_completion
-    from lstmem_peft.serve.runtime import message_hash
     from lstmem_peft.serve.store import Session
     from lstmem_peft.utils.chat import ChatFormat
 
@@ -1148,7 +1148,7 @@ def test_recall_through_the_server_equals_in_process_memory_recall(server, loade
     token). Recall is within 0.05 of in-process memory-only recall (``demo.evaluate``: history
     written, question read) on the same episodes; with no history it is near chance. The first turn's
     answer is not in memory: the client did not send it back."""
-    from lstmem_peft.cli.demo import evaluate
+    from lstmem_peft.cli.demo.recall import evaluate
     from lstmem_peft.training.data import synthetic_recall_episodes
 
     num, seed = 50, 4242
@@ -1506,7 +1506,7 @@ def test_lm_eval_local_completions_runs_loglikelihood_and_generation_tasks(
     )
     from lm_eval.tasks import TaskManager
 
-    from lstmem_peft.cli.demo import demo_tokenizer
+    from lstmem_peft.utils.offline import demo_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

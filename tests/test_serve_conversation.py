@@ -8,7 +8,7 @@ shipped demo adapter, recall at every question position must be at least 0.75 an
 0.15 below the first (measured here on 128 sessions per client; ``lstmem demo`` reports the same
 on 256).
 
-The library's measurement (``lstmem_peft.cli.demo_conversation.evaluate_conversation``, what
+The library's measurement (``lstmem_peft.cli.demo.conversation.evaluate_conversation``, what
 ``lstmem demo`` prints) runs the server's turn rule through
 :class:`~lstmem_peft.training.data.ServedConversation`, which also lays out the training episodes.
 It is held to the server: session by session, the same answers and the same memory, bit for bit.
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from test_serve import in_process  # noqa: E402  (the in-process client)
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
-from lstmem_peft.cli.demo_conversation import (  # noqa: E402
+from lstmem_peft.cli.demo.conversation import (  # noqa: E402
     CLIENT_WINDOWS,
     MAX_TOKENS,
     evaluate_conversation,

@@ -41,7 +41,7 @@ def endless():
     token never generated (the demo adapters end an answer with it and then repeat it), and a window
     of 4,096 positions (past the 64 it was trained for: the answers are noise, which is all a cut
     stream needs)."""
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
 
     loaded = load_model(device="cpu")
     config = loaded.model.get_base_model().generation_config

@@ -34,13 +34,9 @@ from lstmem_peft import LSTMemConfig, memory_layers  # noqa: E402
 from lstmem_peft.serve.decoding import Decoded, Sampling  # noqa: E402
 from lstmem_peft.serve.engine import Engine, MemoryRow  # noqa: E402
 from lstmem_peft.serve.generation import generate_rows, score_rows  # noqa: E402
-from lstmem_peft.serve.runtime import (  # noqa: E402
-    LoadedModel,
-    fresh_memory,
-    load_model,
-    load_tokenizer,
-    write_rows,
-)
+from lstmem_peft.serve.loading import LoadedModel, load_model  # noqa: E402
+from lstmem_peft.serve.memories import fresh_memory, write_rows  # noqa: E402
+from lstmem_peft.tuner.loading import load_tokenizer  # noqa: E402
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 from lstmem_peft.utils.offline import DEMO_ASSETS, char_tokenizer  # noqa: E402
 
@@ -121,7 +117,8 @@ def test_the_facts_read_by_hub_id_from_the_offline_hub_cache_equal_those_of_the_
         (root / "refs" / "main").write_text("0" * 40)
     code = (
         "import json\n"
-        "from lstmem_peft.serve.runtime import LoadedModel, load_model, load_tokenizer\n"
+        "from lstmem_peft.serve.loading import LoadedModel, load_model\n"
+        "from lstmem_peft.tuner.loading import load_tokenizer\n"
         "library = load_model('user/backbone', 'user/adapter', device='cpu')\n"
         "tokenizer = load_tokenizer('user/backbone', 'user/adapter')\n"
         "files = LoadedModel.of_files('user/backbone', 'user/adapter', tokenizer, 'a')\n"

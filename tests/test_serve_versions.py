@@ -122,7 +122,7 @@ def test_an_edited_message_rolls_back_and_equals_replaying_the_kept_turns(loaded
     assert again["lstmem"]["rolled_back_to"] == 1 and again["lstmem"]["version"] == 5
     assert again["choices"][0]["message"] == fresh_again[-1]["choices"][0]["message"]
     assert_same_session(stored(app, "s"), stored(app, "r2"))
-    assert [t["kind"] for t in stored(app, "s").turns] == ["chat", "chat"]  # the line: turns 1 and 5
+    assert [t.kind for t in stored(app, "s").turns] == ["chat", "chat"]  # the line: turns 1 and 5
     folder = tmp_path / "store" / "public" / "s"
     assert sorted(memory_files(folder)) == [
         "memory-00000001.safetensors",
@@ -480,7 +480,7 @@ def test_a_record_of_another_format_is_refused_naming_it(loaded, tmp_path):
     """A record without versions (written before this feature, format 1) is refused with the format
     and the fix, never read as something else."""
     from lstmem_peft.serve.engine import MemoryRow
-    from lstmem_peft.serve.runtime import fresh_memory, write_rows
+    from lstmem_peft.serve.memories import fresh_memory, write_rows
 
     store = SessionStore(tmp_path, loaded.layout)
     session = store.get("public", "old")

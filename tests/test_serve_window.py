@@ -37,9 +37,10 @@ from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 from lstmem_peft import MemoryCache, write_history  # noqa: E402
 from lstmem_peft.serve import create_app  # noqa: E402
-from lstmem_peft.serve.runtime import LoadedModel, trained_positions  # noqa: E402
+from lstmem_peft.serve.loading import LoadedModel  # noqa: E402
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
 from lstmem_peft.utils.offline import DEMO_ASSETS  # noqa: E402
+from lstmem_peft.utils.positions import trained_positions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,7 +59,7 @@ def test_the_demo_backbone_records_the_positions_it_was_trained_for(loaded):
     """Both engines read the same facts: the demo's 64 trained positions come from its config.json
     (the library model's config and the files an engine such as vLLM reads), and they are the
     window ``lstmem demo`` measured the backbone to work in."""
-    from lstmem_peft.cli.demo_recall import WINDOW
+    from lstmem_peft.cli.demo.recall import WINDOW
 
     assert (loaded.trained_positions, loaded.trained_from) == (TRAINED, "lstmem_trained_positions")
     assert loaded.max_positions == 4096  # what the architecture allows: not what it was trained for

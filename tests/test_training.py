@@ -13,10 +13,9 @@ from eval_fixtures import QASPER_OFFICIAL
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
-from lstmem_peft.cli.demo import demo_tokenizer
 from lstmem_peft.training.data import load_episodes, synthetic_recall_episodes, tokenize_episode
 from lstmem_peft.training.trainer import EpisodeCollator, LSTMemTrainer, LSTMemTrainingConfig
-from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
+from lstmem_peft.utils.offline import char_tokenizer, demo_tokenizer, tiny_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
 

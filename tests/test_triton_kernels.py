@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from lstmem_kernels.scan.chunked import scan_triton  # noqa: E402
-from lstmem_kernels.scan.naive import scan_naive  # noqa: E402
+from lstmem_kernels.scan.naive import scan_naive, scan_naive_pieces  # noqa: E402
 from lstmem_kernels.step.fused import step_triton  # noqa: E402
 from lstmem_kernels.step.naive import step_naive  # noqa: E402
 
@@ -70,36 +70,6 @@ def make_inputs(B, T, H, R, dtype, depth=True, valid=True, initial=True, seed=0)
     return {name: None if x is None else x.to(DEVICE) for name, x in inputs.items()}
 
 
-def scan_reference(q, k, w, f, o, depth=None, valid=None, initial_cell=None, initial_hidden=None, chunk=256):
-    """``scan_naive`` run over consecutive chunks of at most ``chunk`` tokens, carrying the states.
-
-    This is the same token loop; chunking only keeps autograd's per-token slicing of the
-    ``(B, T, ...)`` inputs (each slice's backward allocates a full-size gradient) from costing
-    ``O(T^2)`` at ``T = 2049``.
-    """
-    T = q.shape[1]
-    if T <= chunk:
-        return scan_naive(q, k, w, f, o, depth, valid, initial_cell, initial_hidden)
-    reads, hiddens = [], []
-    cell, hidden = initial_cell, initial_hidden
-    for start in range(0, T, chunk):
-        part = slice(start, start + chunk)
-        read, hidden_seq, cell, hidden = scan_naive(
-            q[:, part],
-            k[:, part],
-            w[:, part],
-            f[:, part],
-            o[:, part],
-            None if depth is None else depth[:, part],
-            None if valid is None else valid[:, part],
-            cell,
-            hidden,
-        )
-        reads.append(read)
-        hiddens.append(hidden_seq)
-    return torch.cat(reads, dim=1), torch.cat(hiddens, dim=1), cell, hidden
-
-
 def run_with_grads(fn, inputs, ref_dtype, loss_terms):
     """Call ``fn`` on leaf copies of ``inputs`` (cast to ``ref_dtype`` if given) and backprop.
 
@@ -154,7 +124,7 @@ def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
     inputs = make_inputs(B, T, H, R, dtype, depth=depth, valid=valid, initial=initial)
     terms = (0, 1, 2, 3)
     out, grads = run_with_grads(scan_triton, inputs, None, terms)
-    ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    ref_out, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, terms)
     for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
         assert a.dtype == dtype and a.shape == e.shape
         assert_close(a, e, dtype, name)
@@ -166,7 +136,7 @@ def test_scan_matches_naive(B, T, H, R, dtype, depth, valid, initial):
 
 @pytest.mark.parametrize("scan", [scan_naive, scan_triton], ids=["naive", "triton"])
 def test_a_scan_resumed_from_its_final_states_equals_one_scan(scan):
-    """Writing history block by block relies on it (and ``scan_reference`` above on the naive scan)."""
+    """Writing history block by block relies on it (and ``scan_naive_pieces`` on the naive scan)."""
     inputs = make_inputs(3, 10, 2, 8, torch.float32)
     whole = scan(**inputs)
     per_token = ("q", "k", "w", "f", "o", "depth", "valid")
@@ -186,7 +156,7 @@ def test_scan_partial_losses(terms):
     """Outputs without a gradient reach the backward as ``None``; each term alone is checked."""
     inputs = make_inputs(2, 6, 2, 8, torch.float32)
     _, grads = run_with_grads(scan_triton, inputs, None, terms)
-    _, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    _, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, terms)
     for name, e in ref_grads.items():
         assert_close(grads[name], e, torch.float32, f"grad {name}")
 
@@ -208,7 +178,7 @@ def test_scan_without_grad_and_non_contiguous():
         assert not a.requires_grad
         assert_close(a, e, torch.float32, "output")
     _, grads = run_with_grads(scan_triton, strided, None, (0, 1, 2, 3))
-    _, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, (0, 1, 2, 3))
+    _, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, (0, 1, 2, 3))
     for name, e in ref_grads.items():
         assert_close(grads[name], e, torch.float32, f"grad {name}")
 
@@ -218,7 +188,7 @@ def test_scan_initial_state_dtype_differs():
     inputs = make_inputs(2, 5, 2, 8, torch.bfloat16)
     inputs["initial_cell"] = inputs["initial_cell"].float()
     _, grads = run_with_grads(scan_triton, inputs, None, (0, 1, 2, 3))
-    _, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, (0, 1, 2, 3))
+    _, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, (0, 1, 2, 3))
     assert grads["initial_cell"].dtype == torch.float32
     for name, e in ref_grads.items():
         assert_close(grads[name], e, torch.bfloat16, f"grad {name}")
@@ -284,7 +254,7 @@ def test_chunked_scan_matches_naive(B, T, H, R, dtype, chunk, depth, valid, init
     inputs = make_inputs(B, T, H, R, dtype, depth=depth, valid=valid, initial=initial)
     terms = (0, 1, 2, 3)
     out, grads = run_with_grads(partial(scan_triton, chunk=chunk), inputs, None, terms)
-    ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    ref_out, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, terms)
     for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
         assert a.dtype == dtype and a.shape == e.shape
         assert_close(a, e, dtype, name)
@@ -304,7 +274,7 @@ def test_chunked_scan_carries_states_over_chunks_of_padding():
     inputs["valid"] = valid.to(DEVICE)
     terms = (0, 1, 2, 3)
     out, grads = run_with_grads(partial(scan_triton, chunk=4), inputs, None, terms)
-    ref_out, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    ref_out, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, terms)
     for name, a, e in zip(("read", "hidden", "final_cell", "final_hidden"), out, ref_out, strict=True):
         assert_close(a, e, torch.float32, name)
     for name, e in ref_grads.items():
@@ -317,7 +287,7 @@ def test_chunked_scan_partial_losses(terms):
     """Outputs without a gradient reach the chunked backward as ``None`` (its summaries skip them)."""
     inputs = make_inputs(2, 11, 2, 8, torch.float32)
     _, grads = run_with_grads(partial(scan_triton, chunk=3), inputs, None, terms)
-    _, ref_grads = run_with_grads(scan_reference, inputs, torch.float64, terms)
+    _, ref_grads = run_with_grads(scan_naive_pieces, inputs, torch.float64, terms)
     for name, e in ref_grads.items():
         assert_close(grads[name], e, torch.float32, f"grad {name}")
 

@@ -77,7 +77,7 @@ def test_pipeline_parallelism_is_refused_naming_tensor_parallelism(tmp_path):
 
 
 def test_serve_with_the_vllm_engine_needs_a_backbone_and_an_adapter():
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
 
     with pytest.raises(ValueError, match="--engine vllm needs --model and --adapter"):
         load_model(engine="vllm")
@@ -89,7 +89,7 @@ def test_serve_with_the_vllm_engine_names_the_extra_when_vllm_is_missing(tmp_pat
     pytest.importorskip("fastapi")
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
 
     tiny_model("qwen3").save_pretrained(tmp_path / "base")
     from lstmem_peft.utils.extras import install_command

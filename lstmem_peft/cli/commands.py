@@ -26,6 +26,7 @@ import sys
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError, looks_local
 
 from .eval_rows import check_rows, eval_rows
+from .models import run_models
 from .parser import build_parser
 
 # Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
@@ -143,8 +144,16 @@ def _resolve_model(value: str | None) -> str | None:
     return resolve_model(value)
 
 
-def _check_adapter(value: str | None) -> None:
-    fix = "Pass the folder an LSTMem model's save_pretrained wrote (or LSTMemTrainer's output), or its Hub id"
+def _check_adapter(value: str | None, model: str | None) -> None:
+    """A shipped adapter's short name must go with the backbone it was trained for (``--model``); a local
+    folder must hold adapter_config.json."""
+    from lstmem_peft.tuner.shipped_adapters import check_pair
+
+    check_pair(model, value)
+    fix = (
+        "Pass the folder an LSTMem model's save_pretrained wrote (or LSTMemTrainer's output), its Hub id, or "
+        "the short name of a shipped adapter (lstmem models lists them)"
+    )
     _check_folder("--adapter", value, "adapter_config.json", ADAPTER_EXPECTED, fix)
 
 
@@ -206,8 +215,8 @@ def _demo(args) -> int:
     _check_model(args.model)
     if args.sweep is not None:
         _check_output_folder("--out", args.out, "the sweep's record and plot")
-    from .demo import run
-    from .demo_sweep import SWEEP_FACTS
+    from .demo.command import run
+    from .demo.sweep import SWEEP_FACTS
 
     run(
         train=args.train,
@@ -226,7 +235,7 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench as benchmarks
+    from .bench import command as benchmarks
 
     if args.kind == "report":
         folder = args.folder or "benchmarks/results"
@@ -243,7 +252,7 @@ def _bench(args) -> int:
                 f"no folder {parent}",
                 "Create the folder first, or pass another path",
             )
-        from .bench_records import report
+        from .bench.records import report
 
         print(f"wrote {report(folder, results)}")  # reads (and checks) every record first
         return 0
@@ -305,11 +314,11 @@ def _bench(args) -> int:
 
 def _bench_gpu(args) -> int:
     """``lstmem bench gpu``: refuses (one line, status 2) without a GPU unless ``--dry-run``."""
-    if args.acceptance:  # the acceptance run (gpu_acceptance.py, docs/gpu.md)
-        from .gpu_acceptance import run_from_args
+    if args.acceptance:  # the acceptance run (cli/gpu/acceptance.py, docs/gpu.md)
+        from .gpu.acceptance import run_from_args
 
         return run_from_args(args)
-    from .bench_gpu import require_gpu, run_suite
+    from .bench.gpu_suite import require_gpu, run_suite
 
     require_gpu(args.device, args.dry_run)  # before anything loads
     _check_output_folder("--out", args.out, "the JSON records")
@@ -354,10 +363,19 @@ def _api_keys(path: str) -> list[str]:
 
 
 def _serve(args) -> int:
+    from lstmem_peft.tuner.shipped_adapters import default_adapter
+
+    if args.adapter is None and (shipped := default_adapter(args.model)) is not None:
+        args.adapter = shipped
+        print(
+            f"lstmem serve: --adapter {shipped} (shipped for {args.model}; --adapter to choose another)",
+            file=sys.stderr,
+        )
     if (args.model is None) != (args.adapter is None):
         raise UsageError(
             "--model and --adapter go together: expected both (a backbone and the LSTMem adapter trained on "
-            "it) or neither (the embedded demo). Pass the other one too"
+            "it) or neither (the embedded demo); a backbone with a shipped adapter (lstmem models) needs no "
+            "--adapter. Pass the other one too"
         )
     if args.engine == "vllm" and args.model is None:
         raise UsageError(
@@ -365,7 +383,7 @@ def _serve(args) -> int:
             "adapter). Pass both, or drop --engine vllm to serve the embedded demo"
         )
     _check_model(args.model)
-    _check_adapter(args.adapter)
+    _check_adapter(args.adapter, args.model)
     _check_device(args.device)
     _check_output_folder("--store", args.store, "the sessions' memory")
     keys = list(args.api_key)
@@ -472,7 +490,7 @@ def _eval(args) -> int:
     if looks_local(args.data) and not os.path.exists(os.path.expanduser(args.data)):
         raise MissingDataError(f"DATA {args.data}", spec.expected, "no such file or folder", spec.fix)
     _check_model(args.model)
-    _check_adapter(args.adapter)
+    _check_adapter(args.adapter, args.model)
     _check_device(args.device)
     out = args.out or f"eval-results/{args.benchmark}"
     _check_output_folder("--out", out)
@@ -528,53 +546,6 @@ def _data(args) -> int:
     return long_data.run(args)
 
 
-def _models(args) -> int:
-    """``lstmem models``: list the known real backbones, convert one (printing its folder), or remove one."""
-    from lstmem_peft.tuner import backbones
-
-    if args.action == "prepare":
-        print(backbones.resolve_backbone(args.name, force=args.force))  # progress and notes on stderr
-    elif args.action == "remove":
-        folder = backbones.remove_backbone(args.name)
-        print(f"removed {folder}" if folder else f"{args.name}: not converted, nothing to remove")
-    else:
-        statuses = [backbones.backbone_status(name) for name in sorted(backbones.BACKBONES)]
-        if args.json:
-            import json
-
-            print(json.dumps(statuses, indent=2))
-        else:
-            print(_models_table(statuses, backbones.cache_home()))
-    return 0
-
-
-def _models_table(statuses: list[dict], cache) -> str:
-    """What ``lstmem models`` prints: each backbone, its state and what to run next."""
-    lines = []
-    for s in statuses:
-        lines.append(f"{s['name']}: {s['original']} ({s['license']}); {s['architecture']}")
-        size = f", {s['size_mb']} MB" if s["size_mb"] else ""
-        lines.append(
-            f"  source     pip package {s['package']} {s['version'] or ''}: {s['quantisation']}{size}"
-        )
-        if s["problem"]:
-            lines.append(f"  installed  no: {s['problem']}")
-        elif s["installed"]:
-            lines.append(f"  installed  yes ({s['package']} {s['installed_version'] or ''}: {s['file']})")
-        else:
-            lines.append(f"  installed  no: {s['install'][0]}")
-        if not s["gguf_installed"] and not s["converted"]:
-            lines.append(f"  gguf       not installed (needed to convert): {s['install'][1]}")
-        if s["converted"]:
-            lines.append(f"  converted  {s['folder']} ({s['folder_mb']} MB): --model {s['name']} uses it")
-        else:
-            lines.append(
-                f"  converted  no: lstmem models prepare {s['name']} (once; a first --model {s['name']} does it too)"
-            )
-    lines.append(f"converted backbones live in {cache} (set LSTMEM_HOME to move them)")
-    return "\n".join(lines)
-
-
 #: The subcommands that load a model with transformers (``lstmem bench report`` aside): its loading bars off.
 LOADS_MODELS = frozenset({"demo", "bench", "eval", "serve"})
 
@@ -588,7 +559,14 @@ def _loads_models(args) -> bool:
 
 
 #: What each subcommand of :data:`lstmem_peft.cli.parser.SUBCOMMANDS` runs: ``args`` -> exit status.
-RUNNERS = {"demo": _demo, "bench": _bench, "eval": _eval, "serve": _serve, "data": _data, "models": _models}
+RUNNERS = {
+    "demo": _demo,
+    "bench": _bench,
+    "eval": _eval,
+    "serve": _serve,
+    "data": _data,
+    "models": run_models,
+}
 
 
 if __name__ == "__main__":

@@ -291,7 +291,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plot", action="store_true", help="do not write scores.png")
     parser.add_argument(
-        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (omit: backbone only)"
+        "--adapter",
+        default=None,
+        help="LSTMem adapter: Hub id, local folder or a shipped adapter's short name (omit: backbone only)",
     )
     parser.add_argument("--out", default=None, help="output folder (default: eval-results/<benchmark>)")
     parser.add_argument(
@@ -430,7 +432,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: embedded demo)",
     )
     parser.add_argument(
-        "--adapter", default=None, help="LSTMem adapter: Hub id or local folder (with --model)"
+        "--adapter",
+        default=None,
+        help="LSTMem adapter: Hub id, local folder or a shipped adapter's short name (with --model)",
     )
     parser.add_argument("--store", default="lstmem-sessions", help="folder where session memory lives")
     parser.add_argument(

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lstmem_peft.utils.positions import TRAINED_POSITIONS_KEY
 from lstmem_peft.utils.version import __version__
 
+from .loading import LoadedModel
 from .metrics import Metrics
 from .page import PAGE
 from .protocol import (
@@ -62,7 +63,7 @@ from .protocol_memory import (
     VersionDeleteResponse,
     VersionList,
 )
-from .runtime import LoadedModel
+from .runner import JobRunner
 from .scheduler import Scheduler
 from .serving_base import valid_session
 from .serving_chat import ServingChat
@@ -96,7 +97,7 @@ def context_window_of(loaded: LoadedModel, requested: int | None = None) -> int:
     * ``loaded.max_positions``: the positions the model takes at all (``max_position_embeddings``;
       with ``--engine vllm`` at most the engine's ``max_model_len - 1``).
 
-    Both engines follow this one rule (:func:`~.runtime.load_model` gives both the same facts).
+    Both engines follow this one rule (:func:`~.loading.load_model` gives both the same facts).
 
     Past the trained positions a model does not fail: it answers with confident garbage. So:
 
@@ -160,7 +161,8 @@ def context_window_of(loaded: LoadedModel, requested: int | None = None) -> int:
     return default
 
 
-# ---------------------------------------------------------------------- the app
+# Long on purpose: its docstring is a quarter of it (one entry per argument); the rest checks the
+# window and the store, then builds the app's parts and wires them together, one line each.
 def create_app(
     loaded: LoadedModel,
     store_dir: str,
@@ -177,7 +179,7 @@ def create_app(
     """Build the app around a loaded model.
 
     Args:
-        loaded: :class:`~.runtime.LoadedModel`.
+        loaded: :class:`~.loading.LoadedModel`.
         store_dir: where sessions live (created if missing).
         context_window: tokens of the prompt window: at most the positions the backbone was trained
             for (:func:`context_window_of`; over it: ``ValueError``); default: that, at most 4096.
@@ -220,9 +222,7 @@ def create_app(
         store_dir, loaded.layout, max_versions=session_versions, max_version_bytes=session_version_bytes
     )
     scheduler = Scheduler(
-        loaded,
-        store,
-        window,
+        JobRunner(loaded, store, window),
         max_batch=max_batch,
         batch_wait=batch_wait_ms / 1000,
         batching=batching,

@@ -11,7 +11,7 @@ log-probabilities by token id and new memories:
   ``block_size``, block-end feedback after each), as :func:`~lstmem_peft.write_history` writes it.
 
 What the server says about the model (memory layout, block size, EOS tokens, vocabulary, the
-adapter's fingerprint, the position limit) is the :class:`~.runtime.LoadedModel`'s, read from the
+adapter's fingerprint, the position limit) is the :class:`~.loading.LoadedModel`'s, read from the
 model or from its files; an engine adds one fact, :attr:`Engine.request_limit`.
 
 Two engines implement it: :class:`~.engine_library.LibraryEngine` (the PeftModel's own ``generate``
@@ -147,7 +147,7 @@ class Engine(Protocol):
 
 class NoEngine:
     """The engine of a served model whose facts were read from its files with nothing to run it
-    (:meth:`~.runtime.LoadedModel.of_files` without an engine): every call names the fix."""
+    (:meth:`~.loading.LoadedModel.of_files` without an engine): every call names the fix."""
 
     name = "none"
     request_limit = None

@@ -13,13 +13,10 @@ from dataclasses import dataclass, replace
 
 from .decoding import Decoded, Sampling, Scores, find_stop
 from .engine import MemoryRow
-from .runtime import LoadedModel
+from .loading import LoadedModel
 
 __all__ = [
     "Answer",
-    "Decoded",
-    "Sampling",
-    "Scores",
     "TokenLogprobs",
     "cut_answer",
     "generate_rows",

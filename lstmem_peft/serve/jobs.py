@@ -1,7 +1,7 @@
 """What the serving classes hand the scheduler's worker (:mod:`.scheduler`): a :class:`Job` per
-request, carrying one typed request (:data:`Request`) and the thread-safe channel its events come
-back through, and the incremental text of a streamed choice (:class:`StreamState`), which sends only
-text a later token can no longer change.
+request, carrying one typed request (:data:`Request`) and the thread-safe channel its events
+(:mod:`.events`) come back through, and the incremental text of a streamed choice
+(:class:`StreamState`), which sends only text a later token can no longer change.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import ClassVar
 from lstmem_peft.memory.cache import MemoryCache
 
 from .decoding import Sampling, find_stop
+from .events import Delta, Event
 from .protocol import DEFAULT_WRITE
 
 
@@ -145,7 +146,7 @@ class Job:
     sampling: Sampling | None = None
     stream: bool = False
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
+    events: asyncio.Queue[Event] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
 
@@ -154,8 +155,8 @@ class Job:
         """The request's kind, as metrics and logs name it (``turn``, ``score``, ``write``, ...)."""
         return self.request.kind
 
-    def emit(self, event: tuple) -> None:
-        """Send an event to the request's coroutine (thread-safe)."""
+    def emit(self, event: Event) -> None:
+        """Send an event (:mod:`.events`) to the request's coroutine (thread-safe)."""
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
@@ -206,10 +207,10 @@ class StreamState:
         if safe.endswith("\ufffd"):
             return
         if safe.startswith(self.sent) and len(safe) > len(self.sent):
-            self.job.emit(("delta", self.choice, safe[len(self.sent) :]))
+            self.job.emit(Delta(self.choice, safe[len(self.sent) :]))
             self.sent = safe
 
     def finish(self, final: str) -> None:
         if final.startswith(self.sent) and len(final) > len(self.sent):
-            self.job.emit(("delta", self.choice, final[len(self.sent) :]))
+            self.job.emit(Delta(self.choice, final[len(self.sent) :]))
         self.sent = final

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from lstmem_peft.utils.chat import ChatFormat, prompt_start
 
+from .conversation import message_hash, tokens_after
 from .protocol import DEFAULT_WRITE, ServeError
-from .runtime import message_hash, tokens_after
 from .store import Session
 
 

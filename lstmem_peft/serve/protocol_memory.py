@@ -104,6 +104,33 @@ class TurnRecord(BaseModel):
     tokens_written: int = Field(description="tokens the memory holds after the commit")
     norms: StateNorms
 
+    def stored(self) -> dict:
+        """The record as a session's ``record.json`` holds it (:mod:`.store`): the fields that were set
+        (a write or an import has no ``write``, ``rolled_back_to``, ...), in the record's own order
+        (:data:`STORED_ORDER`), then any others."""
+        data = self.model_dump(exclude_unset=True)
+        return {**{k: data.pop(k) for k in STORED_ORDER if k in data}, **data}
+
+
+#: The order of a turn record's keys in ``record.json``: what was asked and answered, how it ran, what
+#: the turn took in as new, then the commit (:meth:`TurnRecord.stored`).
+STORED_ORDER = (
+    "kind",
+    "input",
+    "answer",
+    "written",
+    "write",
+    "prompt_tokens",
+    "batch",
+    "gates",
+    "rolled_back_to",
+    "new_messages",
+    "new_text_from",
+    "time",
+    "tokens_written",
+    "norms",
+)
+
 
 class MemoryInfo(BaseModel):
     """``GET /v1/memory/{session}``: what a session's memory holds and how it got there."""

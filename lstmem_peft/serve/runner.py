@@ -28,7 +28,7 @@ A completion is the same turn on text (:func:`.planning.plan_completion`): of th
 the session has not written, those before the context window are written before answering, the
 rest after it; a completion is written when a later prompt carries it. So a question sent as a turn
 is answered from memory as the in-process "write the history, then read the question"
-(``lstmem_peft.cli.demo.evaluate``) does, and memory holds each message once, in order.
+(``lstmem_peft.cli.demo.recall.evaluate``) does, and memory holds each message once, in order.
 
 **The write policy** (the request's ``lstmem_write``, :data:`.protocol.WritePolicy`) decides what
 steps 2 and 4 commit; the answer is the same under all three (same prompt, same memory read):
@@ -84,12 +84,27 @@ from dataclasses import dataclass, field, replace
 
 from lstmem_peft.utils.chat import ChatFormat
 
+from .conversation import message_hash
 from .engine import MemoryRow
+from .events import Done, Failed
 from .generation import Answer, answer_eos_ids, generate_rows, score_rows
-from .jobs import ChatTurn, Job, StreamState
+from .jobs import (
+    ChatTurn,
+    CompletionTurn,
+    ForkSession,
+    ImportMemory,
+    Job,
+    PruneVersion,
+    ResetSession,
+    ScorePrompt,
+    StreamState,
+    WriteMemory,
+)
+from .loading import LoadedModel
+from .memories import fresh_memory, merge_gates, state_norms, write_rows
 from .planning import Plan, plan_chat, plan_completion
 from .protocol import ServeError
-from .runtime import LoadedModel, fresh_memory, message_hash, state_norms, write_rows
+from .protocol_memory import TurnRecord
 from .store import Session, SessionStore
 
 log = logging.getLogger("lstmem.serve")
@@ -132,6 +147,26 @@ class JobRunner:
         self.store = store
         self.window = window
 
+    def run(self, jobs: list[Job]) -> None:
+        """Run a batch (jobs of one request type: :meth:`~.jobs.Job.key`) by the type of its requests."""
+        match jobs[0].request:
+            case ChatTurn() | CompletionTurn():
+                self.run_turns(jobs)
+            case ScorePrompt():
+                self.run_scores(jobs)
+            case WriteMemory():
+                self.run_writes(jobs)
+            case ResetSession():
+                self.run_resets(jobs)
+            case ImportMemory():
+                self.run_imports(jobs)
+            case ForkSession():
+                self.run_forks(jobs)
+            case PruneVersion():
+                self.run_prunes(jobs)
+            case request:
+                raise TypeError(f"no runner for a {type(request).__name__} request")
+
     # ------------------------------------------------------------------ helpers
     def _session(self, job: Job) -> Session:
         if job.session is None:
@@ -143,35 +178,42 @@ class JobRunner:
         fresh = None if session.memory is not None else fresh_memory(self.loaded.layout, self.loaded.device)
         return self.store.row(session, fresh)
 
-    def _commit(self, job: Job, session: Session, row: MemoryRow | None, turn: dict, **changes) -> Session:
-        """Durably commit the next version of a session (nothing for a session-less request).
-        ``row`` ``None``: nothing was ever written (a read-only turn on a new session)."""
+    def _commit(
+        self, job: Job, session: Session, row: MemoryRow | None, changes: dict | None = None, **record
+    ) -> Session:
+        """Durably commit the next version of a session (nothing for a session-less request): its
+        record gains a :class:`~.protocol_memory.TurnRecord` of the fields ``record`` and the commit's
+        (time, tokens held, state norms); ``changes``: the other fields of the session that change
+        (``messages``, ``completion_text``). ``row`` ``None``: nothing was ever written (a read-only
+        turn on a new session)."""
         memory = None if row is None else row.memory
         shown = memory if memory is not None else self._memory(session).memory
-        turn = {
-            **turn,
-            "time": time.time(),
-            "tokens_written": int(shown.tokens_written[0]),
-            "norms": state_norms(shown),
-        }
+        turn = TurnRecord(
+            **record,
+            time=time.time(),
+            tokens_written=int(shown.tokens_written[0]),
+            norms=state_norms(shown),
+        )
         # a memory the turn did not change keeps its file (the store shares it); a new one gets its own
         kept_file = session.memory_file if memory is not None and memory is session.memory else None
-        new = replace(session, memory=memory, memory_file=kept_file, turns=session.turns + [turn], **changes)
+        new = replace(
+            session, memory=memory, memory_file=kept_file, turns=session.turns + [turn], **(changes or {})
+        )
         if job.session is not None:
             # a memory an engine wrote to a file of the session's folder: that file becomes the version
             self.store.commit(new, written=None if kept_file is not None or row is None else row.file)
         return new
 
     def _commit_or_report(
-        self, job: Job, session: Session, row: MemoryRow | None, turn: dict, **changes
+        self, job: Job, session: Session, row: MemoryRow | None, changes: dict | None = None, **record
     ) -> Session | None:
         """:meth:`_commit`; a commit that fails is logged and sent to the job as a 500 error, and
         gives ``None`` (the session stays at its previous version, on disk and in RAM)."""
         try:
-            return self._commit(job, session, row, turn, **changes)
+            return self._commit(job, session, row, changes, **record)
         except Exception as err:  # the store failed (disk, permissions): a server error, not the request's
             log.exception("commit of session %s failed", job.session)
-            job.emit(("error", ServeError(500, f"could not store the session: {err}", type="server_error")))
+            job.emit(Failed(ServeError(500, f"could not store the session: {err}", type="server_error")))
             return None
 
     # ------------------------------------------------------------------ turns
@@ -208,7 +250,7 @@ class JobRunner:
                     self._finish_turn(turn, kept, answers[i], None, len(turns), elapsed)
                     continue
                 after = len(turn.plan.after) + len(turn.answer_ids)
-                gates = _merge_gates(gates_in[i], gates_out[i], len(turn.plan.before), after)
+                gates = merge_gates(gates_in[i], gates_out[i], len(turn.plan.before), after)
                 self._finish_turn(turn, finals[i], answers[i], gates, len(turns), elapsed)
         finally:
             self.store.discard(memories + finals)  # an engine's files that no commit took
@@ -233,13 +275,11 @@ class JobRunner:
             try:
                 session, plan = self._plan(job, self._session(job), max_tokens)
             except ServeError as err:
-                job.emit(("error", err))
+                job.emit(Failed(err))
                 continue
             except (OSError, ValueError) as err:  # a version's file is missing or damaged
                 log.exception("rollback of session %s failed", job.session)
-                job.emit(
-                    ("error", ServeError(500, f"could not read the version: {err}", type="server_error"))
-                )
+                job.emit(Failed(ServeError(500, f"could not read the version: {err}", type="server_error")))
                 continue
             turns.append(_Turn(job, session, plan))
         return turns
@@ -324,25 +364,28 @@ class JobRunner:
         job, plan, session = turn.job, turn.plan, turn.session
         if job.cancelled.is_set():
             job.emit(
-                ("error", ServeError(499, "request cancelled; the session was not changed", code="cancelled"))
+                Failed(ServeError(499, "request cancelled; the session was not changed", code="cancelled"))
             )
             return
         changes = self._record_changes(turn, choices)
         written = 0 if plan.write == "none" else len(plan.before) + len(plan.after) + len(turn.answer_ids)
         report = self._report(turn)
-        record = {
-            "kind": job.request.mode,
-            "input": job.request.display,
-            "answer": choices[0].text,
-            "written": written,
-            "write": plan.write,
-            "prompt_tokens": len(plan.prompt),
-            "batch": batch,
-            "gates": gates,
-            "rolled_back_to": plan.rollback,
+        new = self._commit_or_report(
+            job,
+            session,
+            memory,
+            changes,
+            kind=job.request.mode,
+            input=job.request.display,
+            answer=choices[0].text,
+            written=written,
+            write=plan.write,
+            prompt_tokens=len(plan.prompt),
+            batch=batch,
+            gates=gates,
+            rolled_back_to=plan.rollback,
             **{k: v for k, v in report.items() if k != "note"},
-        }
-        new = self._commit_or_report(job, session, memory, record, **changes)
+        )
         if new is None:
             return
         if turn.streams is not None:
@@ -360,7 +403,7 @@ class JobRunner:
             "rollback": plan.rollback,
             **report,
         }
-        job.emit(("done", result))
+        job.emit(Done(result))
 
     @staticmethod
     def _report(turn: _Turn) -> dict:
@@ -443,57 +486,62 @@ class JobRunner:
                     }
                     for m in job.request.messages
                 ]
-            turn = {
-                "kind": "write",
-                "input": job.request.display,
-                "answer": "",
-                "written": len(ids),
-                "prompt_tokens": 0,
-                "batch": len(jobs),
-                "gates": gate,
-            }
-            new = self._commit_or_report(job, session, memory, turn, **changes)
+            new = self._commit_or_report(
+                job,
+                session,
+                memory,
+                changes,
+                kind="write",
+                input=job.request.display,
+                answer="",
+                written=len(ids),
+                prompt_tokens=0,
+                batch=len(jobs),
+                gates=gate,
+            )
             if new is not None:
-                job.emit(("done", {"written": len(ids), "tokens_written": new.tokens_written}))
+                job.emit(Done({"written": len(ids), "tokens_written": new.tokens_written}))
 
     def run_resets(self, jobs: list[Job]) -> None:
         for job in jobs:
             existed = self.store.delete(job.namespace, job.session)
-            job.emit(("done", {"deleted": existed}))
+            job.emit(Done({"deleted": existed}))
 
     def run_forks(self, jobs: list[Job]) -> None:
         """:class:`~.jobs.ForkSession`: a new session from a kept version of the job's."""
         for job in jobs:
             forked = self.store.fork(job.namespace, job.session, job.request.version, job.request.to)
-            job.emit(("done", {"version": forked.version, "tokens_written": forked.tokens_written}))
+            job.emit(Done({"version": forked.version, "tokens_written": forked.tokens_written}))
 
     def run_prunes(self, jobs: list[Job]) -> None:
         """:class:`~.jobs.PruneVersion`: drop a kept version (never the newest)."""
         for job in jobs:
             pruned = self.store.prune(job.namespace, job.session, job.request.version)
-            job.emit(("done", {"versions": [v["version"] for v in pruned.versions]}))
+            job.emit(Done({"versions": [v["version"] for v in pruned.versions]}))
 
     def run_imports(self, jobs: list[Job]) -> None:
         for job in jobs:
             memory = job.request.memory
             session = self._session(job)
             fresh = Session(job.namespace, job.session, created=session.created)
-            turn = {
-                "kind": "import",
-                "input": "",
-                "answer": "",
-                "written": 0,
-                "prompt_tokens": 0,
-                "batch": 1,
-                "gates": None,
-            }
-            new = self._commit(job, fresh, MemoryRow(memory.to(self.loaded.device)), turn)
-            job.emit(("done", {"tokens_written": new.tokens_written}))
+            new = self._commit(
+                job,
+                fresh,
+                MemoryRow(memory.to(self.loaded.device)),
+                kind="import",
+                input="",
+                answer="",
+                written=0,
+                prompt_tokens=0,
+                batch=1,
+                gates=None,
+            )
+            job.emit(Done({"tokens_written": new.tokens_written}))
 
     # ------------------------------------------------------------------ scoring
     def run_scores(self, jobs: list[Job]) -> None:
         """Completions with ``max_tokens=0`` (and ``echo``): the log-probabilities of each prompt's
-        tokens (:func:`~.runtime.score_rows`) from its session's memory, or a fresh one. Memory is
+        tokens (:func:`~.generation.score_rows`) from its session's memory, or a fresh one. Memory is
         read, never written, and nothing is committed: scoring leaves a session as it was."""
         start = time.perf_counter()
         ok, prompts, sessions = [], [], []
@@ -502,8 +550,7 @@ class JobRunner:
             ids = self.fmt.encode_text(p) if isinstance(p, str) else list(p)
             if not ids or len(ids) > self.window:
                 job.emit(
-                    (
-                        "error",
+                    Failed(
                         ServeError(
                             400,
                             "the prompt is empty after tokenization"
@@ -511,7 +558,7 @@ class JobRunner:
                             else f"the prompt is {len(ids)} tokens; the context window is {self.window}",
                             code=None if not ids else "context_length_exceeded",
                             param="prompt",
-                        ),
+                        )
                     )
                 )
                 continue
@@ -535,8 +582,7 @@ class JobRunner:
                 logprobs = replace(logprobs, top=[t if t is None else t[:k] for t in logprobs.top])
             answer = Answer([], "", "length", logprobs=logprobs)
             job.emit(
-                (
-                    "done",
+                Done(
                     {
                         "choices": [answer] * job.sampling.n,
                         "prompt_tokens": len(prompts[i]),
@@ -545,14 +591,6 @@ class JobRunner:
                         "tokens_written": sessions[i].tokens_written,
                         "batch": len(ok),
                         "seconds": time.perf_counter() - start,
-                    },
+                    }
                 )
             )
-
-
-def _merge_gates(a: dict | None, b: dict | None, na: int, nb: int) -> dict | None:
-    """Token-weighted mean of two writes' gate statistics (either may be missing)."""
-    if a is None or b is None:
-        return a if b is None else b
-    total = na + nb
-    return {k: [(x * na + y * nb) / total for x, y in zip(a[k], b[k], strict=True)] for k in a}

@@ -11,7 +11,8 @@ Rules:
   fixes its tokens.
 
 What a batch does (a turn's four steps, the write policies, versions and rollbacks, failures) is
-the :class:`~.runner.JobRunner`'s, by the type of its requests (:mod:`.jobs`).
+the :class:`~.runner.JobRunner`'s, by the type of its requests (:mod:`.jobs`): the scheduler is handed
+one (:class:`BatchRunner`) and only decides which jobs run together.
 """
 
 from __future__ import annotations
@@ -21,34 +22,38 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
-from .jobs import (
-    ChatTurn,
-    CompletionTurn,
-    ForkSession,
-    ImportMemory,
-    Job,
-    PruneVersion,
-    ResetSession,
-    ScorePrompt,
-    WriteMemory,
-)
+from .events import Failed
+from .jobs import Job
 from .protocol import ServeError
-from .runner import JobRunner
-from .runtime import LoadedModel
 from .store import SessionStore
 
 log = logging.getLogger("lstmem.serve")
 
 
 # ---------------------------------------------------------------------- the scheduler
+class BatchRunner(Protocol):
+    """What runs a batch on the worker thread (:class:`~.runner.JobRunner`): each job of ``jobs`` (one
+    request type) gets its result or its error through its events.
+
+    Attributes:
+        store: the session store the jobs read and commit.
+        window: the context window (tokens) of the prompt policy.
+    """
+
+    store: SessionStore
+    window: int
+
+    def run(self, jobs: list[Job]) -> None: ...
+
+
 class Scheduler:
     """Owns the model: takes jobs from a queue and runs them in batches on one worker thread.
 
     Args:
-        loaded: the served model.
-        store: the session store.
-        window: the context window (tokens) of the prompt policy.
+        runner: what runs each batch (:class:`~.runner.JobRunner`: the served model, the session
+            store and the context window).
         max_batch: most sessions per batch.
         batch_wait: seconds to wait for more jobs after the first one of a batch arrives.
         batching: ``False`` runs one job at a time (the benchmark's baseline).
@@ -57,18 +62,13 @@ class Scheduler:
 
     def __init__(
         self,
-        loaded: LoadedModel,
-        store: SessionStore,
-        window: int,
+        runner: BatchRunner,
         max_batch: int = 32,
         batch_wait: float = 0.005,
         batching: bool = True,
         metrics=None,
     ) -> None:
-        self.loaded = loaded
-        self.store = store
-        self.window = window
-        self.runner = JobRunner(loaded, store, window)
+        self.runner = runner
         self.max_batch = max_batch if batching else 1
         self.batch_wait = batch_wait
         self.metrics = metrics
@@ -76,18 +76,16 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="lstmem-serve-worker", daemon=True)
-        # what runs each type of request (a batch holds one type: ``Job.key``)
-        runner = self.runner
-        self._runners = {
-            ChatTurn: runner.run_turns,
-            CompletionTurn: runner.run_turns,
-            ScorePrompt: runner.run_scores,
-            WriteMemory: runner.run_writes,
-            ResetSession: runner.run_resets,
-            ImportMemory: runner.run_imports,
-            ForkSession: runner.run_forks,
-            PruneVersion: runner.run_prunes,
-        }
+
+    @property
+    def store(self) -> SessionStore:
+        """The session store (the runner's)."""
+        return self.runner.store
+
+    @property
+    def window(self) -> int:
+        """The context window in tokens (the runner's)."""
+        return self.runner.window
 
     def start(self) -> None:
         self._thread.start()
@@ -155,17 +153,17 @@ class Scheduler:
             live = [j for j in jobs if not j.cancelled.is_set()]
             for j in jobs:
                 if j.cancelled.is_set():
-                    j.emit(("error", ServeError(499, "request cancelled before it ran", code="cancelled")))
+                    j.emit(Failed(ServeError(499, "request cancelled before it ran", code="cancelled")))
             if not live:
                 continue
             if self.metrics is not None:
                 self.metrics.batch_size.labels(kind=live[0].kind).observe(len(live))
             try:
-                self._runners[type(live[0].request)](live)
+                self.runner.run(live)
             except ServeError as err:
                 for j in live:
-                    j.emit(("error", err))
+                    j.emit(Failed(err))
             except Exception as err:  # a bug or a numerical failure: the sessions were not touched
                 log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
                 for j in live:
-                    j.emit(("error", ServeError(500, f"{type(err).__name__}: {err}", type="server_error")))
+                    j.emit(Failed(ServeError(500, f"{type(err).__name__}: {err}", type="server_error")))

@@ -22,10 +22,11 @@ from pydantic import BaseModel
 from lstmem_peft.memory.sessions import SessionIdError, check_session_id
 
 from .decoding import Sampling
+from .events import Delta, Done, Event, Failed
 from .jobs import Job
+from .loading import LoadedModel
 from .metrics import Metrics
 from .protocol import MemoryUsage, ServeError, Usage
-from .runtime import LoadedModel
 from .scheduler import Scheduler
 from .vocabulary import Vocabulary
 
@@ -88,12 +89,12 @@ class ServingBase:
         failed raises its :class:`~.protocol.ServeError`."""
         self.scheduler.submit(job)
         self.metrics.queued.set(self.scheduler.queued)
-        kind, *rest = await job.events.get()
-        while kind == "delta":
-            kind, *rest = await job.events.get()
-        if kind == "error":
-            raise rest[0]
-        return rest[0]
+        event = await job.events.get()
+        while isinstance(event, Delta):
+            event = await job.events.get()
+        if isinstance(event, Failed):
+            raise event.error
+        return event.result
 
 
 @dataclass
@@ -268,11 +269,11 @@ class ServingGeneration(ServingBase):
         self.scheduler.submit(job)
         self.metrics.queued.set(self.scheduler.queued)
         first = await job.events.get()
-        if first[0] == "error":
-            raise first[1]
+        if isinstance(first, Failed):
+            raise first.error
         return StreamingResponse(self._events(job, first, reply), media_type="text/event-stream")
 
-    async def _events(self, job: Job, first: tuple, reply: Reply) -> AsyncIterator[str]:
+    async def _events(self, job: Job, first: Event, reply: Reply) -> AsyncIterator[str]:
         """The server-sent events of a streamed job: the opening chunks, a chunk per text delta, a
         last chunk per choice (its ``finish_reason``), the usage chunk when asked for, ``[DONE]``.
         The chunk that ends the last choice carries the ``lstmem`` field. A job that fails sends an
@@ -282,14 +283,13 @@ class ServingGeneration(ServingBase):
         try:
             for chunk in self.opening_chunks(reply):
                 yield _sse(chunk)
-            while event[0] == "delta":
-                _, choice, text = event
-                yield _sse(self.delta_chunk(reply, choice, text))
+            while isinstance(event, Delta):
+                yield _sse(self.delta_chunk(reply, event.choice, event.text))
                 event = await job.events.get()
-            if event[0] == "error":
-                yield _sse(event[1].body())
+            if isinstance(event, Failed):
+                yield _sse(event.error.body())
             else:
-                result = event[1]
+                result = event.result
                 last = len(result["choices"]) - 1
                 for choice, answer in enumerate(result["choices"]):
                     chunk = self.final_chunk(reply, choice, answer.finish_reason)
@@ -301,7 +301,7 @@ class ServingGeneration(ServingBase):
                     yield _sse(self.usage_chunk(reply, usage([result])))
             yield "data: [DONE]\n\n"
         finally:
-            if event[0] not in ("done", "error"):
+            if not isinstance(event, (Done, Failed)):
                 job.cancelled.set()
 
     # ------------------------------------------------------------------ what a subclass fills in

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from .generation import Answer
 from .jobs import ChatTurn, Job
+from .loading import LoadedModel
 from .metrics import Metrics
 from .protocol import (
     AssistantMessage,
@@ -27,7 +28,6 @@ from .protocol import (
     ServeError,
     TopLogprob,
 )
-from .runtime import LoadedModel
 from .scheduler import Scheduler
 from .serving_base import Reply, ServingGeneration, finite
 from .vocabulary import Vocabulary

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from .generation import TokenLogprobs
 from .jobs import CompletionTurn, Job, ScorePrompt
+from .loading import LoadedModel
 from .metrics import Metrics
 from .protocol import (
     MAX_PROMPTS,
@@ -26,7 +27,6 @@ from .protocol import (
     CompletionResponse,
     ServeError,
 )
-from .runtime import LoadedModel
 from .scheduler import Scheduler
 from .serving_base import SESSION_HEADER, Reply, ServingGeneration, finite
 from .vocabulary import Vocabulary

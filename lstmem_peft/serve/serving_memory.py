@@ -18,6 +18,8 @@ from fastapi.responses import Response
 from lstmem_peft.memory.cache import MemoryCache
 
 from .jobs import ForkSession, ImportMemory, Job, PruneVersion, ResetSession, WriteMemory
+from .loading import LoadedModel
+from .memories import state_norms
 from .metrics import Metrics
 from .protocol import (
     ServeError,
@@ -34,12 +36,10 @@ from .protocol_memory import (
     MemoryWriteResponse,
     SessionList,
     SessionSummary,
-    TurnRecord,
     VersionDeleteResponse,
     VersionInfo,
     VersionList,
 )
-from .runtime import LoadedModel, state_norms
 from .scheduler import Scheduler
 from .serving_base import ServingBase, valid_session
 from .store import Session, SessionStore
@@ -105,20 +105,20 @@ class ServingMemory(ServingBase):
             adapter_fingerprint=self.loaded.adapter_fingerprint,
             state_bytes=0 if s.memory is None else s.memory.nbytes,
             layers=self._layers(s),
-            turns=[TurnRecord.model_validate(turn) for turn in s.turns],
+            turns=s.turns,
         )
 
     def _layers(self, s: Session) -> list[LayerStats]:
         """Each memory layer's state norms now, and its gate means in the latest write that has them."""
         norms = state_norms(s.memory) if s.memory is not None else {"cell": [], "hidden": []}
-        gates = next((t["gates"] for t in reversed(s.turns) if t.get("gates")), None)
+        gates = next((t.gates for t in reversed(s.turns) if t.gates is not None), None)
         return [
             LayerStats(
                 layer_index=index,
                 cell_norm=norms["cell"][i] if norms["cell"] else 0.0,
                 hidden_norm=norms["hidden"][i] if norms["hidden"] else 0.0,
-                out_gate_mean=gates["out_gate"][i] if gates else None,
-                depth_gate_mean=gates["depth_gate"][i] if gates else None,
+                out_gate_mean=gates.out_gate[i] if gates else None,
+                depth_gate_mean=gates.depth_gate[i] if gates else None,
             )
             for i, index in enumerate(self.loaded.layout.layer_indices)
         ]

@@ -77,6 +77,7 @@ from lstmem_peft.memory.sessions import (
 
 from .engine import PENDING_PREFIX, MemoryRow
 from .protocol import ServeError
+from .protocol_memory import TurnRecord
 
 log = logging.getLogger("lstmem.serve")
 
@@ -119,7 +120,8 @@ class Session:
             ``lstmem_write`` ``none``; an entry without ``written`` (an older record) was written.
         completion_text: ``{"length", "sha256"}`` of the completions text taken in so far (written,
             or read by a turn with ``lstmem_write`` ``none``).
-        turns: the turn history of the line (what the page plots): one dict per commit.
+        turns: the turn history of the line (what the page plots): one :class:`~.protocol_memory.TurnRecord`
+            per commit.
         version: this state's version number (0: nothing committed).
         memory_file: the file in the session folder that holds ``memory`` as it is, or ``None``
             (nothing written, or a memory not stored yet: :meth:`SessionStore.commit` writes it).
@@ -133,7 +135,7 @@ class Session:
     memory: MemoryCache | None = None
     messages: list[dict] = field(default_factory=list)
     completion_text: dict = field(default_factory=_empty_chain)
-    turns: list[dict] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
     version: int = 0
     memory_file: str | None = None
     created: float = field(default_factory=time.time)
@@ -156,7 +158,7 @@ class Session:
         target: the line's first version is kept and is not an import."""
         if not self.versions or self.versions[0]["turns"] != 1:
             return False
-        return bool(self.turns) and self.turns[0].get("kind") != "import"
+        return bool(self.turns) and self.turns[0].kind != "import"
 
     def targets(self) -> list[dict]:
         """The versions a turn may roll back to, oldest first: version 0 (when :meth:`base_kept`)
@@ -176,7 +178,7 @@ class Session:
             "tokens_written": self.tokens_written,
             "messages": self.messages,
             "completion_text": self.completion_text,
-            "turns": self.turns,
+            "turns": [turn.stored() for turn in self.turns],
             "versions": self.versions,
             "created": self.created,
             "updated": time.time(),
@@ -313,7 +315,7 @@ class SessionStore:
             memory=memory,
             messages=record["messages"],
             completion_text=record["completion_text"],
-            turns=record["turns"],
+            turns=[TurnRecord.model_validate(turn) for turn in record["turns"]],
             version=record["commit"],
             memory_file=record["memory_file"],
             created=record.get("created", time.time()),

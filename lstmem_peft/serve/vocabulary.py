@@ -62,7 +62,7 @@ class Vocabulary:
 
     @classmethod
     def of(cls, loaded) -> Vocabulary:
-        """The vocabulary of a :class:`~.runtime.LoadedModel`."""
+        """The vocabulary of a :class:`~.loading.LoadedModel`."""
         return cls(loaded.tokenizer, loaded.vocab_size, loaded.name)
 
     # ------------------------------------------------------------------ text

@@ -416,7 +416,7 @@ class ServedConversation:
     prompt are written before the answer, the others after it, in one call, followed by the answer
     under ``write="messages_and_answer"`` (which the session then holds, so a re-sending client does
     not send it as new again). :func:`tokenize_conversation` lays out training episodes with it and
-    :func:`lstmem_peft.cli.demo_conversation.evaluate_conversation` measures recall with it; a test
+    :func:`lstmem_peft.cli.demo.conversation.evaluate_conversation` measures recall with it; a test
     holds both to the server's own answers.
 
     Use: ``before, prompt = conv.ask(text)``, answer ``prompt`` with memory read-only after writing

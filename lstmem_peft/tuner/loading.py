@@ -13,6 +13,7 @@ from lstmem_peft.utils.offline import DEMO_ASSETS, demo_tokenizer
 
 from .backbones import resolve_model
 from .config import require_adapter_weights
+from .shipped_adapters import check_pair, resolve_adapter
 
 
 def load_model_and_adapter(
@@ -24,18 +25,25 @@ def load_model_and_adapter(
         model: the backbone: a short name of ``lstmem models`` (e.g. ``smollm2-135m``: its converted
             folder, converted once from the installed package, :func:`~.backbones.resolve_model`), a
             Hub id or a local folder; ``None``: the embedded demo's backbone (and its word-level tokenizer).
-        adapter: the LSTMem adapter, a Hub id or a local folder; ``None``: the plain backbone, or
-            with ``model=None`` the demo's ``full`` adapter.
+        adapter: the LSTMem adapter, a Hub id, a local folder or the short name of an adapter shipped
+            in the package (:data:`~.shipped_adapters.SHIPPED_ADAPTERS`, e.g.
+            ``smollm2-135m-english-numbers``); ``None``: the plain backbone, or with ``model=None`` the
+            demo's ``full`` adapter.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
         device: ``cpu`` or ``cuda`` (default: cuda when available).
 
     Returns:
         ``(model, tokenizer)``: the ``PeftModel`` (or the plain backbone) on ``device``, and the
         adapter folder's tokenizer when it saved one (it may add chat tokens), else the backbone's.
+
+    Raises:
+        WrongBackbone: a shipped adapter with a ``model`` it was not trained for (before anything loads).
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    check_pair(model, adapter)
+    adapter = resolve_adapter(adapter)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model is None:
         adapter = DEMO_ASSETS / "adapter_full" if adapter is None else adapter
@@ -56,18 +64,22 @@ def load_tokenizer(model: str, adapter: str | None = None):
     one (it may add chat tokens), else the backbone's (local folders or Hub ids)."""
     from transformers import AutoTokenizer
 
+    adapter = resolve_adapter(adapter)
     own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(adapter if own else resolve_model(model))
 
 
 def adapter_weights_file(adapter: str) -> str:
     """The ``adapter_model.safetensors`` of the LSTMem adapter ``adapter``, for loading it without
-    PEFT (the vLLM plugin, the server's facts): a local folder's, or a Hub id's through the Hub cache.
+    PEFT (the vLLM plugin, the server's facts): a local folder's, a shipped adapter's (its short
+    name), or a Hub id's through the Hub cache.
 
     Raises:
         FileNotFoundError: a local folder without it, with the fix.
     """
     from peft.utils import SAFETENSORS_WEIGHTS_NAME
+
+    adapter = resolve_adapter(adapter)
 
     if not os.path.isdir(adapter):
         from huggingface_hub import hf_hub_download

@@ -11,10 +11,9 @@ from datasets import Dataset
 from peft import get_peft_model
 
 from lstmem_peft import LSTMemConfig
-from lstmem_peft.cli.demo import demo_tokenizer
 from lstmem_peft.training.data import synthetic_recall_episodes, tokenize_episode
 from lstmem_peft.training.trainer import LSTMemTrainer, LSTMemTrainingConfig
-from lstmem_peft.utils.offline import tiny_qwen3
+from lstmem_peft.utils.offline import demo_tokenizer, tiny_qwen3
 
 out = sys.argv[1]
 rank = int(os.environ["RANK"])

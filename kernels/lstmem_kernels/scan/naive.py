@@ -65,3 +65,42 @@ def scan_naive(
     read = torch.stack(reads, dim=1) if T else q.new_zeros(B, 0, H, R)
     hidden = torch.stack(hiddens, dim=1) if T else q.new_zeros(B, 0, H, R, R)
     return read, hidden, C, D
+
+
+def scan_naive_pieces(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    f: torch.Tensor,
+    o: torch.Tensor,
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    initial_cell: torch.Tensor | None = None,
+    initial_hidden: torch.Tensor | None = None,
+    piece: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scan_naive` over consecutive pieces of at most ``piece`` tokens, carrying the states: the
+    reference the kernel tests and the GPU acceptance run compare long blocks with.
+
+    It is the same token loop (resuming from the final states is exact); the pieces only keep
+    autograd's per-token slices of a long ``(B, T, ...)`` input (each slice's backward allocates a
+    full-size gradient) from costing ``O(T^2)`` in the backward. Arguments and results as
+    :func:`scan_naive`'s.
+    """
+    T = q.shape[1]
+    if T <= piece:
+        return scan_naive(q, k, w, f, o, depth, valid, initial_cell, initial_hidden)
+    reads, hiddens = [], []
+    cell, hidden = initial_cell, initial_hidden
+    for start in range(0, T, piece):
+        part = slice(start, start + piece)
+        read, hidden_seq, cell, hidden = scan_naive(
+            *(x[:, part] for x in (q, k, w, f, o)),
+            None if depth is None else depth[:, part],
+            None if valid is None else valid[:, part],
+            cell,
+            hidden,
+        )
+        reads.append(read)
+        hiddens.append(hidden_seq)
+    return torch.cat(reads, dim=1), torch.cat(hiddens, dim=1), cell, hidden

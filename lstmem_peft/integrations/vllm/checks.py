@@ -18,15 +18,17 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from lstmem_kernels import fused_decode_step_applies
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.loading import adapter_weights_file
+from lstmem_peft.tuner.shipped_adapters import resolve_adapter
 
 from . import MEMORY_OP, SCHEDULER, WORKER
 
 
 @functools.lru_cache(maxsize=8)
 def load_adapter(name: str) -> tuple[LSTMemConfig, str]:
-    """The config and the weights file of the LSTMem adapter ``name`` (a local folder or a Hub id,
-    through the Hub cache)."""
-    return LSTMemConfig.from_pretrained(name), adapter_weights_file(name)
+    """The config and the weights file of the LSTMem adapter ``name`` (a local folder, a shipped
+    adapter's short name, or a Hub id through the Hub cache)."""
+    folder = resolve_adapter(name)  # a shipped adapter's short name: its folder in the package
+    return LSTMemConfig.from_pretrained(folder), adapter_weights_file(folder)
 
 
 def adapter_of(hf_config) -> tuple[LSTMemConfig, str]:

@@ -1,4 +1,4 @@
-"""What one step of the GPU acceptance run (:mod:`.gpu_acceptance`) may spend: its time
+"""What one step of the GPU acceptance run (:mod:`.acceptance`) may spend: its time
 (:func:`time_limit`, an alarm that raises :class:`StepTimeout` inside the step) and the memory it
 leaves behind (:func:`release`, called after each step)."""
 

@@ -1,6 +1,6 @@
-"""The GPU acceptance run's kernel checks (:mod:`.gpu_acceptance`: ``kernel-scan``, ``kernel-step``,
+"""The GPU acceptance run's kernel checks (:mod:`.acceptance`: ``kernel-scan``, ``kernel-step``,
 ``kernel-decode-step``): each Triton member of ``lstmem_kernels`` against its float64 reference and
-its PyTorch member, outputs and gradients, case by case (:mod:`.gpu_cases`), on the kernel tests'
+its PyTorch member, outputs and gradients, case by case (:mod:`.cases`), on the kernel tests'
 inputs (:func:`scan_inputs`: ``(B, T, H, R)`` vectors, ``(B, T, H, R, R)`` depth, ``(B, H, R, R)``
 states); and how the Triton kernels run in this process (:func:`triton_mode`).
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .gpu_cases import close_case, max_error
+from .cases import close_case, max_error
 
 
 def _jit_kind(module) -> str | None:
@@ -84,29 +84,6 @@ def scan_inputs(B: int, T: int, H: int, R: int, dtype, device, seed: int = 0) ->
     return {n: x.to(device) for n, x in inputs.items()}
 
 
-def chunked_reference(q, k, w, f, o, depth=None, valid=None, initial_cell=None, initial_hidden=None):
-    """``scan_naive`` over consecutive pieces of at most 256 tokens, carrying the states: the same token
-    loop (resuming from final states is exact), without autograd's per-token slices of a long input
-    costing ``O(T^2)`` in the backward."""
-    from lstmem_kernels import scan_naive
-
-    piece, T = 256, q.shape[1]
-    reads, hiddens = [], []
-    cell, hidden = initial_cell, initial_hidden
-    for start in range(0, max(T, 1), piece):
-        part = slice(start, start + piece)
-        read, hidden_seq, cell, hidden = scan_naive(
-            *(x[:, part] for x in (q, k, w, f, o)),
-            None if depth is None else depth[:, part],
-            None if valid is None else valid[:, part],
-            cell,
-            hidden,
-        )
-        reads.append(read)
-        hiddens.append(hidden_seq)
-    return torch.cat(reads, 1), torch.cat(hiddens, 1), cell, hidden
-
-
 def outputs_and_grads(scan: Callable, inputs: dict, as_dtype=None) -> tuple[tuple, dict]:
     """``scan(**inputs)`` on leaf copies (cast to ``as_dtype`` if given), backpropagating a fixed random
     weighting of all four outputs; the outputs and every float input's gradient."""
@@ -126,8 +103,10 @@ def outputs_and_grads(scan: Callable, inputs: dict, as_dtype=None) -> tuple[tupl
 
 
 def check_scan(s: dict, device: torch.device, log=print) -> dict:
-    """The Triton scan against the float64 token loop, outputs and gradients, case by case."""
+    """The Triton scan against the float64 token loop (``scan_naive_pieces``), outputs and gradients, case
+    by case."""
     from lstmem_kernels.scan.chunked import scan_triton
+    from lstmem_kernels.scan.naive import scan_naive_pieces
 
     H, R = s["heads"], s["rank"]
     chunking = scan_chunk_keyword()
@@ -139,7 +118,7 @@ def check_scan(s: dict, device: torch.device, log=print) -> dict:
     for B, T in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             inputs = scan_inputs(B, T, H, R, dtype, device, seed=T)
-            ref_out, ref_grads = outputs_and_grads(chunked_reference, inputs, as_dtype=torch.float64)
+            ref_out, ref_grads = outputs_and_grads(scan_naive_pieces, inputs, as_dtype=torch.float64)
             for chunk in chunks:
                 kw = {} if chunk is None else {"chunk": chunk}
                 label = f"B{B} T{T} {str(dtype)[6:]} chunk {chunk or 'default'}"

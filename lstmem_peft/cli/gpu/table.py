@@ -1,4 +1,4 @@
-"""The short table that ends a GPU acceptance run (:mod:`.gpu_acceptance`): :func:`table`, one line
+"""The short table that ends a GPU acceptance run (:mod:`.acceptance`): :func:`table`, one line
 per step (status, largest error, tolerance, seconds, a note) then the totals, and :func:`ok`, whether
 the run found nothing wrong."""
 

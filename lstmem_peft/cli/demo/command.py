@@ -11,14 +11,14 @@ This module is the ``lstmem demo`` command (:func:`run`, its settings :class:`De
 loads (or trains) the adapters, prints the 8-fact table and the update table, :func:`show_episodes`
 (``--show``: episodes a person can read) or the sweep (``--sweep``). The parts live beside it:
 
-* :mod:`.demo_recall`: the task, the adapters and the measurements (:func:`evaluate`,
+* :mod:`.recall`: the task, the adapters and the measurements (:func:`evaluate`,
   :func:`evaluate_updates`: a later turn gives some keys new values; the newest wins);
-* :mod:`.demo_conversation`: recall at each question position of a conversation written into
+* :mod:`.conversation`: recall at each question position of a conversation written into
   memory as ``lstmem serve`` writes it, for both kinds of chat client;
-* :mod:`.demo_training`: how the embedded backbone and adapters were made (:func:`train_adapter`,
+* :mod:`.training`: how the embedded backbone and adapters were made (:func:`train_adapter`,
   :func:`build`; ``python -m lstmem_peft.cli.demo build`` remakes the shipped files and records its
   timings and scores in ``assets/demo/build.json``);
-* :mod:`.demo_sweep`: recall against history length, from one block to many, past the backbone's
+* :mod:`.sweep`: recall against history length, from one block to many, past the backbone's
   :data:`WINDOW`, against the plain backbone cut to that window, with a plot (issue 26).
 """
 
@@ -37,8 +37,8 @@ from lstmem_peft.tuner.loading import load_model_and_adapter
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer
 
 # The demo's parts this command runs.
-from .demo_conversation import CLIENTS, evaluate_conversation, format_conversation
-from .demo_recall import (
+from .conversation import CLIENTS, evaluate_conversation, format_conversation
+from .recall import (
     ADAPTERS,
     NUM_PAIRS,
     SEEDS_DOC,
@@ -56,8 +56,8 @@ from .demo_recall import (
     window_row,
     write_histories,
 )
-from .demo_sweep import run_sweep
-from .demo_training import CHAT_STEPS, build, load_backbone, publish, train_adapter, train_for_chat
+from .sweep import run_sweep
+from .training import CHAT_STEPS, load_backbone, train_adapter, train_for_chat
 
 # ---------------------------------------------------------------------- the tables
 #: What the summary's ``"adapters"`` says about the adapters the run scored.
@@ -439,12 +439,3 @@ def _run(s: DemoSettings) -> dict:
     }
     print(json.dumps(summary))
     return summary
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["build"]:
-        print(json.dumps(build(), indent=2))
-    elif sys.argv[1:2] == ["publish"]:
-        publish()

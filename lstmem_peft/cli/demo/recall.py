@@ -10,7 +10,7 @@ and the question ``<s> ? k07``, answered ``v19``. :func:`evaluate` scores the mo
 :func:`evaluate_updates` asks again after a later turn gave some keys new values (the newest wins:
 where depth coupling and block-end feedback change recall). The adapters (:data:`ADAPTERS`,
 :func:`adapter_config`), the episodes as token rows and the teacher-forced scoring here are shared by
-the demo's training (:mod:`.demo_training`), its sweep (:mod:`.demo_sweep`) and the ``lstmem demo``
+the demo's training (:mod:`.training`), its sweep (:mod:`.sweep`) and the ``lstmem demo``
 command (:mod:`.demo`).
 """
 

@@ -48,7 +48,7 @@ from lstmem_peft.tuner.loading import load_demo_backbone as load_backbone
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer, tiny_qwen3
 from lstmem_peft.utils.positions import TRAINED_POSITIONS_KEY
 
-from .demo_recall import ADAPTERS, NUM_PAIRS, WINDOW, adapter_config, evaluate
+from .recall import ADAPTERS, NUM_PAIRS, WINDOW, adapter_config, evaluate
 
 
 # ---------------------------------------------------------------------- batches
@@ -344,7 +344,7 @@ def build(
     chat_steps: int = CHAT_STEPS,
 ) -> dict:
     """Remake the shipped backbone and adapters; writes and returns the timings and evaluations."""
-    from .demo_conversation import evaluate_conversation
+    from .conversation import evaluate_conversation
 
     out.mkdir(parents=True, exist_ok=True)
     record = {}
@@ -399,9 +399,9 @@ def publish(folder: Path = DEMO_ASSETS) -> None:
         recall = record.get(f"eval_{name}", {})
         record_training(
             model,
-            base_model=f"the demo backbone ({DEMO_BACKBONE}), pretrained by `lstmem_peft.cli.demo.build`",
+            base_model=f"the demo backbone ({DEMO_BACKBONE}), pretrained by `lstmem_peft.cli.demo.training.build`",
             training_data="synthetic key-value recall episodes (lstmem_peft.training.data.synthetic_recall_episodes), "
-            "then conversations laid out as lstmem serve runs them (lstmem_peft.cli.demo_training.conversation_rows)",
+            "then conversations laid out as lstmem serve runs them (lstmem_peft.cli.demo.training.conversation_rows)",
             updates=600 + CHAT_STEPS,
             built=f"{record.get('date', 'unknown date')} (chat phase {record.get('chat_phase_date', 'not run')}), "
             f"{record.get('machine', 'machine not recorded')}",

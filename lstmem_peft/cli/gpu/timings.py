@@ -1,6 +1,6 @@
-"""The GPU acceptance run's timings (:mod:`.gpu_acceptance`): ``time-write``, ``time-scan``,
+"""The GPU acceptance run's timings (:mod:`.acceptance`): ``time-write``, ``time-scan``,
 ``time-decode-eager`` and ``time-decode-compiled``, each ``lstmem bench``'s helpers at few repetitions
-(the sizes in :data:`.gpu_acceptance.SETTINGS`); each returns the rows it measured."""
+(the sizes in :data:`.acceptance.SETTINGS`); each returns the rows it measured."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import contextlib
 
 import torch
 
-from .gpu_model_checks import ModelContext, set_backend
+from .model_checks import ModelContext, set_backend
 
 
 def time_write(s: dict, device: torch.device, ctx: ModelContext, log=print) -> dict:
     """History writing in ``block_size`` blocks (KV cache kept) against the plain prefill of the same blocks."""
-    from . import bench
+    from ..bench import command as bench
 
     set_backend(ctx.model, "auto")
     row = bench.bench_write(
@@ -30,7 +30,7 @@ def time_scan(s: dict, device: torch.device, log=print) -> dict:
     """Each scan member (naive, torch, and triton on CUDA) at T = ``time_scan_length``, n_h 4, r 8."""
     from lstmem_kernels import triton_available
 
-    from . import bench
+    from ..bench import command as bench
 
     rows = bench.bench_scan([s["time_scan_length"]], [1], device, reps=s["time_scan_reps"], naive_reps=1)
     skipped = {}
@@ -65,7 +65,7 @@ def time_decode(
     traced into the graph. Each compiled row says whether it was: no graph break, no CUDA-graph skip."""
     from lstmem_peft import traceable_memory
 
-    from . import bench_gpu
+    from ..bench import gpu_suite as bench_gpu
 
     set_backend(ctx.model, "auto")
     variants = ("generate-static-compile",) if compiled else ("forward", "generate")

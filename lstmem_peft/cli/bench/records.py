@@ -24,7 +24,7 @@ import torch
 from lstmem_peft.utils.extras import missing_extra
 
 #: The checkout this package runs from (its git commit goes into the GPU suite's records).
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: The fields every record has; :func:`read_records` refuses a file without them.
 RECORD_KEYS = ("benchmark", "device", "device_kind", "date", "torch", "rows")
 

@@ -1,5 +1,5 @@
 """``lstmem demo --sweep``: recall against history length, from one block of facts to many, past the
-backbone's :data:`~.demo_recall.WINDOW`, against the plain backbone cut to that window.
+backbone's :data:`~.recall.WINDOW`, against the plain backbone cut to that window.
 
 :func:`sweep` measures (per length, every condition of :func:`recall_conditions`, recall by the asked
 fact's age and the state of the full adapter's cells), :func:`format_sweep` prints the table,
@@ -19,7 +19,7 @@ from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.training.data import long_recall_episodes
 from lstmem_peft.utils.offline import NUM_KEYS, NUM_VALUES, demo_tokenizer
 
-from .demo_recall import (
+from .recall import (
     WINDOW,
     answers_correct,
     caption,
@@ -397,7 +397,7 @@ def run_sweep(
     command: str = "lstmem demo --sweep",
 ) -> dict:
     """The sweep, its table, and its record (``demo-sweep-<stamp>.json``) and plot (``.png``) in ``out``."""
-    from .bench_records import environment
+    from ..bench.records import environment
 
     env = environment(torch.device("cpu"))
     record = sweep(models, tokenizer, facts=facts, num_episodes=num_episodes, window=window, progress=True)

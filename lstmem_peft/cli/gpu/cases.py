@@ -1,4 +1,4 @@
-"""How the GPU acceptance run (:mod:`.gpu_acceptance`) judges a case: the kernel tests' tolerances
+"""How the GPU acceptance run (:mod:`.acceptance`) judges a case: the kernel tests' tolerances
 (:data:`TOLERANCES`), the largest error between two tensors of one shape, a case judged elementwise
 (:func:`close_case`) or against a tolerance the check derived (:func:`bound_case`), and the case
 nearest to its tolerance (:func:`worst_case`: the figure a step's row shows).

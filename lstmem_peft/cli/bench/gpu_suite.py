@@ -2,7 +2,7 @@
 
     lstmem bench gpu                    # on a CUDA machine: every step, records into benchmarks/results
     lstmem bench gpu --dry-run          # anywhere: every step at tiny sizes on CPU (records marked dry_run)
-    lstmem bench gpu --acceptance       # first: what works, in one short run (gpu_acceptance.py)
+    lstmem bench gpu --acceptance       # first: what works, in one short run (cli/gpu/acceptance.py)
 
 Steps, in order, each written as its own JSON record (device, CUDA / driver / torch / transformers /
 triton / vllm versions, date, git commit, settings):
@@ -30,7 +30,7 @@ names. Without a GPU the command refuses to run unless given ``--dry-run``, whic
 at tiny sizes on CPU (the Triton backends skipped with the reason) to test the suite itself; its
 records carry ``"dry_run": true`` and ``lstmem bench report`` never shows them as figures.
 
-How one decode variant is timed at one length is in :mod:`.gpu_decode_variants`.
+How one decode variant is timed at one length is in :mod:`.decode_variants`.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import torch
 
 from lstmem_peft.utils.errors import UsageError
 
-from . import bench
-from .bench_records import REPO, save_record, suite_environment
-from .gpu_decode_variants import measure_variant, prefill, variant_row
+from . import command as bench
+from .decode_variants import measure_variant, prefill, variant_row
+from .records import REPO, save_record, suite_environment
 
 STEPS = ("hf", "vllm", "kernels")
 VARIANTS = ("forward", "generate", "generate-static-compile")

@@ -3,13 +3,13 @@
 Each benchmark times LSTMem against the plain backbone (the same model with the adapter disabled)
 in one process, alternating their order, after warm-ups, synchronising CUDA around every timed
 region, and records medians and min-max over repetitions in a JSON file with the device, library
-versions and date (:mod:`.bench_records`, whose ``report`` renders every JSON record under a folder
+versions and date (:mod:`.records`, whose ``report`` renders every JSON record under a folder
 into ``RESULTS.md`` and PNG plots). Weights are random: timing needs a model's dimensions, not its
 training.
 
     lstmem bench decode --preset cpu-small          # or --preset qwen3-4b on a GPU
     lstmem bench generate | ops | e2e | write | scan ...
-    lstmem bench gpu [--dry-run]                        # the GPU suite (bench_gpu.py): every step, one command
+    lstmem bench gpu [--dry-run]                        # the GPU suite (gpu_suite.py): every step, one command
     lstmem bench report benchmarks/results              # RESULTS.md + plots from the JSON records
 """
 
@@ -26,9 +26,9 @@ import torch
 
 from lstmem_peft.tuner.kv_argument import kv_kwargs
 
-from . import bench_settings
-from .bench_records import environment, save_record
-from .bench_settings import DEFAULTS, progress_bar
+from . import settings as bench_settings
+from .records import environment, save_record
+from .settings import DEFAULTS, progress_bar
 
 PRESETS = {
     # a few seconds end to end: smoke tests of the benchmark code
@@ -55,7 +55,7 @@ PRESETS = {
     ),
     # Qwen3-4B's dimensions (the paper's backbone), shipped as a config file
     "qwen3-4b": json.loads(
-        (Path(__file__).resolve().parents[1] / "assets" / "configs" / "qwen3-4b.json").read_text()
+        (Path(__file__).resolve().parents[2] / "assets" / "configs" / "qwen3-4b.json").read_text()
     ),
 }
 
@@ -516,7 +516,7 @@ def run(
 ) -> dict:
     """What ``lstmem bench KIND`` does; returns the record written. ``model``: time that backbone
     (:func:`load_model`) instead of ``preset``'s random weights; the record names it. ``progress``:
-    progress bars on stderr (:mod:`.bench_settings`). Sizes not given: :data:`.bench_settings.DEFAULTS`."""
+    progress bars on stderr (:mod:`.settings`). Sizes not given: :data:`.settings.DEFAULTS`."""
     bench_settings.SHOW_PROGRESS = progress
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     defaults = DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]

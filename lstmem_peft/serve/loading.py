@@ -1,11 +1,9 @@
-"""The model side of the server: loading (the served model's facts and its :class:`~.engine.Engine`:
-the library model, or with ``--engine vllm`` a vLLM engine and only what the server must know about
-the model, read from the files), message identity in a session's record, and batched memory writes.
-(How messages become tokens: :mod:`lstmem_peft.utils.chat`; reading memory to answer and to score:
+"""The served model: its facts (:class:`LoadedModel`: tokenizer, name, memory layout, limits, EOS
+ids, adapter fingerprint) and the :class:`~.engine.Engine` that runs it, and loading them: the library
+model, or with ``--engine vllm`` a vLLM engine and only what the server must know about the model,
+read from the files. (How messages become tokens: :mod:`lstmem_peft.utils.chat`; a session's fresh
+memory and batched memory writes: :mod:`.memories`; reading memory to answer and to score:
 :mod:`.generation`.)
-
-Memory writes run on the scheduler's single worker thread (an engine is never entered by two threads
-at once).
 """
 
 from __future__ import annotations
@@ -17,21 +15,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
+from lstmem_peft.memory.cache import MemoryLayout
 from lstmem_peft.tuner.backbones import resolve_model
 from lstmem_peft.tuner.history import memory_layers, memory_layout
 from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
+from lstmem_peft.tuner.shipped_adapters import check_pair, resolve_adapter
 from lstmem_peft.utils.offline import DEMO_ASSETS
 from lstmem_peft.utils.positions import trained_positions
 
-from .engine import Engine, MemoryRow, NoEngine
+from .engine import Engine, NoEngine
 from .engine_library import LibraryEngine
 from .protocol import MAX_LOGPROBS
 
 DEMO_MODEL_NAME = "lstmem-demo"
 
 
-# ---------------------------------------------------------------------- loading
 @dataclass
 class LoadedModel:
     """The served model: the engine that runs it, its tokenizer and what the server says about it.
@@ -261,7 +259,8 @@ def load_model(
     Args:
         model: backbone, a short name of ``lstmem models`` (its converted folder), a Hub id or a local
             folder; ``None`` with ``adapter=None``: the embedded demo.
-        adapter: LSTMem adapter folder or Hub id (required with ``model``).
+        adapter: LSTMem adapter folder, Hub id or the short name of a shipped adapter
+            (``smollm2-135m-english-numbers``; required with ``model``).
         name: the model id served at ``/v1/models`` (default: ``lstmem-demo`` or the adapter's name).
         device: ``cpu`` or ``cuda`` (default: cuda when available); with ``engine="vllm"`` only ``cpu``
             (session memories stay on the CPU; vLLM places the model itself).
@@ -276,6 +275,8 @@ def load_model(
     """
     if engine not in ("hf", "vllm"):
         raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
+    check_pair(model, adapter)  # a shipped adapter on another backbone: refused before anything loads
+    adapter = resolve_adapter(adapter)  # a shipped adapter's short name: its folder in the package
     if engine == "vllm":
         if model is None or adapter is None:
             raise ValueError(
@@ -345,69 +346,3 @@ def check_saved_memory_id(adapter: str) -> None:
             "memory could not be reloaded after a restart; load it once and save it again "
             "(PeftModel.from_pretrained(...).save_pretrained(...)) to give it a fixed memory_id"
         )
-
-
-# ---------------------------------------------------------------------- messages in a record
-def message_hash(role: str, content: str) -> str:
-    """The identity of a chat message in a session's record (role and exact content)."""
-    return hashlib.sha256(json.dumps([role, content]).encode()).hexdigest()[:32]
-
-
-def tokens_after(tokenizer, ids: list[int], chars: int) -> list[int] | None:
-    """The tokens of ``ids`` after its first ``chars`` characters of decoded text, or ``None`` when
-    no token boundary falls exactly there (a token-id prompt that extends a text written before)."""
-    lo, hi = 0, len(ids)
-    while lo < hi:  # the fewest leading tokens whose text reaches ``chars``
-        mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[:mid], skip_special_tokens=False)) >= chars:
-            hi = mid
-        else:
-            lo = mid + 1
-    if len(tokenizer.decode(ids[:lo], skip_special_tokens=False)) != chars:
-        return None
-    return ids[lo:]
-
-
-# ---------------------------------------------------------------------- session memories
-def fresh_memory(layout: MemoryLayout, device: torch.device) -> MemoryCache:
-    """A one-row memory with zero states (a session that has written nothing yet)."""
-    cache = MemoryCache(layout)
-    cache.ensure(1, device)
-    return cache
-
-
-def state_norms(cache: MemoryCache) -> dict[str, list[float]]:
-    """Frobenius norms of ``C`` and ``D`` of every memory layer (row 0), for the record and page."""
-    if not cache.is_initialized:
-        return {"cell": [], "hidden": []}
-    return {
-        "cell": [float(layer.cell[0].double().norm()) for layer in cache.layers],
-        "hidden": [float(layer.hidden[0].double().norm()) for layer in cache.layers],
-    }
-
-
-def write_rows(
-    loaded: LoadedModel, rows: list[MemoryRow], tokens: list[list[int]]
-) -> tuple[list[MemoryRow], list[dict | None]]:
-    """Write ``tokens[i]`` into ``rows[i]`` as history (blocks + feedback) in one batched call of the
-    engine's :meth:`~.engine.Engine.write`.
-
-    Args:
-        loaded: the served model.
-        rows: the memories (not modified).
-        tokens: token ids per row; rows with none are returned as they are.
-
-    Returns:
-        the new memories (same order; a row's new memory on ``loaded.device``) and the gate
-        statistics of each row's write (or ``None``: a row that wrote nothing, or an engine that
-        reports no gates, as vLLM).
-    """
-    out = list(rows)
-    gates: list[dict | None] = [None] * len(rows)
-    active = [i for i, t in enumerate(tokens) if t]
-    if not active:
-        return out, gates
-    written, stats = loaded.engine.write([rows[i] for i in active], [tokens[i] for i in active])
-    for i, row, gate in zip(active, written, stats, strict=True):
-        out[i], gates[i] = replace(row, memory=row.memory.to(loaded.device)), gate
-    return out, gates

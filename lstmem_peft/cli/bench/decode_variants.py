@@ -1,4 +1,4 @@
-"""How ``lstmem bench gpu`` times one decode variant at one KV length (:func:`.bench_gpu.hf_decode_sweep`
+"""How ``lstmem bench gpu`` times one decode variant at one KV length (:func:`.gpu_suite.hf_decode_sweep`
 runs the sweep): the caches filled from the prompt (:func:`prefill`), then LSTMem and the plain backbone
 interleaved from the same restored KV cache and memory (:func:`measure_variant`: ``forward``, one
 single-token step; ``generate``, greedy and eager; ``generate-static-compile``, from a static cache
@@ -15,7 +15,7 @@ import torch
 
 from lstmem_peft.tuner.kv_argument import kv_kwargs
 
-from . import bench
+from . import command as bench
 
 
 @torch.no_grad()

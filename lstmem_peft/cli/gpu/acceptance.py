@@ -14,7 +14,7 @@ Checks (pass or fail, each case with its largest error and its tolerance):
     the float64 token loop (``scan_naive``): float32 and bfloat16, padding, initial states, depth;
     T = 1, 63, 2049 and a 2,048-token block at the paper's n_h 4, r 8; with a small and the default
     chunk when the function takes a ``chunk=`` keyword. Tolerances: the kernel tests'
-    (:data:`.gpu_cases.TOLERANCES`).
+    (:data:`.cases.TOLERANCES`).
 ``kernel-step``
     ``lstmem_step(backend="triton")`` against its PyTorch member and the float64 step.
 ``kernel-decode-step``
@@ -24,12 +24,12 @@ Checks (pass or fail, each case with its largest error and its tolerance):
     Qwen3-4B's dimensions (random weights, nothing downloaded), the adapter moved off its
     initialisation: one training step (a history written with gradients, then an answer's loss) with
     the Triton kernels and with the PyTorch members; each member's adapter gradients against the same
-    step in float32 (:func:`.gpu_model_checks.check_train_grads` derives the tolerance).
+    step in float32 (:func:`.model_checks.check_train_grads` derives the tolerance).
 ``model-generate-exact``
     The test suite's exactness contract of ``generate`` (tests/test_generation.py): each generated
     token's logits against one forward without a KV cache over prompt + tokens so far from the
     starting memory, and the final memory against that memory fed the tokens kept
-    (:func:`.gpu_model_checks.check_generate_exact` derives the tolerance).
+    (:func:`.model_checks.check_generate_exact` derives the tolerance).
 ``pytest-kernels``
     When pytest is importable: ``pytest -q tests/test_triton_kernels.py tests/test_decode_step_kernel.py``
     in a child process with a time limit; its summary line.
@@ -48,9 +48,9 @@ say ``"dry_run": true`` and are never figures.
 
 This module holds the settings, the plan and the runner (each step isolated and timed, the record
 written, the table printed last) and the ``pytest-kernels`` step; the steps themselves are in
-:mod:`.gpu_kernel_checks`, :mod:`.gpu_model_checks` and :mod:`.gpu_timings`, how a case passes in
-:mod:`.gpu_cases`, a step's time limit in :mod:`.gpu_step_limits`, the closing table in
-:mod:`.gpu_table`.
+:mod:`.kernel_checks`, :mod:`.model_checks` and :mod:`.timings`, how a case passes in
+:mod:`.cases`, a step's time limit in :mod:`.step_limits`, the closing table in
+:mod:`.table`.
 """
 
 from __future__ import annotations
@@ -71,14 +71,14 @@ import torch
 
 from lstmem_peft.utils.errors import UsageError
 
-from .bench_records import REPO, save_record, suite_environment
-from .gpu_cases import worst_case
-from .gpu_kernel_checks import check_decode_step, check_scan, check_step, triton_mode
-from .gpu_model_checks import ModelContext, build_model, check_generate_exact, check_train_grads
-from .gpu_step_limits import StepTimeout, time_limit
-from .gpu_step_limits import release as _release  # the runner's name for it (a test replaces it)
-from .gpu_table import ok, table
-from .gpu_timings import time_decode, time_scan, time_write
+from ..bench.records import REPO, save_record, suite_environment
+from .cases import worst_case
+from .kernel_checks import check_decode_step, check_scan, check_step, triton_mode
+from .model_checks import ModelContext, build_model, check_generate_exact, check_train_grads
+from .step_limits import StepTimeout, time_limit
+from .step_limits import release as _release  # the runner's name for it (a test replaces it)
+from .table import ok, table
+from .timings import time_decode, time_scan, time_write
 
 #: The sizes of a run on a GPU and of a dry run (seconds on a CPU, Triton interpreted).
 SETTINGS = {
@@ -353,7 +353,7 @@ def _first_line(err: BaseException) -> str:
 
 def require_device(device: str | None, dry_run: bool) -> torch.device:
     """The CUDA device to run on (CPU for a dry run); without one, a one-line refusal that names the fix."""
-    from .bench_gpu import require_gpu
+    from ..bench.gpu_suite import require_gpu
 
     return require_gpu(device, dry_run, acceptance=True)
 

@@ -24,7 +24,7 @@ from lstmem_peft.training.data import CLIENTS, ServedConversation, left_pad, syn
 from lstmem_peft.tuner.history import write_history
 from lstmem_peft.utils.offline import demo_tokenizer
 
-from .demo_recall import NUM_PAIRS, SEEDS_DOC, WINDOW, _pad_id, caption, standard_error
+from .recall import NUM_PAIRS, SEEDS_DOC, WINDOW, _pad_id, caption, standard_error
 
 #: Questions asked after the facts, each in its own turn.
 QUESTIONS = 4

@@ -1,4 +1,4 @@
-"""The GPU acceptance run's model steps (:mod:`.gpu_acceptance`): ``build-model`` (Qwen3-4B's
+"""The GPU acceptance run's model steps (:mod:`.acceptance`): ``build-model`` (Qwen3-4B's
 dimensions, random weights, the adapter moved off its initialisation), then the checks on that model:
 ``model-train-grads`` (a training step's adapter gradients with the Triton kernels and with the PyTorch
 members, against a wider reference) and ``model-generate-exact`` (``generate`` with memory against
@@ -15,8 +15,8 @@ import torch
 
 from lstmem_peft.tuner.kv_argument import kv_kwargs
 
-from .gpu_cases import TOLERANCES, bound_case, close_case, max_error
-from .gpu_step_limits import release
+from .cases import TOLERANCES, bound_case, close_case, max_error
+from .step_limits import release
 
 
 @dataclass
@@ -33,7 +33,7 @@ def build_model(s: dict, device: torch.device, ctx: ModelContext, log=print) -> 
     (App. C.4): until then several paths carry no signal, and a comparison of them would pass on zeros."""
     from lstmem_peft import memory_layers
 
-    from . import bench
+    from ..bench import command as bench
 
     ctx.dtype = getattr(torch, s["dtype"])
     model = bench.build_model(s["preset"], device, ctx.dtype)
