@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 
 import torch
@@ -78,8 +79,11 @@ def stage_at(curriculum, step: int) -> tuple[int, tuple[int, int]]:
     return index, curriculum[index][1]
 
 
-def episode_knobs(args, facts: tuple[int, int]) -> dict:
+def episode_knobs(args, facts: tuple[int, int], relations: list[str] | None = None) -> dict:
+    if relations is None and args.relations:
+        relations = args.relations.split(",")
     return dict(
+        relations=relations,
         num_facts=facts,
         chatter=0.0,
         updates=0.0,
@@ -100,6 +104,7 @@ RUN_LENGTH = (
     "no_recall",
     "eval_episodes",
     "eval_facts",
+    "export",
 )
 
 
@@ -128,6 +133,18 @@ def main() -> None:
     )
     ap.add_argument("--curriculum", default="0:1-1,150:1-2,300:2-4", help="first_step:min-max facts, ...")
     ap.add_argument("--same-relation", type=float, default=1.0)
+    ap.add_argument(
+        "--relations",
+        default="",
+        help="comma list of relations to train and evaluate on (e.g. age: values shared by both "
+        "splits, names and forms still held out); '': every relation of each split",
+    )
+    ap.add_argument(
+        "--one-relation-per-step",
+        action="store_true",
+        help="every episode of a step asks the same relation (cycling through them by step), so the "
+        "contrast's other history states a value of the same kind",
+    )
     ap.add_argument("--min-choices", type=int, default=4)
     ap.add_argument("--style", default="notes", choices=["notes", "chat", "mixed"])
     ap.add_argument("--eval-every", type=int, default=25)
@@ -136,6 +153,12 @@ def main() -> None:
         "--eval-facts",
         default="1,2",
         help="held-out facts per history, one eval each: 1,2 or 2-3 ('': the stage's)",
+    )
+    ap.add_argument(
+        "--init-from",
+        default=None,
+        help="start from another run's adapter weights (its last.pt; same layers, r and heads), with a "
+        "fresh optimizer and step count: a curriculum over runs (e.g. ages first, then every number)",
     )
     ap.add_argument("--save-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
@@ -149,6 +172,14 @@ def main() -> None:
         "(forced choice, and greedy recall by normalised match), written to eval.json",
     )
     ap.add_argument("--no-recall", action="store_true", help="--eval-only without the greedy recall")
+    ap.add_argument(
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="no training: write last.pt's adapter to DIR as a shippable folder (adapter files whose "
+        "base_model_name_or_path is --model, not this machine's path; a model card with the run's "
+        "settings, updates, time and, when the run folder holds eval.json, its scores)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -159,9 +190,10 @@ def main() -> None:
     from tqdm import tqdm
 
     from lstmem_peft import LSTMemConfig, MemoryCache, write_history
-    from lstmem_peft.eval.forced_choice import choice_rows, forced_choice, read_scores
+    from lstmem_peft.eval.english_recall import recall_hit
+    from lstmem_peft.eval.forced_choice import choice_rows, forced_choice, read_scores, swap_histories
     from lstmem_peft.training.data import left_pad
-    from lstmem_peft.training.english import english_episodes
+    from lstmem_peft.training.english import TRAIN_RELATIONS, english_episodes
     from lstmem_peft.tuner.loading import load_model_and_adapter
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -191,6 +223,16 @@ def main() -> None:
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
         print(f"resumed from {last} at step {step}")
+    elif args.init_from:
+        origin = torch.load(args.init_from, map_location="cpu", weights_only=False)
+        for name in ("layers", "r", "heads"):
+            if origin["args"][name] != getattr(args, name):
+                raise SystemExit(
+                    f"--init-from {args.init_from} was trained with --{name} {origin['args'][name]}, "
+                    f"not {getattr(args, name)}: pass the same --{name}"
+                )
+        set_peft_model_state_dict(model, origin["adapter"])
+        print(f"starting from the adapter of {args.init_from} (its step {origin['step']})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     curriculum = parse_curriculum(args.curriculum)
 
@@ -211,13 +253,11 @@ def main() -> None:
             sets.append((int(lo), int(hi or lo)))
         return sets
 
-    def normalise(text: str) -> str:
-        return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
-
     @torch.no_grad()
     def recall(facts: tuple[int, int], max_new_tokens: int = 8) -> dict:
         """Greedy answers from memory (read-only) to held-out questions; a hit when the normalised
-        answer starts with the normalised gold. Also from an empty memory, for the same check."""
+        answer starts with the normalised gold at a word boundary (``recall_hit``, as
+        ``examples/english_recall.py`` counts). Also from an empty memory, for the same check."""
         held = english_episodes(
             args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
         )
@@ -245,7 +285,7 @@ def main() -> None:
                 )
                 texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
                 for e, text in zip(chunk, texts, strict=True):
-                    hit = normalise(text).startswith(normalise(e["gold"]))
+                    hit = recall_hit(text, e["gold"])
                     hits[condition] += hit
                     if condition == "memory" and len(samples) < 6:
                         samples.append({"question": e["question"], "gold": e["gold"], "answer": text.strip()})
@@ -265,15 +305,7 @@ def main() -> None:
         held = english_episodes(
             args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
         )
-        swapped = []
-        for i, e in enumerate(held):
-            same = [
-                o
-                for o in held[i + 1 :] + held[:i]
-                if o["relation"] == e["relation"] and o["gold"] != e["gold"]
-            ]
-            other = same[0] if same else held[(i + 1) % len(held)]
-            swapped.append({**e, "history": other["history"]})
+        swapped = swap_histories(held)
         model.eval()
         with autocast:
             res = forced_choice(
@@ -322,9 +354,55 @@ def main() -> None:
         os.replace(tmp, last)
         model.save_pretrained(os.path.join(args.output_dir, "adapter"))
 
+    def export(folder: str) -> None:
+        from lstmem_peft.training.card import record_training, write_model_card
+        from lstmem_peft.tuner.backbones import BACKBONES
+
+        if saved is None:
+            raise SystemExit(f"--export: {last} does not exist; train first (the same --output-dir)")
+        records = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+        seconds = sum(r.get("step_s", 0) + r.get("eval_s", 0) for r in records)
+        model.peft_config[model.active_adapter].base_model_name_or_path = args.model
+        model.save_pretrained(folder)
+        record_training(
+            model,
+            base_model_files=f"{args.model} (lstmem models; the GGUF's tensors dequantised to float32)",
+            data="english_episodes, train split: notes style, no chatter, same-relation facts"
+            + (f", relations {args.relations}" if args.relations else ""),
+            recipe=f"stage 1 (gradients through the writes), answer CE + {args.contrast_weight} x contrast "
+            f"(the next episode's history), AdamW lr {args.lr}, {args.warmup} warm-up then cosine, batch "
+            f"{args.batch}, curriculum {args.curriculum}"
+            + (", one relation per update" if args.one_relation_per_step else ""),
+            started_from=args.init_from or "random initialisation (the library's)",
+            updates=step,
+            time=f"{seconds / 60:.0f} min of updates and evaluations on a CPU ({args.threads} thread(s))",
+        )
+        known = BACKBONES.get(args.model)
+        original = known.original if known else None
+        summary = (
+            f"Trained with examples/train_english.py on `--model {args.model}`"
+            + (
+                f": {original} from {known.package}'s GGUF ({known.quantisation}), dequantised to float32 "
+                "(close to, not equal to, the original weights)"
+                if known
+                else ""
+            )
+            + ". It writes English notes into memory and answers questions about them with the notes "
+            "gone from the prompt."
+        )
+        write_model_card(model, folder, base_model=original or args.model, summary=summary)
+        scores = os.path.join(args.output_dir, "eval.json")
+        if os.path.exists(scores):
+            shutil.copy(scores, os.path.join(folder, "eval.json"))
+        print(f"wrote {folder} (step {step})")
+
     def log(record: dict) -> None:
         with open(log_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+
+    if args.export:
+        export(args.export)
+        return
 
     if args.eval_only:
         result = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **evaluate(step)}
@@ -351,7 +429,11 @@ def main() -> None:
     while step < args.steps:
         stage, facts = stage_at(curriculum, step)
         rng_seed = args.seed * 1_000_003 + step
-        episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts))
+        asked = None
+        if args.one_relation_per_step:
+            pool = args.relations.split(",") if args.relations else list(TRAIN_RELATIONS)
+            asked = [pool[step % len(pool)]]
+        episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts, asked))
         laid = [choice_rows(tokenizer, e, "text") for e in episodes]
         gold = [list(e["choices"]).index(e["gold"]) for e in episodes]
         if args.choice_weight == 0:  # only the gold reads are needed

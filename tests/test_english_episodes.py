@@ -20,7 +20,7 @@ import torch
 from tiny_models import make
 
 from lstmem_peft import MemoryCache, write_history
-from lstmem_peft.eval.forced_choice import choice_rows, forced_choice
+from lstmem_peft.eval.forced_choice import choice_rows, forced_choice, swap_histories
 from lstmem_peft.training.data import tokenize_conversation, tokenize_episode
 from lstmem_peft.training.english import (
     CURRICULUM,
@@ -394,3 +394,20 @@ def test_the_pick_is_the_likeliest_choice(tiny):
         handle.remove()
     with pytest.raises(ValueError, match="not among the choices"):
         forced_choice(tiny, tok, [{**sure, "gold": "nope"}])
+
+
+def test_swap_histories_gives_each_question_another_history_of_its_relation():
+    episodes = english_episodes(
+        12, "heldout", seed=5, num_facts=(1, 1), relations=["age", "room"], same_relation=1.0, style="notes"
+    )
+    swapped = swap_histories(episodes)
+    assert len(swapped) == len(episodes)
+    for before, after in zip(episodes, swapped, strict=True):
+        assert {k: v for k, v in after.items() if k != "history"} == {
+            k: v for k, v in before.items() if k != "history"
+        }
+        donor = next(e for e in episodes if e["history"] == after["history"])
+        assert donor is not before and donor["relation"] == before["relation"]
+        assert donor["gold"] != before["gold"] and before["gold"] not in after["history"]
+    alone = swap_histories(episodes[:1])  # nothing to swap with: its own history, not an error
+    assert alone[0]["history"] == episodes[0]["history"]

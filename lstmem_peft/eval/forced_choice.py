@@ -14,7 +14,10 @@ likeliest. Under three conditions:
 * ``"no_adapter"``: the plain backbone (``model.disable_adapter()``), the question alone.
 
 Recall shows as ``memory`` above both ``empty`` and ``chance`` (the mean of ``1 / len(choices)``);
-a prior lifts ``empty`` and ``memory`` alike.
+a prior lifts ``empty`` and ``memory`` alike. The stricter control is ``memory`` over
+:func:`swap_histories`' episodes (each history replaced by another's that states a value of the same
+relation): what a written memory adds whatever the history says, which a ``memory`` vs ``empty`` gap
+alone would read as recall.
 
 Layouts: ``"chat"`` (default) is the served layout of one question
 (:func:`~lstmem_peft.training.data.tokenize_conversation`: the history written as text, then the
@@ -233,3 +236,21 @@ def forced_choice(
         by={field: _group(episodes, correct, chance, field) for field in groups},
     )
     return result
+
+
+def swap_histories(episodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The other-history control: each episode with its ``history`` replaced by the next one's (cyclic)
+    that asks the same ``relation`` with another ``gold``, else by the next episode's.
+
+    The question, choices and gold stay, so :func:`forced_choice`'s ``"memory"`` accuracy on the result
+    is what memory scores when it holds a history of the right kind that does not state the answer.
+    """
+    swapped = []
+    for i, episode in enumerate(episodes):
+        others = list(episodes[i + 1 :]) + list(episodes[:i])
+        same = [
+            o for o in others if o.get("relation") == episode.get("relation") and o["gold"] != episode["gold"]
+        ]
+        other = same[0] if same else others[0] if others else episode
+        swapped.append({**episode, "history": other["history"]})
+    return swapped
