@@ -180,3 +180,18 @@ def test_a_condition_no_episode_ran_reads_as_not_fitting():
         "rows": [{"history_tokens": 9000, "conditions": er.summarise([], ["context"])}],
     }
     assert "does not fit" in er.markdown_table(result)
+
+
+def test_a_prompt_two_conditions_share_is_answered_once(monkeypatch, tok):
+    """Where the history fits, "context" and "window" are one prompt: one greedy decode, one answer."""
+    e = episodes(tok, 1, length=200)[0]
+    calls = []
+
+    def greedy(model, ids, pad, max_new_tokens, memory):
+        calls.append(list(ids))
+        return tok(" " + e["gold"], add_special_tokens=False)["input_ids"]
+
+    monkeypatch.setattr(er, "_greedy", greedy)
+    record = er.answer_episode(object(), tok, e, conditions=("context", "window", "none"), window=4096)
+    assert len(calls) == 2 and calls[0] != calls[1]  # context (= window), then the question alone
+    assert record["answers"]["context"] == record["answers"]["window"] and all(record["hits"].values())
