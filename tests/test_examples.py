@@ -144,3 +144,15 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path, peft_alone):
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert records and any("memory" in json.dumps(r) for r in records)
     assert warnings_in(first.stderr + second.stderr, peft_alone) == []
+
+    shipped = tmp_path / "shipped"  # --export: the folder an adapter ships as, from last.pt
+    export = subprocess.run(
+        [*command, "--export", str(shipped)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert f"wrote {shipped} (step 4)" in export.stdout
+    config = json.loads((shipped / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folder)  # the --model value, as given
+    card = (shipped / "README.md").read_text()
+    assert "| updates | 4 |" in card and "More Information Needed" not in card
+    assert json.loads((out / "log.jsonl").read_text().splitlines()[-1])["step"] == 4  # nothing trained
