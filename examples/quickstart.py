@@ -11,9 +11,6 @@ import argparse
 import tempfile
 
 import torch
-from peft import PeftModel, get_peft_model
-
-from lstmem_peft import LSTMemConfig, MemoryCache, memory_layers, write_history
 
 HISTORY = (
     "Maya's locker code is 4417. The team meeting moved to Thursday at 3 pm. "
@@ -40,11 +37,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="Hub id or local path (default: a tiny offline Qwen3)")
     ap.add_argument("--max-new-tokens", type=int, default=20)
     args = ap.parse_args()
-    # what `lstmem` keeps off the terminal (README "Warnings"): transformers' weight-loading bars and the
-    # deprecation PEFT's own get_peft_model triggers (transformers' is_gradient_checkpointing)
+    # what `lstmem` keeps off the terminal (README "Warnings"): transformers' weight-loading bars, the
+    # deprecation PEFT's own get_peft_model triggers (transformers' is_gradient_checkpointing) and what
+    # the quantisation backends log while PEFT imports them, hence PEFT's import only after this
     from lstmem_peft.cli.quiet import quiet_command
 
     quiet_command(loads_models=args.model is not None)
+    from peft import PeftModel, get_peft_model
+
+    from lstmem_peft import LSTMemConfig, MemoryCache, memory_layers, write_history
 
     base, tokenizer = load(args.model)
     model = get_peft_model(base, LSTMemConfig(r=8, num_heads=4, block_size=128))

@@ -37,10 +37,10 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from lstmem_peft import LSTMemConfig
 from lstmem_peft.memory import constants as K
 from lstmem_peft.training.memory_plan import (
     AdapterDims,
@@ -51,6 +51,9 @@ from lstmem_peft.training.memory_plan import (
     parse_size,
 )
 
+if TYPE_CHECKING:
+    from lstmem_peft import LSTMemConfig
+
 #: Small files in the official layouts (QASPER's JSON release; the Long dataset's JSONL of context + qas)
 #: that ``--tiny`` trains on unless ``--qasper`` / ``--long`` name others.
 TINY_DATA = {
@@ -60,6 +63,8 @@ TINY_DATA = {
 
 
 def adapter_config() -> LSTMemConfig:
+    from lstmem_peft import LSTMemConfig  # here, after quiet_upstream(): importing it imports PEFT
+
     return LSTMemConfig()  # n_h 4, r 8, alpha 16, all layers, feedback on
 
 
@@ -177,8 +182,9 @@ def require_train_extra() -> None:
 
 
 def quiet_upstream() -> None:
-    """What ``lstmem`` keeps off the terminal (README "Warnings"): transformers' weight-loading bars and
-    the one deprecation PEFT's own code triggers (transformers' ``is_gradient_checkpointing``)."""
+    """What ``lstmem`` keeps off the terminal (README "Warnings"): transformers' weight-loading bars, the
+    one deprecation PEFT's own code triggers (transformers' ``is_gradient_checkpointing``) and what the
+    quantisation backends log while PEFT imports them (so nothing above imports PEFT)."""
     from lstmem_peft.cli.quiet import quiet_command
 
     quiet_command(loads_models=True)
@@ -218,6 +224,7 @@ def main() -> None:
     ap.add_argument("--report-to", nargs="*", default=[])
     ap.add_argument("--push-to-hub", default=None, help="publish the adapter as this repo id")
     args = ap.parse_args()
+    quiet_upstream()  # before anything imports PEFT (adapter_config does)
 
     dims = ModelDims.from_config(model_config(args))
     adapter = AdapterDims.from_config(adapter_config(), dims.num_layers)
@@ -233,7 +240,6 @@ def main() -> None:
     if missing:
         ap.error(f"training needs {', '.join(missing)}")
     require_train_extra()
-    quiet_upstream()
     ckpt1 = checkpointing_for(args, dims, adapter, "stage1")
     ckpt2 = checkpointing_for(args, dims, adapter, "stage2")
 
