@@ -2,6 +2,7 @@
 random model: each row against the runner it restates, the window's cut, BM25, memory-only's prompt,
 costs, resume, bootstrap intervals and the command line."""
 
+import hashlib
 import json
 
 import pytest
@@ -348,6 +349,10 @@ def test_lstmem_eval_rows_from_the_command_line(model, tok, data, tmp_path, caps
     assert summary["kind"] == "eval-rows" and summary["rows"] == ["no-context", "bm25"]
     assert summary["window"] == 3000 and summary["top_k"] == 2 and summary["bootstrap"]["resamples"] == 200
     assert summary["settings"]["adapter"] == str(tmp_path / "adapter")
+    # the record names the file it was measured on: its SHA-256, and no official release for a fixture
+    assert summary["settings"]["data_sha256"] == hashlib.sha256(open(data, "rb").read()).hexdigest()
+    assert summary["settings"]["data_release"] is None
+    assert "not an official release this harness knows" in (out / "results.md").read_text()
     costs = summary["costs"]["bm25"]
     assert costs["answer_s_per_question"] > 0 and costs["state_bytes_per_history"] == 0
     assert costs["full_history_kv_bytes"] > costs["context_kv_bytes_per_question"] > 0
@@ -361,3 +366,19 @@ def test_lstmem_eval_rows_from_the_command_line(model, tok, data, tmp_path, caps
     ]:
         assert cli.main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_record_names_an_official_release_by_its_sha256(data, tmp_path, monkeypatch):
+    from lstmem_peft.eval import locomo
+    from lstmem_peft.eval.protocol import data_identity
+
+    benchmark = LoCoMo(data, limit=1)
+    fixture_sha = hashlib.sha256(open(data, "rb").read()).hexdigest()
+    assert data_identity(benchmark, data) == {"data_sha256": fixture_sha, "data_release": None}
+    assert data_identity(benchmark, str(tmp_path)) == {}  # a folder (or a Hub id): its revision names it
+    assert len(locomo.OFFICIAL_DATA_SHA256) == 64 and locomo.OFFICIAL_DATA_SHA256 in LoCoMo.official_files
+    monkeypatch.setattr(LoCoMo, "official_files", {fixture_sha: "the fixture as if released"})
+    identity = data_identity(benchmark, data)
+    assert identity["data_release"] == "the fixture as if released"
+    line = row_report._release(identity)
+    assert line == f" (SHA-256 {fixture_sha[:16]}..., the fixture as if released)"

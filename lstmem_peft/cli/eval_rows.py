@@ -39,6 +39,7 @@ def check_rows(args) -> None:
 def eval_rows(args, model, tokenizer, benchmark, out, decoding, template_kwargs) -> int:
     """``lstmem eval ... --rows``: the named rows of :mod:`lstmem_peft.eval.rows` in one resumable run."""
     from lstmem_peft.eval import row_report, rows
+    from lstmem_peft.eval.protocol import data_identity
 
     summary = rows.evaluate_rows(
         model,
@@ -52,7 +53,12 @@ def eval_rows(args, model, tokenizer, benchmark, out, decoding, template_kwargs)
         block_size=args.block_size,
         chat_template=False if args.no_chat_template else None,
         template_kwargs=template_kwargs,
-        run_info={"model": args.model, "adapter": args.adapter, "data": args.data},
+        run_info={
+            "model": args.model,
+            "adapter": args.adapter,
+            "data": args.data,
+            **data_identity(benchmark, args.data),
+        },
         resume=args.resume,
         bootstrap=args.bootstrap,
         command=" ".join(["lstmem", *sys.argv[1:]]) if os.path.basename(sys.argv[0]) == "lstmem" else None,

@@ -61,6 +61,9 @@ TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date.
 # The pinned official code: snap-research/locomo at this commit (main's head), task_eval/gpt_utils.py.
 OFFICIAL_COMMIT = "3eb6f2c585f5e1699204e3c3bdf7adc5c28cb376"
 OFFICIAL_SOURCE = f"https://github.com/snap-research/locomo/blob/{OFFICIAL_COMMIT}/task_eval/gpt_utils.py"
+#: SHA-256 of ``data/locomo10.json`` at that commit (2,805,274 bytes; the file has not changed since
+#: 2024-08-09): a record whose DATA has it was measured on the official release.
+OFFICIAL_DATA_SHA256 = "79fa87e90f04081343b8c8debecb80a9a6842b76a7aa537dc9fdf651ea698ff4"
 
 # Source: snap-research/locomo @ OFFICIAL_COMMIT, task_eval/gpt_utils.py (CONV_START_PROMPT, QA_PROMPT), word
 # for word, its spelling included.
@@ -245,6 +248,7 @@ class LoCoMo(Benchmark):
 
     name = "locomo"
     metrics = ("f1",)
+    official_files = {OFFICIAL_DATA_SHA256: f"locomo10.json of snap-research/locomo at {OFFICIAL_COMMIT[:7]}"}
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ A benchmark subclasses :class:`Benchmark` and implements :meth:`~Benchmark.histo
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 from collections.abc import Callable, Collection, Iterator
@@ -85,6 +86,9 @@ class Benchmark:
 
     name: str = "benchmark"
     metrics: tuple[str, ...] = ("score",)
+    #: SHA-256 of each official data file this benchmark's authors released, and which release it is:
+    #: a record names the file it was measured on (:func:`data_identity`).
+    official_files: dict[str, str] = {}
 
     def histories(self) -> Iterator[History]:
         """The histories to evaluate, in a fixed order."""
@@ -323,3 +327,17 @@ def read_benchmark(source: str, split: str, spec: DataSpec) -> list[dict[str, An
         check_records(rows, path, spec)
         records.extend(rows)
     return records
+
+
+def data_identity(benchmark: Benchmark, data: str) -> dict[str, Any]:
+    """What identifies ``data`` (the DATA a run read) in its record: for a local file, ``data_sha256``
+    and ``data_release``, which official release it is (``None``: not one the benchmark knows, e.g. a
+    converted or edited copy); nothing for a folder or a Hub dataset id (its revision names it)."""
+    if not os.path.isfile(data):
+        return {}
+    digest = hashlib.sha256()
+    with open(data, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    sha = digest.hexdigest()
+    return {"data_sha256": sha, "data_release": benchmark.official_files.get(sha)}

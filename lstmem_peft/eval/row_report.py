@@ -265,6 +265,14 @@ def costs_table(costs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _release(settings: dict) -> str:
+    """`` (SHA-256 ..., which release)`` for a record of a local DATA file, else nothing."""
+    if not settings.get("data_sha256"):
+        return ""
+    release = settings.get("data_release") or "not an official release this harness knows"
+    return f" (SHA-256 {settings['data_sha256'][:16]}..., {release})"
+
+
 def render(summary: dict) -> str:
     """``results.md``: where, when and from which files; the rows; each protocol's scores; the costs."""
     settings = summary.get("settings", {})
@@ -275,7 +283,8 @@ def render(summary: dict) -> str:
         "",
         f"- when: {summary['date']}; where: {summary['where']['device']}, "
         f"{summary['where']['torch_threads']} torch threads",
-        f"- data: {settings.get('data')}; model: {settings.get('model')}; adapter: {settings.get('adapter')}",
+        f"- data: {settings.get('data')}{_release(settings)}; model: {settings.get('model')}; "
+        f"adapter: {settings.get('adapter')}",
         f"- window: {summary['window']} positions ({summary.get('window_from')}); bm25 top-k: {summary['top_k']}; "
         f"{summary['histories']} histories, {summary['questions']} questions",
         f"- intervals: {int(100 * boot['level'])}% percentile bootstrap over questions, "
