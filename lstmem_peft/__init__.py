@@ -93,11 +93,12 @@ def _register() -> None:
     """Add LSTMem to PEFT's method tables (PEFT's own registry only accepts its closed enum)."""
     from peft import mapping
 
-    from lstmem_peft.tuner.config import LSTMemConfig, LSTMemPeftType
+    from lstmem_peft.tuner.config import LSTMemPeftType, PeftLoaderConfig
     from lstmem_peft.tuner.model import LSTMemModel
 
     peft_type = LSTMemPeftType.LSTMEM
-    mapping.PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = LSTMemConfig
+    # PEFT's loaders read an adapter's config through this entry; calling it builds an LSTMemConfig
+    mapping.PEFT_TYPE_TO_CONFIG_MAPPING[peft_type] = PeftLoaderConfig
     mapping.PEFT_TYPE_TO_TUNER_MAPPING[peft_type] = LSTMemModel
     mapping.PEFT_TYPE_TO_PREFIX_MAPPING[peft_type] = LSTMemModel.prefix
 

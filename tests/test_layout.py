@@ -255,3 +255,43 @@ def test_the_long_functions_listed_here_are_long_and_say_why():
     stale = sorted(set(LONG_FUNCTIONS) - long)
     assert not stale, f"no longer long (or gone): drop them from LONG_FUNCTIONS: {stale}"
     assert all(_says_why(reason) for reason in LONG_FUNCTIONS.values())
+
+
+#: What reads the call stack: frame objects and their fields, and code objects compared by identity.
+FRAME_ATTRIBUTES = {
+    "_getframe",
+    "_current_frames",
+    "f_code",
+    "f_back",
+    "f_locals",
+    "f_globals",
+    "__code__",
+    "co_code",
+}
+#: ``inspect`` and ``traceback`` functions that walk the stack (``inspect.stack``, not ``torch.stack``).
+STACK_FUNCTIONS = {
+    "inspect": {"stack", "currentframe", "getouterframes", "getframeinfo", "trace", "getinnerframes"},
+    "traceback": {"extract_stack", "walk_stack", "format_stack", "print_stack"},
+    "sys": {"_getframe", "_current_frames"},
+}
+
+
+def test_no_library_code_reads_the_call_stack():
+    """Issue 46 item 4: no behaviour depends on who called (``sys._getframe``, ``inspect.stack``, code
+    objects compared); a refactor of PEFT's loaders would defeat that silently. A refusal is reached
+    through a seam of the tuner's own loading path instead (``LSTMemConfig``'s entry in PEFT's table,
+    the weights check PEFT calls)."""
+    offenders = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = None
+            if isinstance(node, ast.Attribute):
+                owner = node.value.id if isinstance(node.value, ast.Name) else None
+                if node.attr in FRAME_ATTRIBUTES or node.attr in STACK_FUNCTIONS.get(owner, ()):
+                    found = f"{owner + '.' if owner else ''}{node.attr}"
+            elif isinstance(node, ast.ImportFrom) and node.module in STACK_FUNCTIONS:
+                names = [a.name for a in node.names if a.name in STACK_FUNCTIONS[node.module]]
+                found = ", ".join(f"{node.module}.{name}" for name in names) or None
+            if found:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {found}")
+    assert not offenders, "reads the call stack:\n" + "\n".join(offenders)

@@ -162,6 +162,85 @@ def test_a_config_alone_still_loads_as_a_config(tmp_path):
     assert (config.r, config.num_heads) == (4, 2)
 
 
+# ---------------------------------------------------------------------- the doors PEFT loads through
+def _edited(source, target, **changes):
+    """A copy of the adapter folder ``source`` at ``target`` with ``changes`` in its adapter config
+    (``weights=False``: the config alone)."""
+    keep_weights = changes.pop("weights", True)
+    target.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors")[: 2 if keep_weights else 1]:
+        (target / name).write_bytes((source / name).read_bytes())
+    config = json.loads((target / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return target
+
+
+@pytest.mark.parametrize("refusal", ["another base", "another rank", "no weights"])
+def test_auto_peft_model_refuses_with_the_same_messages(two_layer, tmp_path, refusal):
+    """``AutoPeftModelForCausalLM.from_pretrained`` loads the base its adapter config names, then goes
+    through ``PeftModel.from_pretrained``: each refusal reads as it does there."""
+    from peft import AutoPeftModelForCausalLM
+
+    adapter = two_layer / "adapter"
+    if refusal == "another base":
+        qwen3(num_hidden_layers=3).save_pretrained(tmp_path / "qwen3-3-layers")
+        folder = _edited(adapter, tmp_path / "a", base_model_name_or_path=str(tmp_path / "qwen3-3-layers"))
+        expected, error = "was trained on another base model", ValueError
+    elif refusal == "another rank":
+        folder = _edited(adapter, tmp_path / "a", r=8)
+        expected, error = r"num_heads=2 and r=8 \(num_heads \* r = 16\)", ValueError
+    else:
+        folder = _edited(adapter, tmp_path / "a", weights=False)
+        expected, error = "has an adapter_config.json but no adapter weights", FileNotFoundError
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the config load's own warning says the same
+        with pytest.raises(error, match=expected) as refused:
+            AutoPeftModelForCausalLM.from_pretrained(str(folder))
+    assert str(folder) in str(refused.value)  # the adapter folder, not PEFT's name for it
+
+
+def test_the_user_s_own_weights_load_leaves_the_user_s_model_as_it_was(tmp_path):
+    """Weights refused for an adapter the user built (``get_peft_model``, then PEFT's
+    ``set_peft_model_state_dict``) leave that adapter in place: only a load's own adapter is removed."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    make(r=4, num_heads=2).save_pretrained(tmp_path / "adapter")
+    model = make(r=8, num_heads=2)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = model(input_ids=ids, memory_cache=MemoryCache()).logits
+    with pytest.raises(ValueError, match="the LSTMem adapter 'default' holds memory weights"):
+        set_peft_model_state_dict(model, load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert list(model.peft_config) == ["default"] and not plain(model.base_model.model)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, memory_cache=MemoryCache()).logits, before)
+
+
+def test_configs_peft_builds_are_plain_lstmem_configs(two_layer):
+    """PEFT reads and builds configs through its table, whose LSTMem entry
+    (:class:`~lstmem_peft.tuner.config.PeftLoaderConfig`) only marks the loads: every config it hands
+    out is an ``LSTMemConfig``."""
+    from peft import PeftConfig, get_peft_config
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    from lstmem_peft.tuner.config import PeftLoaderConfig
+
+    assert PEFT_TYPE_TO_CONFIG_MAPPING["LSTMEM"] is PeftLoaderConfig
+    saved = LSTMemConfig.from_pretrained(str(two_layer / "adapter"))
+    base = Qwen3ForCausalLM.from_pretrained(two_layer / "qwen3-2-layers")
+    configs = [
+        PeftConfig.from_pretrained(str(two_layer / "adapter")),
+        get_peft_config(saved.to_dict()),
+        PeftLoaderConfig(**saved.to_dict()),
+        PeftModel.from_pretrained(base, str(two_layer / "adapter")).peft_config["default"],
+    ]
+    for config in configs:
+        assert type(config) is LSTMemConfig
+        assert config.to_dict() == {**saved.to_dict(), "inference_mode": config.inference_mode}
+    assert not hasattr(configs[-1], "_loading_from")  # the load's mark is gone once its weights are checked
+
+
 def test_loading_without_peft_names_another_base_too():
     """The vLLM plugin's and the server's reader of adapter files (no PEFT): a file with memory for
     decoder layers 0-1 read for a model whose config chooses 0-2."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import sys
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -162,26 +161,15 @@ class LSTMemConfig(PeftConfig):
         """Load the config from a folder or Hub repo (PEFT's ``PeftConfig.from_pretrained``).
 
         A config-only load works from a folder that holds ``adapter_config.json`` alone, with a
-        warning that names the folder. ``PeftModel.from_pretrained`` and ``PeftModel.load_adapter``
-        load the config this way first, then add the adapter, then read the weights; PEFT, finding no
-        weights file in a local folder, would treat the folder as a Hub repo id and fail with an
-        unrelated error. Called by one of them, a folder without weights is refused here instead
-        (``FileNotFoundError`` naming the missing file), before anything is added to the model; and
-        the config remembers the folder, so that weights refused for another base model, rank or head
-        count name it and the adapter PEFT added for them is removed again
-        (:meth:`~lstmem_peft.tuner.model.LSTMemModel._refuse_weights_that_do_not_fit`). The project's own
-        loader (:func:`~lstmem_peft.tuner.loading.load_model_and_adapter`) refuses such a folder too.
+        warning that names the folder: a config alone builds a fresh adapter with ``get_peft_model``.
+        PEFT's own loaders, which go on to read the adapter's weights, read its config through
+        :class:`PeftLoaderConfig` instead, which refuses such a folder. The project's own loader
+        (:func:`~lstmem_peft.tuner.loading.load_model_and_adapter`) refuses it too.
         """
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        folder = pretrained_model_name_or_path
-        folder = os.path.join(folder, subfolder) if subfolder else folder
-        peft_loading = _called_by_peft_loader(sys._getframe(1))
+        folder = _adapter_folder(pretrained_model_name_or_path, subfolder)
         if os.path.isdir(folder) and not has_adapter_weights(folder):
             warnings.warn(missing_weights_message(folder), UserWarning, stacklevel=2)
-            if peft_loading:
-                raise FileNotFoundError(missing_weights_message(folder))
-        if peft_loading:
-            config._loading_from = os.fspath(folder)
         return config
 
     @property
@@ -215,33 +203,65 @@ class LSTMemConfig(PeftConfig):
         return self.depth_coupling and depth > 0
 
 
-# PEFT has no hook between reading an adapter's config and reading its weights, so the two checks
-# below recognise its loaders on the call stack, by their code objects (not by name). Read-only: a PEFT
-# release that restructures its loaders makes them answer False, the refusals that need them fall back
-# to PEFT's own errors, and tests/test_refusals.py fails, naming the door.
-def _peft_loader_codes(*, load_adapter: bool = True) -> tuple:
-    from peft import PeftModel
+class PeftLoaderConfig(LSTMemConfig):
+    """LSTMem's entry in PEFT's table of config classes (``peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING``):
+    where PEFT's loaders read the config of an adapter whose weights they read next.
 
-    codes = (PeftModel.from_pretrained.__func__.__code__,)
-    return (*codes, PeftModel.load_adapter.__code__) if load_adapter else codes
+    ``PeftModel.from_pretrained`` (so ``AutoPeftModelForCausalLM.from_pretrained`` too),
+    ``PeftModel.load_adapter`` and PEFT's other loaders look the config class up in that table by the
+    saved ``peft_type`` and call its ``from_pretrained``; then they add the adapter and read its weights
+    from the same place. A user reads a config with :meth:`LSTMemConfig.from_pretrained` or
+    ``PeftConfig.from_pretrained``, neither of which comes here. So a read here is a load:
+
+    - a local folder without weights is refused (``FileNotFoundError`` naming the missing file) before
+      anything is added to the model; PEFT would take the folder for a Hub repo id and fail with an
+      unrelated error;
+    - the config is marked with where it was read from (:func:`expect_first_weights`), so that weights
+      refused for another base model, rank or head count name that place and the adapter PEFT added
+      for them is removed again (:meth:`LSTMemModel._refuse_weights_that_do_not_fit
+      <lstmem_peft.tuner.model.LSTMemModel._refuse_weights_that_do_not_fit>`).
+
+    PEFT also builds configs from saved fields through the table (``PeftConfig.from_pretrained``,
+    ``get_peft_config``): calling this class builds a plain :class:`LSTMemConfig`, so every config a
+    user meets is one; this class never has an instance.
+    """
+
+    def __new__(cls, *args, **kwargs) -> LSTMemConfig:
+        return LSTMemConfig(*args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
+        config = LSTMemConfig.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        folder = _adapter_folder(pretrained_model_name_or_path, subfolder)
+        require_adapter_weights(folder)
+        expect_first_weights(config, folder)
+        return config
 
 
-def _called_by_peft_loader(frame) -> bool:
-    """Whether ``frame`` runs ``PeftModel.from_pretrained`` or ``PeftModel.load_adapter``, which load an
-    adapter's config and then its weights from the same place."""
-    return frame is not None and frame.f_code in _peft_loader_codes()
+def _adapter_folder(pretrained_model_name_or_path: str | os.PathLike, subfolder: str | None) -> str:
+    """Where PEFT reads an adapter's files: the folder (or Hub repo id), joined with ``subfolder``."""
+    folder = os.fspath(pretrained_model_name_or_path)
+    return os.path.join(folder, subfolder) if subfolder else folder
 
 
-def inside_peft_from_pretrained() -> bool:
-    """Whether this call runs inside ``PeftModel.from_pretrained``, whose ``PeftModel`` (and the adapter
-    in it) is new: a refusal may remove that adapter again, giving the caller its backbone back."""
-    codes = _peft_loader_codes(load_adapter=False)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+#: The attribute that marks a config whose adapter is being loaded (not saved: no dataclass field).
+_LOADING_FROM = "_loading_from"
+
+
+def expect_first_weights(config: LSTMemConfig, source: str | os.PathLike) -> None:
+    """Mark ``config``: the adapter built from it is a load in progress, and the next weights checked
+    for it (:meth:`~lstmem_peft.tuner.model.LSTMemModel._refuse_weights_that_do_not_fit`) are its
+    first, from ``source`` (a folder or Hub id; the adapter's name where the place is not known). A
+    mark already there is kept."""
+    if getattr(config, _LOADING_FROM, None) is None:
+        setattr(config, _LOADING_FROM, os.fspath(source))
+
+
+def take_first_weights_mark(config: LSTMemConfig) -> str | None:
+    """Take the mark of :func:`expect_first_weights` off ``config``: the source it names, or ``None``
+    when the weights are not the first of a load in progress (the user's own weights, for an adapter
+    the user holds)."""
+    return vars(config).pop(_LOADING_FROM, None)
 
 
 def has_adapter_weights(folder: str | os.PathLike) -> bool:

@@ -29,7 +29,7 @@ from .attention import (
     projection_shape,
     query_columns,
 )
-from .config import LSTMemConfig, inside_peft_from_pretrained
+from .config import LSTMemConfig, expect_first_weights, take_first_weights_mark
 from .hooks import ADAPTER_NAMES_REFUSED, MemoryHooks
 from .layer import LSTMemOutputLayer, LSTMemQueryLayer, LSTMemTunerLayer
 from .peft_gate import name_the_gate
@@ -112,11 +112,17 @@ class LSTMemModel(BaseTuner):
     @classmethod
     def _refuse_weights_that_do_not_fit(cls, model, config, adapter_name: str, state_dict: dict) -> None:
         """Before any weight is copied: refuse weights saved for another base model, rank or head count
-        (:func:`~lstmem_peft.memory.adapter_files.refuse_weights_of_another_shape`). An adapter that
-        PEFT's own loader created for these weights is removed again, so that the refused call leaves
-        the model as it was: the one ``PeftModel.from_pretrained`` builds, and the one
-        ``PeftModel.load_adapter`` adds (:meth:`LSTMemConfig.from_pretrained
-        <lstmem_peft.tuner.config.LSTMemConfig.from_pretrained>` marks its config)."""
+        (:func:`~lstmem_peft.memory.adapter_files.refuse_weights_of_another_shape`).
+
+        PEFT loads an adapter in a known order: it builds the config, adds the adapter, then hands
+        its weights to this check. Weights for an adapter that a load in progress added (its config
+        marked by :func:`~lstmem_peft.tuner.config.expect_first_weights`: read by PEFT's loaders
+        through :class:`~lstmem_peft.tuner.config.PeftLoaderConfig`, or the frozen adapter a tuner was
+        created with, see :meth:`inject_adapter`) are its first: a refusal names where they came from
+        and removes that adapter again, so that the refused call leaves the model as it was (the
+        backbone ``PeftModel.from_pretrained`` was given; the adapters ``PeftModel.load_adapter``
+        found). Weights for any other adapter are the user's own load into a model the user holds:
+        refused, with the model left as it is."""
         saved: dict[int, dict] = {}
         for key, value in state_dict.items():
             head, _, leaf = key.rpartition(".")
@@ -128,13 +134,13 @@ class LSTMemModel(BaseTuner):
             for m in model.modules()
             if isinstance(m, LSTMemQueryLayer) and adapter_name in m.lstmem_memory
         }
-        folder = getattr(config, "_loading_from", None)
+        source = take_first_weights_mark(config)  # checked once: a later load is the user's own
         base_config = getattr(model, "config", None)
         try:
             refuse_weights_of_another_shape(
                 {idx: MemoryWidths.of_weights(weights) for idx, weights in saved.items()},
                 {idx: MemoryWidths(m.hidden_size, m.query_size, m.state_size) for idx, m in ours.items()},
-                source=f"the LSTMem adapter {folder or adapter_name!r}",
+                source=f"the LSTMem adapter {source or adapter_name!r}",
                 saved_base=config.base_model_name_or_path,
                 model_name=getattr(base_config, "name_or_path", None),
                 model_layers=getattr(base_config, "num_hidden_layers", None),
@@ -142,12 +148,9 @@ class LSTMemModel(BaseTuner):
                 num_heads=config.num_heads,
             )
         except ValueError:
-            if folder is not None or inside_peft_from_pretrained():  # the adapter is this load's own
+            if source is not None:  # the adapter is this load's own
                 _discard_created_adapter(model, adapter_name)
             raise
-        finally:
-            if folder is not None:
-                config._loading_from = None  # the weights are checked: a later load is the user's own
 
     @staticmethod
     def _layer_index(key: str) -> int | None:
@@ -229,6 +232,15 @@ class LSTMemModel(BaseTuner):
         modules whose names carry adapter tensors and warns about config targets that carry none. The
         output projections hold no tensors (the query wrapper owns the memory), so each query
         projection's output sibling is named to PEFT as targeted too: a normal call warns about nothing.
+
+        The adapter a tuner is created with, created frozen (``inference_mode``), is marked as a load in
+        progress until its first weights are checked (:func:`~lstmem_peft.tuner.config.expect_first_weights`):
+        PEFT's loaders create the adapter they load that way (``is_trainable=False``, their default),
+        also from a config passed in (``PeftModel.from_pretrained(model, path, config=config)``), and a
+        frozen adapter that has held no weights holds nothing anyone trained, so weights refused for it
+        remove it again (:meth:`_refuse_weights_that_do_not_fit`). That holds for a frozen adapter built
+        with ``get_peft_model`` too (from a config read from a saved adapter, which is saved frozen):
+        weights refused for it give its backbone back plain, as ``PeftModel.from_pretrained`` does.
         """
         config = self.peft_config[adapter_name]
         if isinstance(config, LSTMemConfig) and config.target_modules is None:
@@ -240,7 +252,10 @@ class LSTMemModel(BaseTuner):
             )
             kwargs["state_dict"] = _with_output_siblings(state_dict, config)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
-        self._finish_injection(model, self.peft_config[adapter_name], adapter_name)
+        config = self.peft_config[adapter_name]
+        self._finish_injection(model, config, adapter_name)
+        if config.inference_mode and list(self.peft_config) == [adapter_name]:
+            expect_first_weights(config, adapter_name)
 
     def _finish_injection(self, model: nn.Module, config: LSTMemConfig, adapter_name: str) -> None:
         """Check the placement, write each query wrapper's depth index for the adapter (memory layers
