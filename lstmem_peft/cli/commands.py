@@ -3,7 +3,8 @@ their arguments: :mod:`.parser`).
 
 lstmem demo                 # offline recall demo on the embedded backbone and adapters
 lstmem demo --train         # retrain the adapters from scratch first (reports the time)
-lstmem demo --model ID      # the same flow on a Hub model or local path (with --train)
+lstmem demo --model NAME    # a real backbone's shipped adapter (or --adapter) answering English notes from memory
+lstmem demo --model ID --train   # the toy task's adapters trained on a Hub model or local path, then scored
 lstmem demo --show 3        # first print 3 episodes: history, question, gold, the answers
 lstmem demo --sweep         # recall against history length (8 to 256 facts): table, JSON record, plot
 lstmem bench decode|generate|ops|e2e|write|scan [--preset cpu-small|qwen3-4b]   # JSON records
@@ -213,23 +214,34 @@ def _key_values(pairs: list[str], option: str) -> dict:
 # ---------------------------------------------------------------------- subcommands
 def _demo(args) -> int:
     _check_model(args.model)
+    if args.model is not None and not args.train:  # a backbone's own adapter on English notes
+        from .demo.english import demo_settings, run_english
+
+        settings = demo_settings(args.model, args.adapter, args.episodes, args.show, args.out, args.sweep)
+        _check_adapter(settings.adapter_name, args.model)
+        _check_output_folder("--out", args.out, "the run's record")
+        run_english(settings)
+        return 0
+    if args.adapter is not None:
+        fix = "--train trains the toy task's adapters instead. Drop one" if args.train else "Pass --model too"
+        raise UsageError(f"--adapter {args.adapter}: applies to --model (without --train) only. {fix}")
     if args.sweep is not None:
         _check_output_folder("--out", args.out, "the sweep's record and plot")
-    from .demo.command import run
+    from .demo.command import DemoSettings, run
     from .demo.sweep import SWEEP_FACTS
 
     run(
         train=args.train,
         model_id=_resolve_model(args.model),
-        num_episodes=args.episodes,
+        num_episodes=DemoSettings.num_episodes if args.episodes is None else args.episodes,
         ablations=not args.no_ablations,
         train_steps=args.steps,
         chat_steps=args.chat_steps,
-        show=args.show,
+        show=args.show or 0,
         show_facts=args.facts,
         sweep_facts=None if args.sweep is None else (tuple(args.sweep) or SWEEP_FACTS),
         window=args.window,
-        out=args.out,
+        out="." if args.out is None else args.out,
     )
     return 0
 

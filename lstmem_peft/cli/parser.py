@@ -93,9 +93,14 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="a causal LM: a short name of `lstmem models` (e.g. smollm2-135m), a local folder or a Hub id "
-        "(default: embedded tiny model)",
+        "(default: embedded tiny model); without --train: its shipped adapter on held-out English notes",
     )
-    parser.add_argument("--episodes", type=positive_int, default=512, help="held-out episodes to score")
+    parser.add_argument(
+        "--adapter", help="with --model: the LSTMem adapter to show (default: the one shipped for it)"
+    )
+    parser.add_argument(
+        "--episodes", type=positive_int, help="held-out episodes to score (default 512; --model: 24)"
+    )
     parser.add_argument(
         "--steps", type=positive_int, default=600, help="training steps per adapter with --train"
     )
@@ -112,9 +117,9 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--show",
         type=_count,
-        default=0,
+        default=None,
         metavar="N",
-        help="first print N episodes: history (abridged), question, gold, the answers from memory and without",
+        help="first print N episodes: history, question, gold, the answers from memory and without (--model: 3)",
     )
     parser.add_argument(
         "--facts", type=positive_int, default=8, help="facts per history of --show (default 8)"
@@ -134,7 +139,9 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="the backbone's context window in tokens (default 64, the embedded backbone's)",
     )
-    parser.add_argument("--out", default=".", help="where --sweep writes its record and plot (default: here)")
+    parser.add_argument(
+        "--out", help="where --sweep writes its record and plot (default: here), or --model its record"
+    )
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:

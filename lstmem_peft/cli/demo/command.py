@@ -34,6 +34,7 @@ import torch
 
 from lstmem_peft.training.data import left_pad, long_recall_episodes
 from lstmem_peft.tuner.loading import load_model_and_adapter
+from lstmem_peft.utils.errors import UsageError
 from lstmem_peft.utils.offline import DEMO_ASSETS, NUM_KEYS, NUM_VALUES, demo_tokenizer
 
 # The demo's parts this command runs.
@@ -44,7 +45,6 @@ from .recall import (
     SEEDS_DOC,
     WINDOW,
     _pad_id,
-    adapter_config,
     caption,
     episode_rows,
     evaluate,
@@ -63,7 +63,6 @@ from .training import CHAT_STEPS, load_backbone, train_adapter, train_for_chat
 #: What the summary's ``"adapters"`` says about the adapters the run scored.
 ADAPTERS_SHIPPED = "shipped (trained when the package was built)"
 ADAPTERS_TRAINED = "trained in this run"
-ADAPTERS_UNTRAINED = "untrained (none ships for --model; --train trains them)"
 
 
 def _gap_to_full(results: dict[str, dict], key: str, full: str = "full") -> tuple[str, float] | None:
@@ -276,16 +275,14 @@ def format_episodes(shown: list[dict], window: int = WINDOW) -> str:
 def _load_models(names, train, model_id, train_steps, seed, chat_steps=CHAT_STEPS):
     """The adapters ``names`` (keys of :data:`ADAPTERS`), each on a fresh copy of the backbone: trained
     now with ``train`` (the time recorded; on the embedded backbone then ``chat_steps`` updates for
-    chat, as the shipped ones were), else the shipped ones on the embedded backbone or fresh ones on
-    ``model_id``. Returns ``(models, tokenizer or None for the demo's, timings)``."""
+    chat, as the shipped ones were), else the shipped ones on the embedded backbone (``model_id`` is
+    then ``None``). Returns ``(models, tokenizer or None for the demo's, timings)``."""
     timings, models, tokenizer = {}, {}, None
     if model_id is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_id)
         load = lambda: load_model_and_adapter(model_id, dtype="float32", device="cpu")[0]  # noqa: E731
-        if not train:
-            print("no trained adapter ships for this model: pass --train to train one first")
     else:
         load = load_backbone
     for name in names:
@@ -298,12 +295,8 @@ def _load_models(names, train, model_id, train_steps, seed, chat_steps=CHAT_STEP
                 model, _ = train_for_chat(model, max_steps=chat_steps)
             timings[f"train_{name}_s"] = round(time.perf_counter() - start, 1)
             print(f"trained adapter '{name}' in {timings[f'train_{name}_s']} s")
-        elif model_id is None:
-            model = load_model_and_adapter(adapter=DEMO_ASSETS / f"adapter_{name}", device="cpu")[0]
         else:
-            from peft import get_peft_model
-
-            model = get_peft_model(load(), adapter_config(**ADAPTERS[name])).eval()
+            model = load_model_and_adapter(adapter=DEMO_ASSETS / f"adapter_{name}", device="cpu")[0]
         models[name] = model
     return models, tokenizer, timings
 
@@ -314,7 +307,9 @@ class DemoSettings:
 
     Attributes:
         train: retrain the adapters from scratch (``--train``), the time recorded.
-        model_id: Hub id or local path of a causal LM (``--model``); ``None``: the embedded backbone.
+        model_id: Hub id or local path of a causal LM (``--model``), with ``train`` only (no toy-task
+            adapter ships for another backbone; its shipped English adapter is :mod:`.english`'s);
+            ``None``: the embedded backbone.
         num_episodes: held-out episodes to score, per sweep length too (``--episodes``).
         ablations: also the depth-coupling and feedback ablations (not ``--no-ablations``).
         train_steps: training steps per adapter with ``train`` (``--steps``).
@@ -353,6 +348,12 @@ def run(settings: DemoSettings | None = None, /, **options) -> dict:
             "pass the options by name, e.g. run(train=True)"
         )
     settings = replace(settings or DemoSettings(), **options)
+    if settings.model_id is not None and not settings.train:
+        raise UsageError(
+            f"model_id {settings.model_id}: the toy task's adapters ship for the embedded backbone only; "
+            "expected train=True (lstmem demo --model ID --train). A backbone's own shipped adapter is shown "
+            "by lstmem demo --model NAME (lstmem_peft.cli.demo.english)"
+        )
     threads = torch.get_num_threads()
     if settings.model_id is None and not settings.train:
         # the embedded model is tiny (hidden 128): more threads only add synchronisation, and on a
@@ -365,10 +366,8 @@ def run(settings: DemoSettings | None = None, /, **options) -> dict:
 
 
 def adapters_scored(s: DemoSettings) -> str:
-    """The summary's ``"adapters"``: the shipped ones, trained in this run, or untrained."""
-    if s.train:
-        return ADAPTERS_TRAINED
-    return ADAPTERS_SHIPPED if s.model_id is None else ADAPTERS_UNTRAINED
+    """The summary's ``"adapters"``: the shipped ones, or trained in this run."""
+    return ADAPTERS_TRAINED if s.train else ADAPTERS_SHIPPED
 
 
 def _run(s: DemoSettings) -> dict:
