@@ -465,6 +465,17 @@ def _eval_options(args) -> dict:
         raise UsageError(f"--passages applies to hotpotqa only; expected none with {args.benchmark}. Drop it")
     if args.benchmark == "hotpotqa":
         options["passages"] = args.passages
+    if args.categories is not None:  # locomo only; 5 with the official protocol
+        from lstmem_peft.eval.locomo import parse_categories
+
+        if args.benchmark != "locomo":
+            raise UsageError(
+                f"--categories applies to locomo only; expected none with {args.benchmark}. Drop it"
+            )
+        try:
+            options["categories"] = parse_categories(args.categories, args.protocol)
+        except ValueError as err:
+            raise UsageError(f"--categories: {err}") from None
     if mab:
         options.update(families=args.families, max_questions=args.max_questions, entity_map=args.entity_map)
         if args.max_context_chars is not None:

@@ -368,6 +368,9 @@ def _eval_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
         "--passages", default="all", choices=["all", "supporting"], help="hotpotqa: passages in the prompt"
     )
     parser.add_argument(
+        "--categories", metavar="LIST", help="locomo: categories 1-5 or all (default 1,2,3,4)"
+    )
+    parser.add_argument(
         "--families",
         nargs="+",
         default=None,

@@ -1,9 +1,13 @@
 """LoCoMo: the ``official`` and ``paper`` protocols over the official ``locomo10.json``.
 
-Both protocols ask the category 1-4 questions (1,540 in LoCoMo-10; category 5 is excluded), replay each
-conversation into memory one segment per session, in the order the protocol's prompt lists the sessions,
-and reset the memory before every conversation. Category-2 (temporal) questions carry the official
-suffix "Use DATE of CONVERSATION to answer with an approximate date."
+Both protocols ask the category 1-4 questions by default (1,540 in LoCoMo-10), replay each conversation
+into memory one segment per session, in the order the protocol's prompt lists the sessions, and reset the
+memory before every conversation. Category-2 (temporal) questions carry the official suffix "Use DATE of
+CONVERSATION to answer with an approximate date." Category 5 (adversarial: 446 questions about what the
+conversation never says) is asked on request (``categories``), under the ``official`` protocol, as its
+code asks it: a choice between the question's trap answer and "Not mentioned in the conversation"
+(:func:`adversarial_options`), scored 1 when the answer says it is not mentioned
+(:func:`~lstmem_peft.eval.scorers.locomo_adversarial_score`).
 
 * ``official`` -- LoCoMo's released QA code for API models, pinned at commit
   ``3eb6f2c585f5e1699204e3c3bdf7adc5c28cb376`` (:data:`OFFICIAL_COMMIT`) of ``snap-research/locomo``,
@@ -42,6 +46,7 @@ the released code are listed in docs/evaluation.md ("Deviations from the named c
 
 from __future__ import annotations
 
+import random
 import re
 import warnings
 from collections.abc import Collection, Iterator
@@ -52,9 +57,13 @@ from lstmem_peft.utils.errors import describe
 from . import scorers
 from .protocol import Benchmark, DataSpec, History, Question, question_weighted, read_benchmark
 
-SCORED_CATEGORIES = (1, 2, 3, 4)
+SCORED_CATEGORIES = (1, 2, 3, 4)  # asked by default: both protocols, the paper's tables
+ADVERSARIAL = 5
+ALL_CATEGORIES = (*SCORED_CATEGORIES, ADVERSARIAL)
 LOCOMO10_QUESTIONS = 1540  # category 1-4 questions of the 10 LoCoMo-10 conversations (paper App. B)
-CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+#: Questions per category in the official locomo10.json (1,986 in all).
+LOCOMO10_PER_CATEGORY = {1: 282, 2: 321, 3: 96, 4: 841, 5: 446}
+CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 MAX_NEW_TOKENS = {"official": 32, "paper": 50}
 TEMPORAL_SUFFIX = " Use DATE of CONVERSATION to answer with an approximate date."
 
@@ -75,6 +84,13 @@ OFFICIAL_QA_PROMPT = (
     "\nBased on the above context, write an answer in the form of a short phrase for the following question. "
     "Answer with exact words from the context whenever possible.\n\nQuestion: {} Short answer:\n"
 )
+# Source: as above (QA_PROMPT_CAT_5 and the choice get_gpt_answers appends to a category-5 question), word
+# for word, the trailing space included.
+OFFICIAL_QA_PROMPT_ADVERSARIAL = (
+    "\nBased on the above context, answer the following question.\n\nQuestion: {} Short answer:\n"
+)
+ADVERSARIAL_CHOICE = " Select the correct answer: (a) {} (b) {}. "
+NOT_MENTIONED = "Not mentioned in the conversation"
 # Source: declare-lab/delta-Mem, deltamem/eval/locomo_protocol.py (OFFICIAL_SYSTEM_PROMPT, OFFICIAL_QA_PROMPT;
 # its OFFICIAL_CONV_START_PROMPT is CONVERSATION_START above).
 PAPER_SYSTEM = (
@@ -133,6 +149,8 @@ def _sample_problem(sample: dict[str, Any]) -> str | None:
             return f"qa {i} has category {category}, not 1-5"
         if category in SCORED_CATEGORIES and "answer" not in qa:
             return f'qa {i} (category {category}) has no "answer"'
+        if category == ADVERSARIAL and "adversarial_answer" not in qa and "answer" not in qa:
+            return f'qa {i} (category 5) has no "adversarial_answer"'
     return None
 
 
@@ -225,12 +243,54 @@ def conversation_turns(conversation: dict[str, Any]) -> tuple[list[tuple[int, in
     return keys, texts
 
 
-def question_prompt(question: str, category: int, protocol: str = "official") -> str:
-    """What follows the conversation for one question (category 2 asks for the date form)."""
+def question_prompt(
+    question: str, category: int, protocol: str = "official", options: dict[str, str] | None = None
+) -> str:
+    """What follows the conversation for one question (category 2 asks for the date form; category 5,
+    official protocol only, offers ``options`` ``{"a": ..., "b": ...}``: :func:`adversarial_options`)."""
+    if category == ADVERSARIAL:
+        if protocol != "official" or options is None:
+            raise ValueError("category 5 is asked under the official protocol, with its two options")
+        return "\n\n" + OFFICIAL_QA_PROMPT_ADVERSARIAL.format(
+            question + ADVERSARIAL_CHOICE.format(options["a"], options["b"])
+        )
     if category == 2:
         question = question + TEMPORAL_SUFFIX
     template = OFFICIAL_QA_PROMPT if protocol == "official" else PAPER_QA_PROMPT
     return "\n\n" + template.format(question)
+
+
+def adversarial_options(trap: str, key: str) -> dict[str, str]:
+    """The two options of a category-5 question: its trap answer and :data:`NOT_MENTIONED`, in an order
+    drawn with even odds, as the official code draws it. The official code draws from Python's
+    unseeded global generator, so its order changes between runs; here the draw is seeded with the
+    question's id (``key``), so a run, its resume and a rerun ask the same prompt."""
+    if random.Random(key).random() < 0.5:
+        return {"a": NOT_MENTIONED, "b": trap}
+    return {"a": trap, "b": NOT_MENTIONED}
+
+
+def parse_categories(text: str, protocol: str) -> tuple[int, ...]:
+    """``--categories``: ``all`` or comma-separated numbers 1-5 (:func:`check_categories`)."""
+    try:
+        chosen = ALL_CATEGORIES if text.strip() == "all" else tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected categories 1-5 or all, comma-separated; got {text!r}") from None
+    return check_categories(chosen, protocol)
+
+
+def check_categories(categories: Collection[int], protocol: str) -> tuple[int, ...]:
+    """``categories`` sorted, each one of 1-5; category 5 only under the ``official`` protocol."""
+    chosen = tuple(sorted({int(c) for c in categories}))
+    unknown = [c for c in chosen if c not in ALL_CATEGORIES]
+    if not chosen or unknown:
+        raise ValueError(f"LoCoMo categories are 1-5 ({CATEGORY_NAMES}); got {list(categories)}")
+    if ADVERSARIAL in chosen and protocol != "official":
+        raise ValueError(
+            "category 5 (adversarial) is asked as the official LoCoMo code asks it; the paper's protocol "
+            "(δ-Mem's suite) asks categories 1-4 only. Use protocol official, or categories 1-4"
+        )
+    return chosen
 
 
 class LoCoMo(Benchmark):
@@ -244,6 +304,7 @@ class LoCoMo(Benchmark):
         split: which data file to read when ``source`` is a folder or Hub id holding several (files
             named after the split).
         protocol: ``"official"`` or ``"paper"`` (see the module docstring).
+        categories: the question categories asked (default 1-4; 5, adversarial, under ``official`` only).
     """
 
     name = "locomo"
@@ -257,16 +318,20 @@ class LoCoMo(Benchmark):
         max_new_tokens: int | None = None,
         split: str = "train",
         protocol: str = "official",
+        categories: Collection[int] = SCORED_CATEGORIES,
     ) -> None:
         self.protocol = scorers.check_protocol(protocol)
+        self.categories = check_categories(categories, self.protocol)
         self.samples = read_benchmark(source, split, DATA)[:limit]
         self.max_new_tokens = max_new_tokens or MAX_NEW_TOKENS[protocol]
-        scored = sum(
-            int(qa["category"]) in SCORED_CATEGORIES for sample in self.samples for qa in sample["qa"]
-        )
-        if limit is None and len(self.samples) == 10 and scored != LOCOMO10_QUESTIONS:
+        asked = sum(int(qa["category"]) in self.categories for sample in self.samples for qa in sample["qa"])
+        expected = sum(LOCOMO10_PER_CATEGORY[c] for c in self.categories)
+        if limit is None and len(self.samples) == 10 and asked != expected:
+            first, last = self.categories[0], self.categories[-1]
+            contiguous = self.categories == tuple(range(first, last + 1))
+            names = f"{first}-{last}" if contiguous and last > first else ", ".join(map(str, self.categories))
             warnings.warn(
-                f"{source}: {scored} category 1-4 questions, not LoCoMo-10's {LOCOMO10_QUESTIONS}; "
+                f"{source}: {asked} category {names} questions, not LoCoMo-10's {expected}; "
                 "is this the official locomo10.json?",
                 stacklevel=2,
             )
@@ -281,16 +346,9 @@ class LoCoMo(Benchmark):
             conversation = sample["conversation"]
             sessions = official_sessions(conversation) if official else paper_sessions(conversation)
             questions = [
-                Question(
-                    id=f"{sample_id}/{i}",
-                    prompt=question_prompt(qa["question"], int(qa["category"]), self.protocol),
-                    answer=str(qa["answer"]),
-                    max_new_tokens=self.max_new_tokens,
-                    group=CATEGORY_NAMES[int(qa["category"])],
-                    meta={"category": int(qa["category"]), "question": qa["question"]},
-                )
+                self._question(f"{sample_id}/{i}", qa)
                 for i, qa in enumerate(sample["qa"])
-                if int(qa["category"]) in SCORED_CATEGORIES
+                if int(qa["category"]) in self.categories
             ]
             system = None if official else PAPER_SYSTEM
             keys, texts = conversation_turns(conversation)
@@ -310,17 +368,43 @@ class LoCoMo(Benchmark):
                 select=select,
             )
 
+    def _question(self, qid: str, qa: dict[str, Any]) -> Question:
+        """One question of a sample: its prompt, gold answer and group (a category-5 question offers
+        its trap answer and :data:`NOT_MENTIONED`, the gold)."""
+        category = int(qa["category"])
+        meta: dict[str, Any] = {"category": category, "question": qa["question"]}
+        gold = qa.get("answer")
+        if category == ADVERSARIAL:  # the released file names the trap "adversarial_answer"
+            meta["options"] = adversarial_options(str(qa.get("adversarial_answer", gold)), qid)
+            gold = NOT_MENTIONED
+        return Question(
+            id=qid,
+            prompt=question_prompt(qa["question"], category, self.protocol, meta.get("options")),
+            answer=str(gold),
+            max_new_tokens=self.max_new_tokens,
+            group=CATEGORY_NAMES[category],
+            meta=meta,
+        )
+
     def settings(self) -> dict[str, Any]:
-        return {
+        out = {
             **super().settings(),
             "conversations": len(self.samples),
             "max_new_tokens": self.max_new_tokens,
         }
+        if self.categories != SCORED_CATEGORIES:  # recorded when not the default (older records lack it)
+            out["categories"] = list(self.categories)
+        return out
 
     def score(self, question: Question, prediction: str) -> dict[str, float]:
+        """The protocol's F1 for categories 1-4; for category 5 the official rule under both protocols
+        (δ-Mem's suite has none): 1 when the answer, its option letter read as the option, says the
+        fact is not mentioned."""
         category = question.meta["category"]
+        if category == ADVERSARIAL:
+            return {"f1": scorers.locomo_adversarial_score(prediction, question.meta["options"])}
         if category not in SCORED_CATEGORIES:
-            raise ValueError(f"LoCoMo category {category} is not scored (categories 1-4; 5 is adversarial)")
+            raise ValueError(f"LoCoMo category {category} is not one of 1-5")
         if self.protocol == "official":
             return {"f1": scorers.locomo_official_score(prediction, question.answer, category)}
         return {"f1": scorers.locomo_paper_score(prediction, question.answer, category)}

@@ -355,6 +355,25 @@ def locomo_official_score(reply: str, gold: str, category: int) -> float:
     return locomo_f1(reply, gold)
 
 
+def locomo_adversarial_answer(reply: str, options: dict[str, str]) -> str:
+    """The official code's reading of a category-5 reply (``get_cat_5_answer``): a reply of one
+    character, or of three such as ``(a)``, is the option it names (``a`` when it holds ``a`` /
+    ``(a)``, else ``b``); any other reply is itself, stripped and lower-cased."""
+    text = reply.strip().lower()
+    if len(text) == 1:
+        return options["a"] if "a" in text else options["b"]
+    if len(text) == 3:
+        return options["a"] if "(a)" in text else options["b"]
+    return text
+
+
+def locomo_adversarial_score(reply: str, options: dict[str, str]) -> float:
+    """Official LoCoMo score of a category-5 reply (``evaluation.py``): 1 when the reply, read as
+    :func:`locomo_adversarial_answer` reads it, says "no information available" or "not mentioned"."""
+    answer = locomo_adversarial_answer(reply, options).lower()
+    return 1.0 if "no information available" in answer or "not mentioned" in answer else 0.0
+
+
 def locomo_paper_answer(reply: str) -> str:
     """δ-Mem's post-processing: first non-blank line, lower-cased, option markers and ``answer:`` out."""
     text = reply.replace('\\"', "'").strip()
