@@ -222,7 +222,7 @@ def test_lstmem_demo_on_the_real_smollm2_shows_english_notes_from_memory(tmp_pat
     (0.79 against 0.21 on 2026-11-29, chance 0.25)."""
     env = {**os.environ, "LSTMEM_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli.commands", "demo", "--model", "smollm2-135m"],
+        [sys.executable, "-m", "lstmem_cli", "demo", "--model", "smollm2-135m"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

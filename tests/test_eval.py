@@ -347,7 +347,7 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
         [
             sys.executable,
             "-m",
-            "lstmem_peft.cli.commands",
+            "lstmem_cli",
             "eval",
             "locomo",
             data,
