@@ -376,7 +376,7 @@ def test_update_episodes_supersede_some_keys_and_keep_others():
     ],
 )
 def test_the_demo_refuses_bad_show_and_sweep_options_in_one_line(argv, words, tmp_path, capsys, monkeypatch):
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     def loaded(*args, **kwargs):
         raise AssertionError("the demo ran before its options were checked")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from real_models import needs_smollm2
 
+import lstmem_cli
 from lstmem_peft.cli import commands as cli
 from lstmem_peft.cli.demo import command as toy
 from lstmem_peft.cli.demo import english
@@ -50,7 +51,7 @@ def tiny_pair(tmp_path_factory):
 def _main(argv: list[str], capsys) -> tuple[int, str, str]:
     """``lstmem ARGV`` in this process: ``(exit status, stdout, stderr)`` (a usage error exits 2)."""
     try:
-        code = cli.main(argv)
+        code = lstmem_cli.main(argv)
     except SystemExit as exit_:
         code = exit_.code
     out, err = capsys.readouterr()
