@@ -50,7 +50,7 @@ def start_server(store: str, batching: bool, log) -> tuple[subprocess.Popen, str
     cmd = [
         sys.executable,
         "-m",
-        "lstmem_peft.cli.commands",
+        "lstmem_cli",
         "serve",
         "--store",
         store,

@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET  # the kernels must compile for the GPU, not run in Triton's interpreter
-PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m lstmem_peft.cli.commands bench gpu --acceptance "$@"
+PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}" exec python3 -m lstmem_cli bench gpu --acceptance "$@"

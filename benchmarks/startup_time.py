@@ -1,6 +1,7 @@
 """Wall time of a fresh start: ``import peft``, ``import lstmem_peft`` (alone, then with PEFT, which
-registers LSTMem), ``lstmem --version`` and ``lstmem --help``, each in a new process run from the
-repository's root, where the README's commands run.
+registers LSTMem), ``lstmem --version`` and ``lstmem --help`` (the console script, and ``python -m
+lstmem_cli``, which needs no reinstall), each in a new process run from the repository's root, where the
+README's commands run.
 
     python benchmarks/startup_time.py              # 3 runs of each, rounds in turn
     python benchmarks/startup_time.py --runs 5
@@ -29,6 +30,8 @@ STARTS = {
     "python -c 'import lstmem_peft, peft'": [sys.executable, "-c", "import lstmem_peft, peft"],
     "lstmem --version": ["lstmem", "--version"],
     "lstmem --help": ["lstmem", "--help"],
+    "python -m lstmem_cli --version": [sys.executable, "-m", "lstmem_cli", "--version"],
+    "python -m lstmem_cli data long --help": [sys.executable, "-m", "lstmem_cli", "data", "long", "--help"],
 }
 
 

@@ -53,7 +53,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lstmem_peft.cli.quiet import quiet_command
+    from lstmem_cli.quiet import quiet_command
 
     quiet_command(loads_models=True)
     from lstmem_peft.eval.english_recall import CONDITION_TITLES, markdown_table, recall_by_length

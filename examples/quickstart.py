@@ -40,7 +40,7 @@ def main() -> None:
     # what `lstmem` keeps off the terminal (README "Warnings"): transformers' weight-loading bars, the
     # deprecation PEFT's own get_peft_model triggers (transformers' is_gradient_checkpointing) and what
     # the quantisation backends log while PEFT imports them, hence PEFT's import only after this
-    from lstmem_peft.cli.quiet import quiet_command
+    from lstmem_cli.quiet import quiet_command
 
     quiet_command(loads_models=args.model is not None)
     from peft import PeftModel, get_peft_model

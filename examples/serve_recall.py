@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per request")
     args = ap.parse_args()
 
-    from lstmem_peft.cli.quiet import quiet_command
+    from lstmem_cli.quiet import quiet_command
 
     quiet_command(loads_models=True)
     from transformers import AutoTokenizer

@@ -183,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    from lstmem_peft.cli.quiet import quiet_command
+    from lstmem_cli.quiet import quiet_command
 
     quiet_command(loads_models=True)  # what lstmem keeps off the terminal (README "Warnings")
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict

@@ -41,8 +41,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lstmem_peft.memory import constants as K
-from lstmem_peft.training.memory_plan import (
+from lstmem_cli.quiet import quiet_command
+
+# What `lstmem` keeps off the terminal (README "Warnings"): transformers' weight-loading bars, the one
+# deprecation PEFT's own code triggers (transformers' is_gradient_checkpointing) and what the
+# quantisation backends log while PEFT imports them: set before the imports below, which import PEFT
+# (``import lstmem_peft`` registers LSTMem with it).
+quiet_command(loads_models=True)
+
+from lstmem_peft.memory import constants as K  # noqa: E402
+from lstmem_peft.training.memory_plan import (  # noqa: E402
     AdapterDims,
     ModelDims,
     Setting,
@@ -63,7 +71,7 @@ TINY_DATA = {
 
 
 def adapter_config() -> LSTMemConfig:
-    from lstmem_peft import LSTMemConfig  # here, after quiet_upstream(): importing it imports PEFT
+    from lstmem_peft import LSTMemConfig
 
     return LSTMemConfig()  # n_h 4, r 8, alpha 16, all layers, feedback on
 
@@ -181,15 +189,6 @@ def require_train_extra() -> None:
         raise SystemExit(f"error: {missing_extra(err, 'train', 'examples/train_two_stage.py')}") from None
 
 
-def quiet_upstream() -> None:
-    """What ``lstmem`` keeps off the terminal (README "Warnings"): transformers' weight-loading bars, the
-    one deprecation PEFT's own code triggers (transformers' ``is_gradient_checkpointing``) and what the
-    quantisation backends log while PEFT imports them (so nothing above imports PEFT)."""
-    from lstmem_peft.cli.quiet import quiet_command
-
-    quiet_command(loads_models=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -224,7 +223,6 @@ def main() -> None:
     ap.add_argument("--report-to", nargs="*", default=[])
     ap.add_argument("--push-to-hub", default=None, help="publish the adapter as this repo id")
     args = ap.parse_args()
-    quiet_upstream()  # before anything imports PEFT (adapter_config does)
 
     dims = ModelDims.from_config(model_config(args))
     adapter = AdapterDims.from_config(adapter_config(), dims.num_layers)

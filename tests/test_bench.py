@@ -98,8 +98,8 @@ def test_unknown_preset_and_kind_are_errors(tmp_path):
 def gpu_dry_run(tmp_path_factory):
     """``lstmem bench gpu --dry-run`` into a tmp folder, with a free memory that holds the KV caches of
     16 tokens but not those of 64, and a length past the config's positions."""
+    from lstmem_cli import main
     from lstmem_peft.cli.bench import gpu_suite as bench_gpu
-    from lstmem_peft.cli.commands import main
 
     out = tmp_path_factory.mktemp("gpu-dry-run")
     patch = pytest.MonkeyPatch()
@@ -203,7 +203,7 @@ def test_report_renders_the_gpu_suite_tables(gpu_dry_run, tmp_path):
 def test_gpu_suite_without_a_gpu_exits_non_zero_with_one_line(monkeypatch, capsys, tmp_path):
     import torch
 
-    from lstmem_peft.cli.commands import main
+    from lstmem_cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "gpu", "--out", str(tmp_path)]) == 2

@@ -16,7 +16,7 @@ def _parsers(parser: argparse.ArgumentParser, prog: str = "lstmem"):
 
 
 def test_every_subcommand_and_option_has_help():
-    from lstmem_peft.cli.parser import build_parser
+    from lstmem_cli.parser import build_parser
 
     seen, missing = set(), []
     for prog, parser in _parsers(build_parser()):
@@ -34,7 +34,7 @@ def test_every_subcommand_and_option_has_help():
 
 def _help(capsys, monkeypatch, *argv) -> str:
     """``lstmem ARGV -h`` as printed on a terminal wide enough that argparse wraps no line."""
-    from lstmem_peft.cli.parser import build_parser
+    from lstmem_cli.parser import build_parser
 
     monkeypatch.setenv("COLUMNS", "1000")
     with pytest.raises(SystemExit):
@@ -62,9 +62,9 @@ def test_serve_help_shows_the_defaults(capsys, monkeypatch):
 
 
 def test_bench_help_explains_each_kind_and_reps_with_the_real_defaults(capsys, monkeypatch):
+    from lstmem_cli.parser import BENCH_KINDS, build_parser
     from lstmem_peft.cli.bench import command as bench
     from lstmem_peft.cli.bench import gpu_suite as bench_gpu
-    from lstmem_peft.cli.parser import BENCH_KINDS, build_parser
 
     text = " ".join(_help(capsys, monkeypatch, "bench").split())
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

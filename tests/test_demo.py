@@ -17,7 +17,7 @@ def run_demo(cwd, *args: str) -> subprocess.CompletedProcess:
     """``lstmem demo ARGS`` in a child process, offline (bounded: 10 minutes)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": os.environ["PATH"]}
     return subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli.commands", "demo", *args],
+        [sys.executable, "-m", "lstmem_cli", "demo", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -51,8 +51,8 @@ def test_lstmem_demo_runs_offline_and_ends_with_a_json_summary(tmp_path):
 
 def test_demo_train_runs_the_chat_phase_of_the_shipped_adapters():
     """``lstmem demo --train`` trains as the shipped adapters were: 600 steps, then the chat phase."""
+    from lstmem_cli.parser import build_parser
     from lstmem_peft.cli.demo.training import CHAT_STEPS
-    from lstmem_peft.cli.parser import build_parser
 
     args = build_parser().parse_args(["demo", "--train"])
     assert args.steps == 600 and args.chat_steps == CHAT_STEPS
@@ -186,7 +186,7 @@ def test_demo_runs_on_a_model_given_by_path(tmp_path):
         [
             sys.executable,
             "-m",
-            "lstmem_peft.cli.commands",
+            "lstmem_cli",
             "demo",
             "--model",
             str(tmp_path / "model"),
@@ -376,7 +376,7 @@ def test_update_episodes_supersede_some_keys_and_keep_others():
     ],
 )
 def test_the_demo_refuses_bad_show_and_sweep_options_in_one_line(argv, words, tmp_path, capsys, monkeypatch):
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     def loaded(*args, **kwargs):
         raise AssertionError("the demo ran before its options were checked")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from real_models import needs_smollm2
 
+import lstmem_cli
 from lstmem_peft.cli import commands as cli
 from lstmem_peft.cli.demo import command as toy
 from lstmem_peft.cli.demo import english
@@ -50,7 +51,7 @@ def tiny_pair(tmp_path_factory):
 def _main(argv: list[str], capsys) -> tuple[int, str, str]:
     """``lstmem ARGV`` in this process: ``(exit status, stdout, stderr)`` (a usage error exits 2)."""
     try:
-        code = cli.main(argv)
+        code = lstmem_cli.main(argv)
     except SystemExit as exit_:
         code = exit_.code
     out, err = capsys.readouterr()
@@ -222,7 +223,7 @@ def test_lstmem_demo_on_the_real_smollm2_shows_english_notes_from_memory(tmp_pat
     (0.79 against 0.21 on 2026-11-29, chance 0.25)."""
     env = {**os.environ, "LSTMEM_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli.commands", "demo", "--model", "smollm2-135m"],
+        [sys.executable, "-m", "lstmem_cli", "demo", "--model", "smollm2-135m"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

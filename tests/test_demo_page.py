@@ -94,7 +94,7 @@ def test_the_page_runs_the_demo_unattended_in_headless_chromium(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = open(tmp_path / "serve.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "lstmem_peft.cli.commands", "serve", "--store", str(tmp_path / "store")]
+        [sys.executable, "-m", "lstmem_cli", "serve", "--store", str(tmp_path / "store")]
         + ["--port", str(port), "--threads", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,

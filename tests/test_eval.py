@@ -347,7 +347,7 @@ def test_lstmem_eval_cli_runs_offline_on_local_files(model, tok, tmp_path):
         [
             sys.executable,
             "-m",
-            "lstmem_peft.cli.commands",
+            "lstmem_cli",
             "eval",
             "locomo",
             data,
@@ -391,7 +391,7 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
     # the official sentence splitter needs nltk's punkt data, which offline test machines may lack
     monkeypatch.setattr(nltk, "sent_tokenize", lambda text: [s + "." for s in text.split(". ")])
 
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     model.get_base_model().save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
@@ -450,7 +450,7 @@ def test_lstmem_eval_mab_end_to_end_with_family_scores(model, tok, tmp_path, mon
 def test_lstmem_eval_mab_paper_writes_the_pre_clipped_context(model, tok, tmp_path, monkeypatch, capsys):
     from eval_fixtures import mab_row, write_snapshot
 
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
     from lstmem_peft.eval import mab, runner
 
     written = []
@@ -685,7 +685,7 @@ def test_every_subcommand_refuses_a_bad_file_format_or_option_in_one_line(
 ):
     """Exit status 2, and stderr is one line: the subcommand, the file (or option), what was
     expected and the fix; no traceback, and nothing loaded first."""
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     files = bad_inputs(tmp_path)
     argv = [a.format(**files) for a in argv]
@@ -712,7 +712,7 @@ def test_every_subcommand_refuses_a_bad_file_format_or_option_in_one_line(
 def test_a_bad_file_is_refused_before_the_model_loads_and_one_line_says_why(tmp_path, capsys, nothing_loads):
     """The issue's report: LoCoMo given a JSON file of another shape said "argument of type 'int' is not
     iterable", and given a file that is not JSON "Expecting value: line 1 column 1 (char 0)"."""
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     (tmp_path / "other.json").write_text(json.dumps({"a": 1, "b": 2}))
     (tmp_path / "text.json").write_text("not json at all")
@@ -731,7 +731,7 @@ def test_a_bad_file_is_refused_before_the_model_loads_and_one_line_says_why(tmp_
 
 
 def test_a_bug_keeps_its_traceback_and_debug_shows_every_traceback(tmp_path, monkeypatch, capsys):
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
     from lstmem_peft.utils.errors import DataFormatError
 
     def bug(*args, **kwargs):

@@ -333,7 +333,7 @@ def test_bootstrap_intervals_hold_the_point_estimate_and_depend_only_on_the_seed
 
 
 def test_lstmem_eval_rows_from_the_command_line(model, tok, data, tmp_path, capsys):
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli as cli
 
     model.get_base_model().save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")

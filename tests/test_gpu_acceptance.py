@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lstmem_peft.cli.commands import main
+from lstmem_cli import main
 from lstmem_peft.cli.gpu import acceptance as acc
 from lstmem_peft.cli.gpu import cases as gpu_cases
 
@@ -164,7 +164,7 @@ CHILD = textwrap.dedent(
     lstmem_kernels.step_naive = broken
     sys.argv = ["lstmem", "bench", "gpu", "--acceptance", "--dry-run", "--out", sys.argv[2]]
     try:
-        runpy.run_module("lstmem_peft.cli.commands", run_name="__main__")
+        runpy.run_module("lstmem_cli", run_name="__main__")
     except SystemExit as done:
         status = done.code
     imported = sorted(m for m in ("trl", "datasets", "fastapi", "vllm", "pytest") if m in sys.modules)

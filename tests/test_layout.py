@@ -2,12 +2,15 @@
 
 Read from the source (every ``import``, at module level or inside a function), not by importing it::
 
-    cli  >  serve  >  eval, integrations  >  training  >  tuner  >  memory  >  utils, lstmem_kernels
+    front  >  cli  >  serve  >  eval, integrations  >  training  >  tuner  >  memory  >  utils, lstmem_kernels
 
-``lstmem_peft/__init__.py`` (the public API) stands above the library wings and below ``cli``;
-nothing inside the package imports it (importing any module runs it first anyway, which registers
-LSTMem with PEFT). ``memory``, ``utils`` and the kernels import neither transformers nor peft
-(``utils.offline`` builds tiny transformers models for tests and demos and is the one exception).
+``front`` is the top-level ``lstmem_cli`` (the command's parser, version and filters, which run
+before the library loads); it imports only ``cli`` (to run a subcommand) and nothing of the library
+at module level (tests/test_startup.py). ``lstmem_peft/__init__.py`` (the public API) stands above
+the library wings and below ``cli``; nothing inside the package imports it (importing any module
+runs it first anyway, which registers LSTMem with PEFT). ``memory``, ``utils`` and the kernels
+import neither transformers nor peft (``utils.offline`` builds tiny transformers models for tests
+and demos and is the one exception).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ MAY_IMPORT = {
     "serve": {"integrations", "training", "tuner", "memory", "utils"},
     "api": {"training", "tuner", "memory", "utils"},
     "cli": {"api", "serve", "eval", "integrations", "training", "tuner", "memory", "utils", "lstmem_kernels"},
+    "front": {"cli"},
 }
 #: Wings that stay free of the model libraries (the memory's math runs on plain tensors).
 NO_MODEL_LIBRARIES = {"lstmem_kernels", "memory", "utils"}
@@ -44,7 +48,11 @@ def _modules() -> dict[str, Path]:
     """Every module of the package and of the kernels, each folder at any depth (``lstmem_kernels.scan``,
     ``lstmem_peft.cli.demo``, ...), by its dotted name."""
     found = {}
-    for package, parent in ((ROOT / "lstmem_peft", ROOT), (KERNELS, KERNELS.parent)):
+    for package, parent in (
+        (ROOT / "lstmem_peft", ROOT),
+        (ROOT / "lstmem_cli", ROOT),
+        (KERNELS, KERNELS.parent),
+    ):
         for path in sorted(package.rglob("*.py")):
             parts = list(path.relative_to(parent).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -60,6 +68,8 @@ def _wing(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "lstmem_kernels":
         return "lstmem_kernels"
+    if parts[0] == "lstmem_cli":
+        return "front"
     if len(parts) == 1:
         return "api"
     if parts[1] not in MAY_IMPORT:
@@ -159,11 +169,11 @@ def test_nothing_at_the_root_shadows_a_package():
     """Python puts the working folder first on its path, and the README's commands run at the root: a
     package or module there would hide any installed one of the same name (a ``kernels/__init__.py``
     hid the Hub's ``kernels`` package, which bitsandbytes imports when PEFT loads it). The root holds
-    the one package it installs under its own name; ``kernels/`` is a plain folder around
-    ``lstmem_kernels``, which an installed ``kernels`` package outranks."""
+    the packages it installs under their own names (the library and the command's front); ``kernels/``
+    is a plain folder around ``lstmem_kernels``, which an installed ``kernels`` package outranks."""
     importable = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
     importable |= {p.stem for p in ROOT.glob("*.py")}
-    assert importable == {"lstmem_peft"}, f"importable at the root: {sorted(importable)}"
+    assert importable == {"lstmem_peft", "lstmem_cli"}, f"importable at the root: {sorted(importable)}"
     assert not list((ROOT / "kernels").glob("*.py")), "kernels/ holds only the lstmem_kernels package"
     assert (KERNELS / "__init__.py").exists()
 

@@ -28,6 +28,7 @@ from huggingface_hub import DatasetCard, HfApi
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from lstmem_cli import data_long as cli_options
 from lstmem_peft.training import long_data as L
 from lstmem_peft.training.data import load_episodes
 from lstmem_peft.training.long_data import rules as R
@@ -387,9 +388,43 @@ def test_the_openai_client_is_an_extra(fake, tokenizers, monkeypatch):
 
 
 # ---------------------------------------------------------------------- command line and Hub
+def test_the_command_s_options_are_the_config_s_fields_with_its_help_and_defaults():
+    """lstmem_cli/data_long.py writes the options out (``lstmem data long --help`` loads no library):
+    one per LongDataConfig field, with the field's help and its default, and the rules' names."""
+    from dataclasses import MISSING, fields
+
+    from lstmem_peft.training.long_data.config import TOPICS
+
+    by_field = {dest: (default, help) for _, dest, default, _, help in cli_options.OPTIONS}
+    assert list(by_field) == [f.name for f in fields(L.LongDataConfig)]
+    for f in fields(L.LongDataConfig):
+        default, help = by_field[f.name]
+        assert help == f.metadata["help"], f.name
+        if f.default is MISSING or f.default in (None, False, ()):
+            assert default is None, f.name  # nothing to show
+        elif f.name == "topics":
+            assert f.default == TOPICS and default == "the built-in list"
+        else:
+            assert default == f.default, f.name
+    assert cli_options.RULE_NAMES == tuple(R.RULES)
+    parser = argparse.ArgumentParser()
+    cli_options.add_arguments(parser)
+    args = parser.parse_args(["--out", "x", "--model", "m", "--tokenizer", "t"])
+    assert L.config_from_args(args) == L.LongDataConfig(model="m", tokenizer="t")
+    given = ["--skip-rule", "role_marker", "--allow-email-domain", "a.org", "--target-tokens", "100", "200"]
+    args = parser.parse_args(["--out", "x", "--model", "m", "--tokenizer", "t", *given, "--json-mode"])
+    config = L.config_from_args(args)
+    assert (config.skip_rules, config.email_domains, config.target_tokens, config.json_mode) == (
+        ("role_marker",),
+        ("a.org",),
+        (100, 200),
+        True,
+    )
+
+
 def test_command_line_reads_the_key_from_the_environment(fake, tokenizers, tmp_path, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
-    L.add_arguments(parser)
+    cli_options.add_arguments(parser)
     argv = ["--out", str(tmp_path), "--model", "fake-writer", "--tokenizer", tokenizers["char"]]
     argv += ["--base-url", fake.url, "--candidates", "2", "--target-tokens", "300", "--chunk-tokens", "200"]
     argv += ["--api-key-env", "LONG_DATA_TEST_KEY", "--no-progress"]
@@ -412,7 +447,7 @@ def test_lstmem_data_long_builds_through_the_command_and_names_a_missing_key(
 ):
     """``lstmem data long ...`` end to end through the ``lstmem`` command; what the user got wrong
     is one line naming the fix (exit status 2), no traceback."""
-    from lstmem_peft.cli.commands import main
+    from lstmem_cli import main
 
     argv = [
         "data",

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_long_data import FakeLLM, cid, config, read_jsonl  # noqa: E402  (the same fake endpoint)
 
-from lstmem_peft.cli.commands import main  # noqa: E402
+from lstmem_cli import main  # noqa: E402
 from lstmem_peft.training import long_data as L  # noqa: E402
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageError  # noqa: E402
 from lstmem_peft.utils.offline import char_tokenizer  # noqa: E402

@@ -22,7 +22,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-FIRST_PARTY = {"lstmem_peft", "lstmem_kernels"} | {p.stem for p in TESTS.glob("*.py")}
+FIRST_PARTY = {"lstmem_peft", "lstmem_cli", "lstmem_kernels"} | {p.stem for p in TESTS.glob("*.py")}
 
 
 def _name(requirement: str) -> str:
@@ -79,7 +79,8 @@ def test_core_dependencies_leave_training_evaluation_plots_and_kernels_to_extras
 def test_every_import_of_the_package_is_declared():
     """Each third-party package the library imports is a core dependency or in an extra."""
     declared = set().union(*(_installed_by(extra) for extra in PYPROJECT["project"]["optional-dependencies"]))
-    sources = [*(ROOT / "lstmem_peft").rglob("*.py"), *(ROOT / "kernels" / "lstmem_kernels").rglob("*.py")]
+    packages = (ROOT / "lstmem_peft", ROOT / "lstmem_cli", ROOT / "kernels" / "lstmem_kernels")
+    sources = [path for package in packages for path in package.rglob("*.py")]
     undeclared = {d: files for d, files in _third_party(sources).items() if d not in declared}
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
 
@@ -206,6 +207,7 @@ def test_a_feature_whose_extra_is_missing_says_which_extra_to_install(tmp_path):
 
 # ---------------------------------------------------------------------- the console script and the wheel
 def test_the_declared_console_script_runs_the_cli(capsys):
+    assert PYPROJECT["project"]["scripts"]["lstmem"] == "lstmem_cli:main"  # parses before the library loads
     module, _, function = PYPROJECT["project"]["scripts"]["lstmem"].partition(":")
     main = getattr(__import__(module, fromlist=[function]), function)
     with pytest.raises(SystemExit) as exit_:
@@ -225,7 +227,7 @@ def test_the_declared_console_script_runs_the_cli(capsys):
 def test_the_wheel_ships_every_module_the_license_and_the_package_version(tmp_path):
     source = tmp_path / "source"  # built from a copy: the build writes build/ and *.egg-info next to it
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
-    for name in ("lstmem_peft", "kernels"):
+    for name in ("lstmem_peft", "lstmem_cli", "kernels"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
@@ -251,6 +253,7 @@ def test_the_wheel_ships_every_module_the_license_and_the_package_version(tmp_pa
     expected = {
         f"lstmem_peft/{p.relative_to(source / 'lstmem_peft')}" for p in source.glob("lstmem_peft/**/*.py")
     }
+    expected |= {f"lstmem_cli/{p.name}" for p in source.glob("lstmem_cli/*.py")}
     expected |= {
         f"lstmem_kernels/{p.relative_to(source / 'kernels' / 'lstmem_kernels')}"
         for p in source.glob("kernels/lstmem_kernels/**/*.py")
@@ -265,6 +268,8 @@ def test_the_wheel_ships_every_module_the_license_and_the_package_version(tmp_pa
             assert f"lstmem_peft/assets/adapters/{name}/{part}" in files
     dist_info = f"lstmem_peft-{lstmem_peft.__version__}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in files
+    scripts = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
+    assert re.search(r"^lstmem = lstmem_cli:main$", scripts, re.M), scripts
     metadata = zipfile.ZipFile(wheel).read(f"{dist_info}/METADATA").decode()
     assert (
         f"\nVersion: {lstmem_peft.__version__}\n" in metadata and "License-Expression: Apache-2.0" in metadata

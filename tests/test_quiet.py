@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_peft.cli import quiet
+from lstmem_cli import quiet
+from lstmem_cli.parser import BENCH_KINDS
 from lstmem_peft.cli.bench import command as bench
-from lstmem_peft.cli.parser import BENCH_KINDS
 from lstmem_peft.utils.extras import install_command, missing_extra
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_serve_defaults_fit_the_demo_window_without_a_warning(loaded, tmp_path, 
     pytest.importorskip("fastapi")
     import logging
 
-    from lstmem_peft.cli.parser import build_parser
+    from lstmem_cli.parser import build_parser
     from lstmem_peft.serve import create_app
 
     args = build_parser().parse_args(["serve"])
@@ -264,7 +264,7 @@ def _warnings(stderr: str) -> list[str]:
 def _lstmem(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "lstmem_peft.cli.commands", *args],
+        [sys.executable, "-m", "lstmem_cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -314,7 +314,7 @@ def _free_port() -> int:
 def test_lstmem_serve_starts_with_its_defaults_without_a_warning(tmp_path):
     pytest.importorskip("uvicorn")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "lstmem_peft.cli.commands", "serve", "--port", str(_free_port())]
+    argv = [sys.executable, "-m", "lstmem_cli", "serve", "--port", str(_free_port())]
     server = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     stderr = b""
     try:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from real_models import needs_smollm2
 
-from lstmem_peft.cli import main
+from lstmem_cli import main
 from lstmem_peft.tuner import backbones, gguf_convert
 from lstmem_peft.tuner.backbones import (
     Backbone,
@@ -606,7 +606,7 @@ def test_the_real_smollm2_recalls_english_facts_from_memory_with_its_shipped_ada
 @pytest.mark.slow
 def test_lstmem_models_loads_neither_torch_nor_transformers(tmp_path):
     code = (
-        "import sys\nfrom lstmem_peft.cli import main\nassert main(['models']) == 0\n"
+        "import sys\nfrom lstmem_cli import main\nassert main(['models']) == 0\n"
         "print(sorted({'torch', 'transformers', 'peft', 'gguf'} & set(sys.modules)))"
     )
     result = subprocess.run(

@@ -233,8 +233,8 @@ def test_a_folder_with_a_config_but_no_weights_is_named_before_peft_fails_and_re
 def test_lstmem_eval_with_an_adapter_folder_without_weights_prints_one_line(tmp_path, capsys):
     from eval_fixtures import write_hotpot
 
+    from lstmem_cli import main
     from lstmem_peft import LSTMemConfig
-    from lstmem_peft.cli.commands import main
     from lstmem_peft.utils.offline import char_tokenizer, tiny_qwen3
 
     tok = char_tokenizer()

@@ -44,7 +44,7 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m lstmem_peft.cli.commands serve` in a subprocess, with its log in a file."""
+    """`python -m lstmem_cli serve` in a subprocess, with its log in a file."""
 
     def __init__(self, store: Path, log: Path, *extra: str) -> None:
         self.store, self.log, self.extra = store, log, extra
@@ -57,7 +57,7 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "lstmem_peft.cli.commands",
+            "lstmem_cli",
             "serve",
             "--store",
             str(self.store),

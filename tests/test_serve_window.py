@@ -168,7 +168,7 @@ def test_the_cli_refuses_a_window_over_the_trained_length_at_start(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lstmem_peft.cli.commands", "serve", "--store", str(tmp_path / "store")]
+    cmd = [sys.executable, "-m", "lstmem_cli", "serve", "--store", str(tmp_path / "store")]
     cmd += ["--port", str(port), "--threads", "1", "--context-window", "4096"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode != 0

@@ -69,7 +69,7 @@ def test_a_shipped_adapter_is_refused_on_another_backbone_before_anything_loads(
 
 
 def test_the_cli_refuses_the_pair_naming_the_model(capsys):
-    from lstmem_peft.cli import main
+    from lstmem_cli import main
 
     assert main(["serve", "--model", "Qwen/Qwen3-0.6B", "--adapter", NAME]) == 2
     assert "pass --model smollm2-135m" in capsys.readouterr().err

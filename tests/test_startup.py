@@ -1,8 +1,9 @@
-"""A quiet, fast start (issue 38, item 7): ``lstmem --version`` and ``--help`` load neither torch nor
-PEFT and print no warning; ``import lstmem_peft`` loads no optional backend and prints nothing, and
-registering LSTMem with PEFT adds no backend and no output to what ``import peft`` itself brings; the
-README's first command installs what ``lstmem demo`` needs and nothing more, its second is what
-``.ci/run`` runs.
+"""A quiet, fast start (issue 38 item 7, issue 46 item 3): ``lstmem --version``, ``--help`` and every
+subcommand's ``--help`` load neither torch, PEFT, transformers nor the library (the command's front,
+``lstmem_cli``, answers them) and print nothing on stderr; ``import lstmem_peft`` registers LSTMem in
+PEFT's tables with plain code (no import hook is left behind), in either order with ``import peft``,
+loads no optional backend and prints nothing that ``import peft`` alone does not; the README's first
+command installs what ``lstmem demo`` needs and nothing more, its second is what ``.ci/run`` runs.
 
 Each start is a fresh interpreter (a subprocess) run at the repository's root, where the README's
 commands run and where Python finds the root's folders first: ``import peft``, which imports
@@ -26,16 +27,19 @@ from pathlib import Path
 
 import pytest
 
-from lstmem_peft.cli.parser import SUBCOMMANDS
+from lstmem_cli.parser import SUBCOMMANDS
 from lstmem_peft.utils.extras import EXTRAS
 from lstmem_peft.utils.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {"lstmem_peft", "lstmem_kernels"}
+FIRST_PARTY = {"lstmem_peft", "lstmem_cli", "lstmem_kernels"}
+#: What a start of the command line's help and version may not load.
+HEAVY = {"torch", "peft", "transformers", "lstmem_peft"}
 
 # Runs the code of argv[2] (its own arguments: argv[3:]) in a fresh interpreter, then writes as JSON
 # to the file argv[1]: the top-level names of every module loaded, whether LSTMEM is in PEFT's tables
-# (None: PEFT not loaded) and the code's ``status`` if it set one.
+# (None: PEFT not loaded), the modules of the finders on sys.meta_path and the code's ``status`` if it
+# set one.
 PROBE = """
 import json, sys
 exec(sys.argv[2])
@@ -44,17 +48,32 @@ registered = None
 if "peft" in sys.modules:
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
     registered = "LSTMEM" in PEFT_TYPE_TO_CONFIG_MAPPING
+finders = [type(finder).__module__ for finder in sys.meta_path]
 with open(sys.argv[1], "w") as fh:
-    json.dump({"modules": loaded, "registered": registered, "status": globals().get("status")}, fh)
+    json.dump({"modules": loaded, "registered": registered, "finders": finders,
+               "status": globals().get("status")}, fh)
 """
 
-# ``lstmem ARGV`` through the package's entry point, its exit status kept (code for PROBE).
+# ``lstmem ARGV`` through the command's entry point, its exit status kept (code for PROBE).
 CLI = """
-from lstmem_peft.cli import main
+from lstmem_cli import main
 try:
     status = main(sys.argv[3:])
 except SystemExit as exit_:
     status = exit_.code
+"""
+
+# ``python -m lstmem_cli ARGV``, its exit status kept (code for PROBE).
+CLI_MODULE = """
+import runpy
+given = sys.argv
+sys.argv = ["lstmem", *given[3:]]
+try:
+    runpy.run_module("lstmem_cli", run_name="__main__")
+except SystemExit as exit_:
+    status = exit_.code
+finally:
+    sys.argv = given
 """
 
 
@@ -81,19 +100,24 @@ def probe(
 
 
 # ---------------------------------------------------------------------- the command line
-@pytest.mark.parametrize(
-    "argv",
-    [["--version"], ["--help"], *([name, "--help"] for name in SUBCOMMANDS), ["data", "long", "--help"]],
-    ids=" ".join,
-)
-def test_version_and_help_load_neither_torch_nor_peft_and_print_no_warning(argv, tmp_path):
-    report, result = probe(tmp_path, CLI, *argv)
+HELP_AND_VERSION = [
+    ["--version"],
+    ["--help"],
+    *([name, "--help"] for name in SUBCOMMANDS),
+    ["data", "long", "--help"],
+]
+
+
+@pytest.mark.parametrize("code", [CLI, CLI_MODULE], ids=["lstmem_cli.main", "python -m lstmem_cli"])
+@pytest.mark.parametrize("argv", HELP_AND_VERSION, ids=" ".join)
+def test_version_and_help_load_neither_torch_peft_transformers_nor_the_library(argv, code, tmp_path):
+    report, result = probe(tmp_path, code, *argv)
     assert report["status"] == 0
-    heavy = {"torch", "peft", "transformers"} & set(report["modules"])
+    heavy = HEAVY & set(report["modules"])
     assert not heavy, f"lstmem {' '.join(argv)} imported {sorted(heavy)}"
     assert result.stderr == "", result.stderr
     if argv == ["--version"]:
-        assert result.stdout == f"lstmem-peft {__version__}\n"
+        assert result.stdout == f"lstmem-peft {importlib.metadata.version('lstmem-peft')}\n"
     else:
         command = " ".join(["lstmem", *argv[:-1]])
         assert result.stdout.startswith(f"usage: {command} "), result.stdout[:200]
@@ -104,39 +128,107 @@ def test_version_and_help_load_neither_torch_nor_peft_and_print_no_warning(argv,
         assert SUBCOMMANDS[argv[0]][0] in result.stdout
 
 
-def test_the_console_script_answers_version_quietly_within_seconds():
-    """The installed ``lstmem`` script, as a user runs it. The bound is generous (about 0.3 s on this
-    2-core CPU when idle, 2026-11-27; over 10 s when torch and PEFT loaded)."""
+def test_the_version_is_the_installed_distribution_s():
+    """``--version`` reads the installed metadata (not the package, which would load the library); an
+    install from this checkout has the version the package declares."""
+    assert importlib.metadata.version("lstmem-peft") == __version__
+
+
+def _console_script() -> str:
+    """The installed ``lstmem`` script, or a skip when none is installed or it predates lstmem_cli."""
     script = shutil.which("lstmem", path=os.path.dirname(sys.executable))
     if script is None:
         pytest.skip("no lstmem console script next to this Python: pip install -e . installs it")
+    (entry,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "lstmem"]
+    if entry.value != "lstmem_cli:main":
+        pytest.skip(f"the installed lstmem script runs {entry.value}: pip install -e . again")
+    return script
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"]], ids=" ".join)
+def test_the_console_script_answers_quietly_within_seconds(argv):
+    """The installed ``lstmem`` script, as a user runs it. The bound is generous (about 0.3 s on this
+    2-core CPU when idle, 2026-11-27; over 10 s when torch and PEFT load)."""
+    script = _console_script()
     start = time.perf_counter()
-    result = subprocess.run([script, "--version"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
     elapsed = time.perf_counter() - start
-    assert (result.returncode, result.stdout, result.stderr) == (0, f"lstmem-peft {__version__}\n", "")
-    assert elapsed < 5.0, f"lstmem --version took {elapsed:.1f} s"
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("lstmem-peft " if argv == ["--version"] else "usage: lstmem")
+    assert elapsed < 5.0, f"lstmem {' '.join(argv)} took {elapsed:.1f} s"
+
+
+def test_the_command_s_front_imports_nothing_of_the_library_at_module_level():
+    """lstmem_cli imports ``lstmem_peft`` only inside :func:`lstmem_cli.main`, after parsing."""
+    import ast
+
+    for path in sorted((ROOT / "lstmem_cli").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            heavy = {n.partition(".")[0] for n in names} & HEAVY
+            assert not heavy, f"{path.name} imports {sorted(heavy)} at module level"
 
 
 # ---------------------------------------------------------------------- import lstmem_peft
-def test_import_loads_only_the_package_and_prints_nothing(tmp_path):
-    bare, _ = probe(tmp_path, "pass")
-    report, result = probe(tmp_path, "import lstmem_peft")
-    added = set(report["modules"]) - set(bare["modules"]) - set(sys.stdlib_module_names)
-    assert added == {"lstmem_peft"}, f"import lstmem_peft loaded {sorted(added - {'lstmem_peft'})}"
-    assert (result.stdout, result.stderr) == ("", "")
-
-
-def test_the_public_names_load_on_first_use():
+def test_the_public_names_are_the_defining_modules_own():
     import lstmem_peft
+    from lstmem_peft.tuner.config import LSTMemConfig
 
     for name in lstmem_peft.__all__:
         assert getattr(lstmem_peft, name) is not None, name
     assert set(lstmem_peft.__all__) <= set(dir(lstmem_peft))
-    from lstmem_peft.tuner.config import LSTMemConfig
-
     assert lstmem_peft.LSTMemConfig is LSTMemConfig and lstmem_peft.tuner.config.LSTMemConfig is LSTMemConfig
     with pytest.raises(AttributeError, match="has no attribute 'LSTMemConfg'"):
         lstmem_peft.LSTMemConfg  # noqa: B018
+
+
+def test_registering_writes_peft_s_three_tables():
+    """The config table holds PeftLoaderConfig (PEFT's loaders read an adapter's config through it),
+    the tuner table LSTMemModel, the prefix table its prefix; running it again changes nothing."""
+    from peft import mapping
+
+    import lstmem_peft
+    from lstmem_peft.tuner.config import PeftLoaderConfig
+
+    tables = (mapping.PEFT_TYPE_TO_CONFIG_MAPPING, mapping.PEFT_TYPE_TO_TUNER_MAPPING)
+    expected = (PeftLoaderConfig, lstmem_peft.LSTMemModel, lstmem_peft.LSTMemModel.prefix)
+    assert (*(table["LSTMEM"] for table in tables), mapping.PEFT_TYPE_TO_PREFIX_MAPPING["LSTMEM"]) == expected
+    lstmem_peft.register_with_peft()
+    assert mapping.PEFT_TYPE_TO_CONFIG_MAPPING["LSTMEM"] is PeftLoaderConfig
+
+
+# Builds, saves and loads an LSTMem model through PEFT's own functions, after the imports of argv[3]
+# (code for PROBE; tests/ on the path for tiny_models).
+PEFT_DOORS = """
+sys.path.insert(0, "tests")
+exec(sys.argv[3])
+import tempfile
+from peft import PeftModel, get_peft_model
+from lstmem_peft import LSTMemConfig
+from tiny_models import tiny_model
+
+model = get_peft_model(tiny_model(), LSTMemConfig(r=4, num_heads=2))
+with tempfile.TemporaryDirectory() as folder:
+    model.save_pretrained(folder)
+    again = PeftModel.from_pretrained(tiny_model(), folder)
+status = [type(model.base_model).__name__, type(again.base_model).__name__]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "imports",
+    ["import lstmem_peft\nimport peft", "import peft\nimport lstmem_peft"],
+    ids=["package-first", "peft-first"],
+)
+def test_import_lstmem_peft_is_all_peft_s_doors_need_in_either_order(imports, tmp_path):
+    report, _ = probe(tmp_path, PEFT_DOORS, imports)
+    assert report["status"] == ["LSTMemModel", "LSTMemModel"] and report["registered"] is True
+    assert not [f for f in report["finders"] if f.partition(".")[0] in FIRST_PARTY], report["finders"]
 
 
 def _optional_backends() -> set[str]:
@@ -168,17 +260,19 @@ def peft_alone(tmp_path_factory):
 @pytest.mark.parametrize(
     "code",
     [
+        "import lstmem_peft",
         "import lstmem_peft\nimport peft",
         "import peft\nimport lstmem_peft",
         "from lstmem_peft import LSTMemConfig",
     ],
-    ids=["package-then-peft", "peft-then-package", "a-public-name"],
+    ids=["package", "package-then-peft", "peft-then-package", "a-public-name"],
 )
 def test_registering_with_peft_adds_no_backend_and_no_output_to_peft_own(code, peft_alone, tmp_path):
     """PEFT's own import loads what it finds installed (bitsandbytes, torchao, triton with the test
     extra) and prints their load failures; registering LSTMem on top may add neither."""
     (alone, alone_result), (report, result) = peft_alone, probe(tmp_path, code)
     assert report["registered"] is True and alone["registered"] is False
+    assert not [f for f in report["finders"] if f.partition(".")[0] in FIRST_PARTY], report["finders"]
     added = set(report["modules"]) - set(alone["modules"])
     backends = (added & _optional_backends()) | (added & {m.replace("-", "_") for m in EXTRAS})
     assert not backends, f"{code!r} loaded optional backends that import peft does not: {sorted(backends)}"
@@ -279,7 +373,7 @@ class NotInstalled(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 
 sys.meta_path.insert(0, NotInstalled())
-from lstmem_peft.cli import main
+from lstmem_cli import main
 status = main(["demo", "--episodes", "32", "--no-ablations"])
 """
     report, result = probe(tmp_path, code)

@@ -1,5 +1,6 @@
-"""The ``lstmem`` command: what the user gave is checked, then the subcommand runs (:data:`RUNNERS`;
-their arguments: :mod:`.parser`).
+"""The ``lstmem`` command's subcommands: what the user gave is checked, then the subcommand runs
+(:data:`RUNNERS`). The command line is parsed, and the command's filters set, before this module is
+imported (:func:`lstmem_cli.main`; the arguments: :mod:`lstmem_cli.parser`).
 
 lstmem demo                 # offline recall demo on the embedded backbone and adapters
 lstmem demo --train         # retrain the adapters from scratch first (reports the time)
@@ -28,14 +29,13 @@ from lstmem_peft.utils.errors import DataFormatError, MissingDataError, UsageErr
 
 from .eval_rows import check_rows, eval_rows
 from .models import run_models
-from .parser import build_parser
 
 # Exceptions that mean a bug in lstmem (or a library), not in what the user gave: their traceback is kept.
 BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, UnboundLocalError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The ``lstmem`` command.
+def run(args) -> int:
+    """The subcommand of the parsed command line ``args`` (:func:`lstmem_cli.parser.build_parser`).
 
     Exit status 2 with one line on stderr for what the user gave wrong -- a file or folder that is
     missing or not in the expected format, a bad option or option combination -- naming the file or
@@ -43,11 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     failures (a download, a model that will not load, out of memory); a bug in lstmem keeps its
     traceback. ``--debug`` shows the traceback in every case.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from .quiet import quiet_command  # upstream deprecations and loading bars off the terminal
-
-    quiet_command(loads_models=_loads_models(args))
     try:
         return RUNNERS[args.command](args)
     except KeyboardInterrupt:
@@ -569,19 +564,7 @@ def _data(args) -> int:
     return long_data.run(args)
 
 
-#: The subcommands that load a model with transformers (``lstmem bench report`` aside): its loading bars off.
-LOADS_MODELS = frozenset({"demo", "bench", "eval", "serve"})
-
-
-def _loads_models(args) -> bool:
-    """Whether the command loads a model with transformers (``lstmem models prepare`` checks the one it
-    converts by loading it): only then are transformers' loading bars turned off (importing it)."""
-    if args.command == "models":
-        return args.action == "prepare"
-    return args.command in LOADS_MODELS and getattr(args, "kind", None) != "report"
-
-
-#: What each subcommand of :data:`lstmem_peft.cli.parser.SUBCOMMANDS` runs: ``args`` -> exit status.
+#: What each subcommand of :data:`lstmem_cli.parser.SUBCOMMANDS` runs: ``args`` -> exit status.
 RUNNERS = {
     "demo": _demo,
     "bench": _bench,
@@ -590,7 +573,3 @@ RUNNERS = {
     "data": _data,
     "models": run_models,
 }
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -124,7 +124,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log, self.startup_s = Path(log), startup_s
-        self.command = [sys.executable, "-m", "lstmem_peft.cli.commands", "serve", "--host", "127.0.0.1"]
+        self.command = [sys.executable, "-m", "lstmem_cli", "serve", "--host", "127.0.0.1"]
         self.command += ["--port", str(self.port), "--store", str(store), *args]
         self.proc: subprocess.Popen | None = None
 

@@ -38,7 +38,6 @@ and the last failure. The API key comes from an environment variable (``api_key_
 
 from .build import (
     BuildResult,
-    add_arguments,
     build_long_dataset,
     config_from_args,
     push_to_hub,
@@ -53,7 +52,6 @@ __all__ = [
     "Endpoint",
     "EndpointError",
     "LongDataConfig",
-    "add_arguments",
     "build_long_dataset",
     "candidate_id",
     "config_from_args",

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 
 from lstmem_peft.utils.errors import MissingDataError
 
@@ -26,7 +26,6 @@ from .config import (
     WORDS_PER_TOKEN,
     WRITER_SYSTEM,
     LongDataConfig,
-    _positive,
     candidate_id,
     count_tokens,
     load_tokenizer,
@@ -354,38 +353,10 @@ def push_to_hub(out_dir: str, repo_id: str, *, private: bool | None = None, toke
 
 
 # ---------------------------------------------------------------------- command line
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``lstmem data long``: ``--out`` and the run's switches, then one option per
-    :class:`LongDataConfig` field (its help, default and argparse keywords come from the field)."""
-    p = parser.add_argument
-    p("--debug", action="store_true", help="show the full traceback of an error")
-    p("--out", required=True, metavar="DIR", help="output folder; rerunning into it resumes the build")
-    p("--push-to-hub", default=None, metavar="REPO_ID", help="then upload the folder as a Hub dataset")
-    p("--private", action="store_true", help="with --push-to-hub: create the repository private")
-    p("--no-progress", action="store_true", help="no progress bar")
-    for f in fields(LongDataConfig):
-        cli, default = dict(f.metadata["cli"]), f.default
-        option = cli.pop("option", "--" + f.name.replace("_", "-"))
-        if default is MISSING:
-            p(option, dest=f.name, required=True, help=f.metadata["help"], **cli)
-        elif isinstance(default, bool):
-            p(option, dest=f.name, action="store_true", help=f.metadata["help"], **cli)
-        else:
-            scalar = default[0] if isinstance(default, tuple) and default else default
-            cli.setdefault("type", _positive if type(scalar) is int else type(scalar))
-            if cli["type"] in (_positive, int, float):
-                cli.setdefault("metavar", "N" if cli["type"] is not float else "X")
-            if cli.get("action") == "append":
-                default, cli = [], {k: v for k, v in cli.items() if k != "type"}
-            shown = " ".join(map(str, default)) if isinstance(default, tuple) else "%(default)s"
-            shown = "the built-in list" if f.name == "topics" else shown
-            help = f.metadata["help"] + ("" if default in (None, []) else f" (default: {shown})")
-            p(option, dest=f.name, default=default, help=help, **cli)
-
-
 def config_from_args(args: argparse.Namespace) -> LongDataConfig:
-    """The :class:`LongDataConfig` of parsed ``lstmem data long`` options."""
-    values = {f.name: getattr(args, f.name) for f in fields(LongDataConfig)}
+    """The :class:`LongDataConfig` of parsed ``lstmem data long`` options (lstmem_cli/data_long.py): an
+    option left out is absent from ``args``, so the config's default applies."""
+    values = {f.name: getattr(args, f.name) for f in fields(LongDataConfig) if hasattr(args, f.name)}
     return LongDataConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 

@@ -3,7 +3,6 @@ topic and token target, and the target model's tokenizer."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from dataclasses import MISSING, dataclass, field
@@ -63,79 +62,44 @@ QA_SYSTEM = "You write reading-comprehension questions. Reply with one JSON obje
 
 
 # ---------------------------------------------------------------------- settings
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _topics_file(path: str) -> tuple[str, ...]:
-    """argparse type: the topics of a text file, one per line."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            topics = tuple(line.strip() for line in fh if line.strip())
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {err.strerror}") from None
-    if not topics:
-        raise argparse.ArgumentTypeError(f"{path} holds no topic (expected one topic per line)")
-    return topics
-
-
-def _json_object(text: str) -> dict:
-    """argparse type: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON ({err.msg}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _setting(help: str, default=MISSING, **cli):
-    """A config field; ``help`` and ``cli`` (argparse keywords) make its ``lstmem data long`` option."""
-    return field(default=default, metadata={"help": help, "cli": cli})
+def _setting(help: str, default=MISSING):
+    """A config field and what it does (``help``: also the help of its ``lstmem data long`` option,
+    lstmem_cli/data_long.py)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class LongDataConfig:
     """Settings of a Long-dataset build; each field's ``help`` says what it does (it is also the help
-    of its ``lstmem data long`` option, ``--<field-name>`` unless named otherwise).
+    of its ``lstmem data long`` option, ``--<field-name>`` unless named otherwise: the command's front
+    writes the options out, lstmem_cli/data_long.py, and tests/test_long_data.py keeps them equal).
 
     The :attr:`GENERATION` settings shape what is generated: a rerun into the same folder must keep
     them (``build.json`` records them). The others (endpoint, transport, candidate count and the rule
     settings) may change between runs: the rules judge every candidate again at the end.
     """
 
-    model: str = _setting("model name the endpoint serves (GET <base-url>/models)", metavar="NAME")
-    tokenizer: str = _setting("the TARGET model's tokenizer (Hub id or folder): every token count uses it",
-                              metavar="NAME_OR_DIR")  # fmt: skip
-    base_url: str = _setting("OpenAI-compatible API root", "http://127.0.0.1:8000/v1", metavar="URL")
-    api_key_env: str = _setting("environment variable holding the API key; unset: none is sent", "OPENAI_API_KEY",
-                                   metavar="NAME")  # fmt: skip
-    num_candidates: int = _setting("candidate contexts to generate", 100, option="--candidates")
-    seed: int = _setting("candidate ids, topics, targets and request seeds derive from it", 42, type=int)
-    target_tokens: tuple[int, ...] = _setting("context targets; candidate i gets the (i mod n)-th", (32768, 65536),
-                                              nargs="+")  # fmt: skip
+    model: str = _setting("model name the endpoint serves (GET <base-url>/models)")
+    tokenizer: str = _setting("the TARGET model's tokenizer (Hub id or folder): every token count uses it")
+    base_url: str = _setting("OpenAI-compatible API root", "http://127.0.0.1:8000/v1")
+    api_key_env: str = _setting(
+        "environment variable holding the API key; unset: none is sent", "OPENAI_API_KEY"
+    )
+    num_candidates: int = _setting("candidate contexts to generate", 100)
+    seed: int = _setting("candidate ids, topics, targets and request seeds derive from it", 42)
+    target_tokens: tuple[int, ...] = _setting(
+        "context targets; candidate i gets the (i mod n)-th", (32768, 65536)
+    )
     chunk_tokens: int = _setting("size asked of each chunk request", 4096)
     questions_per_chunk: int = _setting("questions asked about each generated chunk", 1)
-    answer_tokens: tuple[int, int] = _setting("answer length range, in target tokens", (6, 15), nargs=2,
-                                              metavar=("MIN", "MAX"))  # fmt: skip
+    answer_tokens: tuple[int, int] = _setting("answer length range, in target tokens", (6, 15))
     temperature: float = _setting("sampling temperature", 0.8)
-    topics: tuple[str, ...] = _setting("document topics (option: a file, one per line)", TOPICS,
-                                       type=_topics_file, metavar="FILE")  # fmt: skip
+    topics: tuple[str, ...] = _setting("document topics (option: a file, one per line)", TOPICS)
     tail_chars: int = _setting("characters of the text so far that each chunk request shows", 4000)
-    max_reply_tokens: int | None = _setting("max_tokens of chunk requests (default: 2x chunk tokens)", None,
-                                            type=_positive)  # fmt: skip
+    max_reply_tokens: int | None = _setting("max_tokens of chunk requests (default: 2x chunk tokens)", None)
     extra_body: dict | None = _setting(
-        'JSON added to every request, e.g. {"chat_template_kwargs": {"enable_thinking": false}}', None,
-        type=_json_object, metavar="JSON",
-    )  # fmt: skip
+        'JSON added to every request, e.g. {"chat_template_kwargs": {"enable_thinking": false}}', None
+    )
     json_mode: bool = _setting("ask question replies in JSON mode (response_format; vLLM has it)", False)
     concurrency: int = _setting("requests in flight at most", 8)
     max_attempts: int = _setting("attempts per request before giving up", 6)
@@ -144,12 +108,10 @@ class LongDataConfig:
     max_backoff: float = _setting("longest retry delay in seconds", 60.0)
     min_questions: int = _setting("fewest questions an accepted context has", 1)
     drop_bad_questions: bool = _setting("drop failing questions instead of rejecting the context", False)
-    skip_rules: tuple[str, ...] = _setting(f"a rule to turn off (repeatable): {', '.join(RULES)}", (),
-                                           option="--skip-rule", action="append", choices=sorted(RULES),
-                                           metavar="RULE")  # fmt: skip
-    email_domains: tuple[str, ...] = _setting("an e-mail domain to allow besides the example domains "
-                                              "(repeatable)", (), option="--allow-email-domain",
-                                              action="append", metavar="DOMAIN")  # fmt: skip
+    skip_rules: tuple[str, ...] = _setting(f"a rule to turn off (repeatable): {', '.join(RULES)}", ())
+    email_domains: tuple[str, ...] = _setting(
+        "an e-mail domain to allow besides the example domains (repeatable)", ()
+    )
 
     GENERATION = (
         "model", "tokenizer", "seed", "target_tokens", "chunk_tokens", "questions_per_chunk", "answer_tokens",

@@ -3,12 +3,17 @@
 :data:`SUBCOMMANDS` lists the subcommands in the order ``lstmem --help`` shows them. A new subcommand
 is an entry there (its name, its one-line help and the function that adds its arguments) and its
 runner in :data:`lstmem_peft.cli.commands.RUNNERS`. Every subcommand takes ``--debug``.
+
+Building the parser, and ``--version`` and every ``--help``, import nothing of ``lstmem_peft`` (nor
+torch, PEFT or transformers): the subcommands' options are written here, not read from the library.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+
+from .version import installed_version
 
 
 # ---------------------------------------------------------------------- argument types
@@ -515,11 +520,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _data_arguments(parser: argparse.ArgumentParser) -> None:
-    """``lstmem data long``: the stage-2 Long dataset (its options: :mod:`lstmem_peft.training.long_data`)."""
-    from lstmem_peft.training import long_data
+    """``lstmem data long``: the stage-2 Long dataset (its options: :mod:`.data_long`)."""
+    from .data_long import add_arguments
 
     kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND", help="the dataset to build")
-    long_data.add_arguments(
+    add_arguments(
         kinds.add_parser(
             "long",
             help="build the paper's stage-2 Long dataset through an OpenAI-compatible endpoint",
@@ -586,12 +591,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = 
 def build_parser() -> argparse.ArgumentParser:
     """The ``lstmem`` parser: ``--version``, then a subparser per entry of :data:`SUBCOMMANDS`, each
     taking ``--debug`` before its own arguments."""
-    from lstmem_peft.utils.version import __version__
-
     parser = _Parser(
         prog="lstmem", description="LSTMem online memory for frozen LMs", formatter_class=HelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"lstmem-peft {__version__}")
+    parser.add_argument("--version", action="version", version=f"lstmem-peft {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     for name, (summary, add_arguments) in SUBCOMMANDS.items():
         command = sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
