@@ -86,7 +86,7 @@ def test_category_5_is_refused_under_the_paper_protocol_and_unknown_categories_a
 
 
 def test_the_command_line_takes_categories_for_locomo_only(data, tmp_path, capsys):
-    from lstmem_peft.cli import commands as cli
+    import lstmem_cli
 
     common = ["--model", "m", "--out", str(tmp_path / "out")]
     for argv, message in [
@@ -97,7 +97,7 @@ def test_the_command_line_takes_categories_for_locomo_only(data, tmp_path, capsy
         (["eval", "locomo", data, *common, "--categories", "1,x"], "expected categories 1-5 or all"),
         (["eval", "hotpotqa", data, *common, "--categories", "1"], "applies to locomo only"),
     ]:
-        assert cli.main(argv) == 2
+        assert lstmem_cli.main(argv) == 2
         assert message in capsys.readouterr().err, argv
 
 
