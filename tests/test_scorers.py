@@ -165,14 +165,21 @@ def test_locomo_paper_post_processing():
     assert locomo_paper_answer('He said \\"hi\\"') == "he said 'hi'"
 
 
-def test_locomo_category_5_is_not_scored(tmp_path):
+def test_locomo_category_5_is_scored_only_with_the_options_it_was_asked_with(tmp_path):
     from eval_fixtures import write_locomo
 
     from lstmem_peft.eval import LoCoMo, Question
 
     bench = LoCoMo(write_locomo(tmp_path / "l.json"))
-    with pytest.raises(ValueError, match="not scored"):
+    with pytest.raises(ValueError, match="options it was asked with"):
         bench.score(Question("q", "", "x", 1, "adversarial", {"category": 5}), "x")
+    options = {"a": "Tom", "b": "Not mentioned in the conversation"}
+    asked = Question(
+        "q", "", "Not mentioned in the conversation", 1, "adversarial", {"category": 5, "options": options}
+    )
+    assert bench.score(asked, "(b)") == {"f1": 1.0} and bench.score(asked, "(a)") == {"f1": 0.0}
+    with pytest.raises(ValueError, match="not one of 1-5"):
+        bench.score(Question("q", "", "x", 1, "other", {"category": 6}), "x")
 
 
 # ====================================================================== HotpotQA

@@ -402,6 +402,11 @@ class LoCoMo(Benchmark):
         fact is not mentioned."""
         category = question.meta["category"]
         if category == ADVERSARIAL:
+            if "options" not in question.meta:
+                raise ValueError(
+                    f"{question.id}: a category-5 answer is scored with the options it was asked with "
+                    "(meta['options']), which this record lacks"
+                )
             return {"f1": scorers.locomo_adversarial_score(prediction, question.meta["options"])}
         if category not in SCORED_CATEGORIES:
             raise ValueError(f"LoCoMo category {category} is not one of 1-5")
