@@ -14,13 +14,13 @@ A benchmark subclasses :class:`Benchmark` and implements :meth:`~Benchmark.histo
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lstmem_peft.tuner.gguf_convert import file_sha256
 from lstmem_peft.utils.errors import DataFormatError, MissingDataError, describe, looks_local
 
 
@@ -335,9 +335,5 @@ def data_identity(benchmark: Benchmark, data: str) -> dict[str, Any]:
     converted or edited copy); nothing for a folder or a Hub dataset id (its revision names it)."""
     if not os.path.isfile(data):
         return {}
-    digest = hashlib.sha256()
-    with open(data, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    sha = digest.hexdigest()
+    sha = file_sha256(data)
     return {"data_sha256": sha, "data_release": benchmark.official_files.get(sha)}
