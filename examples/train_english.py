@@ -37,6 +37,7 @@ forced-choice check call them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -79,13 +80,24 @@ def stage_at(curriculum, step: int) -> tuple[int, tuple[int, int]]:
     return index, curriculum[index][1]
 
 
-def episode_knobs(args, facts: tuple[int, int], relations: list[str] | None = None) -> dict:
+def parse_range(text: str) -> tuple[float, float]:
+    """``"1"`` or ``"0-2"`` -> ``(low, high)``."""
+    low, _, high = text.partition("-")
+    return float(low), float(high or low)
+
+
+def episode_knobs(
+    args, facts: tuple[int, int], relations: list[str] | None = None, held_out: bool = False
+) -> dict:
+    """The ``english_episodes`` knobs of a training batch, or of a held-out evaluation
+    (``held_out``: ``--eval-chatter`` where given, else the training's ``--chatter``)."""
     if relations is None and args.relations:
         relations = args.relations.split(",")
+    chatter = args.eval_chatter if held_out and args.eval_chatter is not None else args.chatter
     return dict(
         relations=relations,
         num_facts=facts,
-        chatter=0.0,
+        chatter=parse_range(chatter),
         updates=0.0,
         same_relation=args.same_relation,
         min_choices=args.min_choices,
@@ -104,6 +116,8 @@ RUN_LENGTH = (
     "no_recall",
     "eval_episodes",
     "eval_facts",
+    "eval_chatter",
+    "eval_layouts",
     "export",
 )
 
@@ -147,6 +161,31 @@ def main() -> None:
     )
     ap.add_argument("--min-choices", type=int, default=4)
     ap.add_argument("--style", default="notes", choices=["notes", "chat", "mixed"])
+    ap.add_argument(
+        "--layout",
+        default="text",
+        choices=["text", "chat", "mixed"],
+        help="how the question is read (forced_choice's layouts): text (Question: ...\\nAnswer:), chat "
+        "(a user message through the chat template, as lstmem serve's chat endpoint prompts), or mixed "
+        "(text on even steps, chat on odd ones); the history is written as text in every layout",
+    )
+    ap.add_argument(
+        "--eval-layouts",
+        default=None,
+        help="comma list of layouts to score (default: the training layout's; both for mixed); a "
+        "run-length option",
+    )
+    ap.add_argument(
+        "--chatter",
+        default="0",
+        help="lines of chatter per fact in training histories, a number or a range (0-2), placed at random",
+    )
+    ap.add_argument(
+        "--eval-chatter",
+        default=None,
+        help="lines of chatter per fact in the held-out histories (default: --chatter); a run-length "
+        "option, so --eval-only can score a run on histories it was not trained on",
+    )
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-episodes", type=int, default=48)
     ap.add_argument(
@@ -254,19 +293,24 @@ def main() -> None:
         return sets
 
     @torch.no_grad()
-    def recall(facts: tuple[int, int], max_new_tokens: int = 8) -> dict:
+    def eval_layouts() -> list[str]:
+        if args.eval_layouts:
+            return args.eval_layouts.split(",")
+        return ["text", "chat"] if args.layout == "mixed" else [args.layout]
+
+    def recall(facts: tuple[int, int], layout: str, max_new_tokens: int = 8) -> dict:
         """Greedy answers from memory (read-only) to held-out questions; a hit when the normalised
         answer starts with the normalised gold at a word boundary (``recall_hit``, as
         ``examples/english_recall.py`` counts). Also from an empty memory, for the same check."""
         held = english_episodes(
-            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
+            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
         )
         model.eval()
         hits = {"memory": 0, "empty": 0}
         samples = []
         for start in range(0, len(held), 8):
             chunk = held[start : start + 8]
-            laid = [choice_rows(tokenizer, e, "text") for e in chunk]
+            laid = [choice_rows(tokenizer, e, layout) for e in chunk]
             prompts = [rows[0][0][: len(rows[0][0]) - rows[0][1]] for _, rows in laid]  # the prompt alone
             ids, mask = left_pad(prompts, pad)
             for condition in hits:
@@ -292,43 +336,45 @@ def main() -> None:
         model.train()
         return {
             "facts": list(facts),
+            "layout": layout,
             "n": len(held),
             **{c: v / len(held) for c, v in hits.items()},
             "samples": samples,
         }
 
     @torch.no_grad()
-    def other_history(facts: tuple[int, int]) -> dict:
+    def other_history(facts: tuple[int, int], layout: str) -> dict:
         """Forced choice with another held-out episode's history in memory (one of the same relation
         where there is one): the control for what memory adds whatever the history says. Recall shows
         as ``memory`` (own history) above this, not only above an empty memory."""
         held = english_episodes(
-            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts)
+            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
         )
         swapped = swap_histories(held)
         model.eval()
         with autocast:
             res = forced_choice(
-                model, tokenizer, swapped, conditions=("memory",), layout="text", batch_size=8
+                model, tokenizer, swapped, conditions=("memory",), layout=layout, batch_size=8
             )
         model.train()
-        return {"facts": list(facts), "n": len(held), "memory_other_history": res["memory"]}
+        return {"facts": list(facts), "layout": layout, "n": len(held), "memory_other_history": res["memory"]}
 
     def evaluate(at: int) -> dict:
         """Held-out forced choice (memory, empty, chance) at each of ``--eval-facts`` (default: the stage's)."""
         model.eval()
         out: dict = {"eval": []}
         t = time.time()
-        for facts in eval_sets(at):
-            knobs = episode_knobs(args, facts)
+        for facts, layout in itertools.product(eval_sets(at), eval_layouts()):
+            knobs = episode_knobs(args, facts, held_out=True)
             held = english_episodes(args.eval_episodes, "heldout", seed=1000 + args.seed, **knobs)
             with torch.no_grad(), autocast:
                 res = forced_choice(
-                    model, tokenizer, held, conditions=("memory", "empty"), layout="text", batch_size=8
+                    model, tokenizer, held, conditions=("memory", "empty"), layout=layout, batch_size=8
                 )
             out["eval"].append(
                 {
                     "facts": list(facts),
+                    "layout": layout,
                     "memory": res["memory"],
                     "empty": res["empty"],
                     "chance": round(res["chance"], 4),
@@ -367,12 +413,20 @@ def main() -> None:
         record_training(
             model,
             base_model_files=f"{args.model} (lstmem models; the GGUF's tensors dequantised to float32)",
-            data="english_episodes, train split: notes style, no chatter, same-relation facts"
+            data=f"english_episodes, train split: {args.style} style, "
+            + (
+                f"{args.chatter} lines of chatter per fact"
+                if float(parse_range(args.chatter)[1])
+                else "no chatter"
+            )
+            + ", same-relation facts"
             + (f", relations {args.relations}" if args.relations else ""),
             recipe=f"stage 1 (gradients through the writes), answer CE + {args.contrast_weight} x contrast "
             f"(the next episode's history), AdamW lr {args.lr}, {args.warmup} warm-up then cosine, batch "
             f"{args.batch}, curriculum {args.curriculum}"
-            + (", one relation per update" if args.one_relation_per_step else ""),
+            + (", one relation per update" if args.one_relation_per_step else "")
+            + f", questions in the {args.layout} layout"
+            + (" (text and chat on alternate updates)" if args.layout == "mixed" else ""),
             started_from=args.init_from or "random initialisation (the library's)",
             updates=step,
             time=f"{seconds / 60:.0f} min of updates and evaluations on a CPU ({args.threads} thread(s))",
@@ -406,8 +460,9 @@ def main() -> None:
 
     if args.eval_only:
         result = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **evaluate(step)}
-        result["recall"] = [] if args.no_recall else [recall(facts) for facts in eval_sets(step)]
-        result["other_history"] = [other_history(facts) for facts in eval_sets(step)]
+        sets = list(itertools.product(eval_sets(step), eval_layouts()))
+        result["recall"] = [] if args.no_recall else [recall(facts, layout) for facts, layout in sets]
+        result["other_history"] = [other_history(facts, layout) for facts, layout in sets]
         with open(os.path.join(args.output_dir, "eval.json"), "w") as fh:
             json.dump(result, fh, indent=1)
         print(json.dumps(result, indent=1))
@@ -434,7 +489,8 @@ def main() -> None:
             pool = args.relations.split(",") if args.relations else list(TRAIN_RELATIONS)
             asked = [pool[step % len(pool)]]
         episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts, asked))
-        laid = [choice_rows(tokenizer, e, "text") for e in episodes]
+        layout = args.layout if args.layout != "mixed" else ("text", "chat")[step % 2]
+        laid = [choice_rows(tokenizer, e, layout) for e in episodes]
         gold = [list(e["choices"]).index(e["gold"]) for e in episodes]
         if args.choice_weight == 0:  # only the gold reads are needed
             laid = [(h, [rows[g]]) for (h, rows), g in zip(laid, gold, strict=True)]
@@ -489,6 +545,7 @@ def main() -> None:
             "step": step,
             "stage": stage,
             "facts": list(facts),
+            "layout": layout,
             "answer_loss": round(answer_loss.item(), 4),
             "choice_loss": round(choice_loss.item(), 4),
             "contrast_loss": round(contrast_loss.item(), 4),
@@ -510,7 +567,8 @@ def main() -> None:
             record["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             for e in record["eval"]:
                 tqdm.write(
-                    f"step {step}: held-out forced choice ({e['facts']} facts, n={e['n']}): memory {e['memory']:.3f} "
+                    f"step {step}: held-out forced choice ({e['facts']} facts, {e['layout']}, n={e['n']}): "
+                    f"memory {e['memory']:.3f} "
                     f"empty {e['empty']:.3f} chance {e['chance']:.3f}"
                 )
         log(record)

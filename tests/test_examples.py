@@ -124,6 +124,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     command = [sys.executable, str(ROOT / "examples" / "train_english.py"), "--output-dir", str(out)]
     command += ["--model", str(folder), "--layers", "all", "--batch", "2", "--eval-every", "2"]
     command += ["--eval-episodes", "2", "--save-every", "2", "--threads", "1"]
+    command += ["--layout", "mixed", "--chatter", "0-1"]  # both question layouts, chatter among the facts
     first = subprocess.run(
         [*command, "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
@@ -136,6 +137,9 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     assert f"resumed from {out / 'last.pt'} at step 2" in second.stdout
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert records and any("memory" in json.dumps(r) for r in records)
+    # --layout mixed: text and chat questions on alternate updates, each scored
+    assert [r["layout"] for r in records if "answer_loss" in r] == ["text", "chat"] * 2
+    assert {e["layout"] for r in records for e in r.get("eval", [])} == {"text", "chat"}
     assert warnings_in(first.stderr + second.stderr) == []
 
     shipped = tmp_path / "shipped"  # --export: the folder an adapter ships as, from last.pt

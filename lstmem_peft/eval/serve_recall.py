@@ -25,7 +25,7 @@ before it, with the default write policy, so the session itself goes on without 
 one session per episode serves every ``k``. Per question the record says where the fact was:
 ``fact_in_prompt`` (the fact's own turn was in the prompt), ``value_in_prompt`` (any message of the
 prompt states the value: in chat the assistant may have repeated it), computed with the server's own
-rule (:func:`~lstmem_peft.utils.chat.prompt_start`) and checked against the prompt's token count the
+rule (:meth:`~lstmem_peft.utils.chat.ChatFormat.fit`) and checked against the prompt's token count the
 server reports (``placement_checked``).
 
 Scores: :func:`~.english_recall.recall_hit` (the normalised answer starts with the value),
@@ -246,12 +246,8 @@ def _placement(settings: Settings, endpoint: str, content, condition: str, gold:
             "value_in_prompt": mentions(content, gold),
             "placement_checked": expected == reported,
         }
-    from lstmem_peft.utils.chat import prompt_start
-
-    encoded = [fmt.message(m["role"], m["content"]) for m in content]
-    opening = fmt.generation_prompt()
-    first = prompt_start(encoded, settings.window - settings.question_tokens - len(opening))
-    expected = sum(len(e) for e in encoded[first:]) + len(opening)
+    laid = fmt.fit(content, settings.window - settings.question_tokens)
+    first, expected = laid.first, len(laid.tokens)
     return {
         "fact_in_prompt": condition == "fact" and first == 0,
         "value_in_prompt": any(mentions(m["content"], gold) for m in content[first:]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from lstmem_peft.utils.chat import ChatFormat, prompt_start
+from lstmem_peft.utils.chat import ChatFormat
 
 from .conversation import message_hash, tokens_after
 from .protocol import DEFAULT_WRITE, ServeError
@@ -107,7 +107,9 @@ def plan_chat(
     empty session, version 0, when it is kept), and one message alone is never taken as a newest-only
     client's. Rollback targets are then the versions up to the pinned one.
 
-    The prompt is the latest messages that fit ``window - max_tokens`` with the generation prompt;
+    The prompt is the latest messages that fit ``window - max_tokens`` with what the chat template
+    adds once (:meth:`~lstmem_peft.utils.chat.ChatFormat.fit`: the conversation's start, the generation
+    prompt);
     the latest message must fit, or the request is refused (400). New messages before the prompt
     are written before answering (``before``), new messages in it after (``after``).
     """
@@ -123,19 +125,18 @@ def plan_chat(
     rollback = None
     if (k > 0 or pinned) and (k < len(written) or k == len(hashes)):  # edited, or nothing new: roll back
         rollback, k = _rollback_target(session, k, len(hashes))
-    encoded = [fmt.message(m["role"], m["content"]) for m in messages]
     new = list(range(k, len(messages)))
-    opening = fmt.generation_prompt()
-    budget = window - max_tokens - len(opening)
-    _fit(budget, "prompt")
-    first = prompt_start(encoded, budget)  # the first message in the prompt
-    prompt = [t for ids in encoded[first:] for t in ids]
+    laid = fmt.fit(messages, window - max_tokens)
+    _fit(laid.budget, "prompt")
+    encoded, first = laid.encoded, laid.first  # the first message in the prompt
     if first == len(encoded):
+        reserved = window - max_tokens - laid.budget
         raise ServeError(
             400,
-            f"the latest message is {len(encoded[-1])} tokens but the context window leaves {budget} for the prompt "
-            f"(window {window} - max_tokens {max_tokens} - {len(opening)} generation-prompt tokens); write long "
-            "text into memory with POST /v1/memory/{session}/write, shorten the message, or lower max_tokens",
+            f"the latest message is {len(encoded[-1])} tokens but the context window leaves {laid.budget} for the "
+            f"prompt (window {window} - max_tokens {max_tokens} - {reserved} tokens the chat template adds once: "
+            "the conversation's start and the generation prompt); write long text into memory with "
+            "POST /v1/memory/{session}/write, shorten the message, or lower max_tokens",
             code="context_length_exceeded",
             param="messages",
         )
@@ -150,7 +151,7 @@ def plan_chat(
     ]
     before = [t for i in new if i < first for t in encoded[i]]
     after = [t for i in new if i >= first for t in encoded[i]]
-    return Plan(before, prompt + opening, after, new_messages, write=write, rollback=rollback, kept=k)
+    return Plan(before, laid.tokens, after, new_messages, write=write, rollback=rollback, kept=k)
 
 
 def _rollback_target(session: Session, shared: int, sent: int) -> tuple[int, int]:

@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lstmem_peft.memory import constants as K
-from lstmem_peft.utils.chat import ChatFormat, prompt_start
+from lstmem_peft.utils.chat import ChatFormat
 from lstmem_peft.utils.extras import missing_extra
 
 Episode = dict[str, str]
@@ -411,8 +411,8 @@ class ServedConversation:
     The server's turn rule (:mod:`lstmem_peft.serve.runner`) on the client's side of the wire:
     the client ``"newest"`` sends each user message alone; ``"resend"`` sends the whole conversation
     so far, the answers as the assistant messages it got. The messages the session has not taken in
-    yet are new; the prompt is the latest messages that fit ``window - max_tokens`` with the
-    generation prompt (:func:`~lstmem_peft.utils.chat.prompt_start`); new messages older than the
+    yet are new; the prompt is the latest messages that fit ``window - max_tokens`` with what the
+    chat template adds once (:meth:`~lstmem_peft.utils.chat.ChatFormat.fit`); new messages older than the
     prompt are written before the answer, the others after it, in one call, followed by the answer
     under ``write="messages_and_answer"`` (which the session then holds, so a re-sending client does
     not send it as new again). :func:`tokenize_conversation` lays out training episodes with it and
@@ -444,8 +444,7 @@ class ServedConversation:
             raise ValueError(f"write must be one of {CONVERSATION_WRITES}, got {write!r}")
         self.client, self.write = client, write
         self.fmt = ChatFormat(tokenizer)
-        self.opening = self.fmt.generation_prompt()
-        self.budget = (1 << 62) if window is None else window - max_tokens - len(self.opening)
+        self.room = (1 << 62) if window is None else window - max_tokens  # the prompt's tokens, at most
         self.messages: list[dict[str, str]] = []  # what the client holds
         self.taken = 0  # how many of them the session has taken in
         self._after: list[int] = []
@@ -456,16 +455,16 @@ class ServedConversation:
         self.messages.append({"role": "user", "content": text})
         sent = self.messages if self.client == "resend" else self.messages[-1:]
         new_from = self.taken if self.client == "resend" else 0
-        encoded = [self.fmt.message(m["role"], m["content"]) for m in sent]
-        first = prompt_start(encoded, self.budget)
+        laid = self.fmt.fit(sent, self.room)
+        encoded, first = laid.encoded, laid.first
         if first == len(encoded):
             raise ValueError(
-                f"a message of {len(encoded[-1])} tokens does not fit the {self.budget} tokens the window "
+                f"a message of {len(encoded[-1])} tokens does not fit the {laid.budget} tokens the window "
                 "leaves for the prompt; raise window or lower max_tokens"
             )
         self._after = [t for i in range(max(new_from, first), len(encoded)) for t in encoded[i]]
         before = [t for i in range(new_from, first) for t in encoded[i]]
-        return before, [t for ids in encoded[first:] for t in ids] + self.opening
+        return before, laid.tokens
 
     def answered(self, text: str) -> list[int]:
         """The client got the answer ``text`` (as the server sends it: stripped); returns the tokens the
