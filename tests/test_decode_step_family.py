@@ -221,7 +221,8 @@ def test_without_slots_the_callers_states_and_inputs_are_never_written(backend):
 
 def test_the_pytorch_members_maps_are_built_once_and_again_when_a_weight_changes():
     """The PyTorch member keeps its step maps while the same weight tensors come unchanged; an in-place
-    write (its version counter moves) or another tensor builds them again."""
+    write (its version counter moves) or another tensor builds them again; inference tensors (a
+    serving engine's) are kept too."""
     layer = make_layer(True)
     with torch.no_grad():
         w = layer.weights()
@@ -232,6 +233,9 @@ def test_the_pytorch_members_maps_are_built_once_and_again_when_a_weight_changes
         assert again is not first and torch.equal(again.bias[: R * H], w.b_eau[: R * H])
         other = w.read.clone()
         assert step_maps(w.eau_depth, w.b_eau, other, H) is not again
+    with torch.inference_mode():  # inference tensors have no version counter: kept by identity
+        w = layer.weights()
+        assert step_maps(w.eau_first, w.b_eau, w.read, H) is step_maps(w.eau_first, w.b_eau, w.read, H)
 
 
 def test_the_triton_member_returns_no_samples_and_float64_is_the_pytorch_members():
@@ -245,3 +249,23 @@ def test_the_triton_member_returns_no_samples_and_float64_is_the_pytorch_members
     if triton_available():
         with pytest.raises(ValueError, match="no feedback samples"):
             step(make_layer(False), make_inputs(False, False), "triton", samples=True)
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", pytest.param("triton", marks=needs_triton)])
+def test_state_tables_may_share_one_buffer(backend):
+    """A serving engine's two state tables may interleave their rows in one buffer (vLLM's state
+    layout): with ``slots`` they are their own outputs, and the step is that of separate tables."""
+    layer = make_layer(True)
+    inputs = make_inputs(True, True, rows=S)
+    slots = torch.tensor([4, 0, 2])
+    buffer = torch.stack([inputs["cell"], inputs["hidden"]], 1)  # (S, 2, n_h, r, r)
+    shared = dict(inputs, cell=buffer[:, 0], hidden=buffer[:, 1])
+    with torch.no_grad():
+        w = layer.weights()
+        lstmem_decode_step(
+            inputs["x"], *w.step_weights(True), shared["cell"], shared["hidden"], num_heads=H,
+            out=(shared["cell"], shared["hidden"]), depth=inputs["depth"], valid=inputs["valid"],
+            norm_eps=K.NORM_EPS, slots=slots, backend=backend,
+        )  # fmt: skip
+    _, (cells, hiddens), _, _ = step(layer, inputs, backend, slots=slots)
+    assert torch.equal(buffer[:, 0], cells) and torch.equal(buffer[:, 1], hiddens)

@@ -73,8 +73,9 @@ _MAPS: dict[int, tuple] = {}
 
 def step_maps(eau: torch.Tensor, b_eau: torch.Tensor, read: torch.Tensor, num_heads: int) -> StepMaps:
     """:func:`arrange_step_maps`, kept while the same three tensors are passed unchanged: built
-    again when one of them is another tensor or was written in place (its version counter moved),
-    and forgotten when ``eau`` is freed. A layer that passes its cached derived weights builds the
+    again when one of them is another tensor or was written in place (its version counter moved;
+    inference tensors have none, so an in-place write to one is not seen), and forgotten when
+    ``eau`` is freed. A layer that passes its cached derived weights builds the
     maps once, not per token.
 
     Inside a ``torch.compile`` graph the kept maps are used without the version check (a version
@@ -84,9 +85,7 @@ def step_maps(eau: torch.Tensor, b_eau: torch.Tensor, read: torch.Tensor, num_he
     if entry is not None:
         refs, versions, heads, maps = entry
         same = all(r() is t for r, t in zip(refs, (eau, b_eau, read), strict=True)) and heads == num_heads
-        if same and (
-            torch.compiler.is_compiling() or versions == (eau._version, b_eau._version, read._version)
-        ):
+        if same and (torch.compiler.is_compiling() or versions == _versions(eau, b_eau, read)):
             return maps
     with torch.no_grad():
         maps = arrange_step_maps(eau, b_eau, read, num_heads)
@@ -97,8 +96,14 @@ def step_maps(eau: torch.Tensor, b_eau: torch.Tensor, read: torch.Tensor, num_he
             weakref.ref(b_eau),
             weakref.ref(read),
         )
-        _MAPS[key] = (refs, (eau._version, b_eau._version, read._version), num_heads, maps)
+        _MAPS[key] = (refs, _versions(eau, b_eau, read), num_heads, maps)
     return maps
+
+
+def _versions(*tensors: torch.Tensor) -> tuple:
+    """The tensors' version counters (``None`` for an inference tensor, which has none: such
+    weights are told apart by identity alone)."""
+    return tuple(None if t.is_inference() else t._version for t in tensors)
 
 
 class DecodeSamples(NamedTuple):
@@ -111,7 +116,7 @@ class DecodeSamples(NamedTuple):
     depth_gate: torch.Tensor
 
 
-# Long for its docstring's pointer and the slots' gather and write-back around the step.
+# Long for its signature (the op's) and the slots' gather and write-back around the step.
 def decode_step_torch(
     x: torch.Tensor,
     w_in: torch.Tensor,
@@ -138,74 +143,22 @@ def decode_step_torch(
     With ``slots`` the rows are gathered from the tables (``index_select``), stepped, and written
     back into the ``out`` tables (``index_copy_``); ``D_t`` is made in ``hidden_seq`` when that is a
     float32 (or, for float64 states, float64) tensor, so that giving it costs nothing. Slots must be
-    non-negative here (a padding slot ``-1`` is the Triton member's: only a full CUDA graph pads).
+    non-negative here: a padding slot ``-1`` (only a full CUDA graph pads, and that needs the Triton
+    member) is the naive and Triton members'.
     """
-    if slots is not None:
-        return _on_slots(
-            x,
-            w_in,
-            b_in,
-            eau,
-            b_eau,
-            read,
-            cell,
-            hidden,
-            num_heads,
-            out,
-            depth,
-            valid,
-            norm_eps,
-            slots,
-            hidden_seq,
-            samples,
-        )
-    u, found = _step(
-        x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, norm_eps, samples
-    )
-    if hidden_seq is not None:
-        hidden_seq.copy_(out[1])
-    return (u, found) if samples else u
-
-
-def _on_slots(
-    x,
-    w_in,
-    b_in,
-    eau,
-    b_eau,
-    read,
-    cell,
-    hidden,
-    num_heads,
-    out,
-    depth,
-    valid,
-    norm_eps,
-    slots,
-    hidden_seq,
-    samples,
-):
-    """The step on table rows ``slots``: gathered, stepped into fresh tensors (``D_t`` into
-    ``hidden_seq`` where its dtype allows), and written back into the ``out`` tables."""
+    weights = (w_in, b_in, eau, b_eau, read)
+    if slots is None:
+        u, found = _step(x, weights, cell, hidden, num_heads, out, depth, valid, norm_eps, samples)
+        if hidden_seq is not None:
+            hidden_seq.copy_(out[1])
+        return (u, found) if samples else u
+    # state tables: the rows gathered, stepped into fresh tensors (D_t straight into hidden_seq where
+    # its dtype allows), and written back into the out tables
     rows = cell.index_select(0, slots), hidden.index_select(0, slots)
     new_cell, new_hidden = fresh_states(*rows)
     if hidden_seq is not None and hidden_seq.dtype == new_hidden.dtype:
-        new_hidden = hidden_seq  # D_t where the caller wants it: no copy
-    u, found = _step(
-        x,
-        w_in,
-        b_in,
-        eau,
-        b_eau,
-        read,
-        *rows,
-        num_heads,
-        (new_cell, new_hidden),
-        depth,
-        valid,
-        norm_eps,
-        samples,
-    )
+        new_hidden = hidden_seq
+    u, found = _step(x, weights, *rows, num_heads, (new_cell, new_hidden), depth, valid, norm_eps, samples)
     out[0].index_copy_(0, slots, cast(new_cell, out[0].dtype))
     out[1].index_copy_(0, slots, cast(new_hidden, out[1].dtype))
     if hidden_seq is not None and hidden_seq is not new_hidden:
@@ -213,9 +166,10 @@ def _on_slots(
     return (u, found) if samples else u
 
 
-def _step(x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, norm_eps, samples):
+def _step(x, weights, cell, hidden, num_heads, out, depth, valid, norm_eps, samples):
     """The step of the module docstring on ``B`` rows, the new states into ``out``; returns ``u``
     and the feedback samples (``None`` unless ``samples``)."""
+    w_in, b_in, eau, b_eau, read = weights
     B = x.shape[0]
     ds = read.shape[1]
     H, R = num_heads, ds // num_heads

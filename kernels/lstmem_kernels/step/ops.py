@@ -269,6 +269,9 @@ def _check_decode_inputs(
             "out must be a pair (cell_out, hidden_out) of (B, n_h, r, r) tensors for C_t and D_t"
         )
     inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth, "hidden_seq": hidden_seq}
+    # state tables that are their own outputs: each row reads its own slot before it writes it, and the
+    # two tables may share one buffer (a serving engine's interleave their rows)
+    tables = slots is not None and all(_same_view(t, own) for t, own in zip(out, (cell, hidden), strict=True))
     for name, t, own in zip(("cell_out", "hidden_out"), out, (cell, hidden), strict=True):
         if tuple(t.shape) != state or not t.is_floating_point():
             raise ValueError(
@@ -278,7 +281,9 @@ def _check_decode_inputs(
             continue  # a traced graph has no addresses to compare
         for other, u in inputs.items():
             # with slots each row reads its own slot before it writes it: a table may be its own output
-            in_place = slots is not None and u is own and _same_view(t, own)
+            in_place = (slots is not None and u is own and _same_view(t, own)) or (
+                tables and (u is cell or u is hidden)
+            )
             if u is not None and not in_place and _overlap(t, u):
                 raise ValueError(
                     f"{name} overlaps the memory of {other}: the step reads its inputs while it writes, so "
