@@ -64,8 +64,8 @@ def copy_modules(rev: str, folder: str, into: Path) -> list[str]:
 
 def layer_class_at(rev: str, into: Path) -> type:
     """``LSTMemLayer`` as it was at ``rev``, imported from a copy under ``into``: the revision's
-    kernels and memory modules, whichever it has (``memory/step.py`` and ``layer_common.py`` exist
-    from 4c9ef56 on)."""
+    kernels and memory modules, whichever it has (``layer_common.py`` exists from 4c9ef56 on,
+    ``memory/step.py`` from 4c9ef56 until the decode step moved into ``lstmem_kernels.step``)."""
     kernels = (
         "kernels/lstmem_kernels/"
         if _git("ls-tree", "--name-only", rev, "kernels/lstmem_kernels")

@@ -22,11 +22,10 @@ import pytest
 import torch
 from launch_count import count_launches_and_ops
 
-from lstmem_kernels import fused_decode_step_applies, lstmem_decode_step
+from lstmem_kernels import decode_backend, lstmem_decode_step
 from lstmem_peft import LSTMemLayer
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.reference import memory_layer_ref
-from lstmem_peft.memory.step import decode_slots
 
 triton = pytest.importorskip("triton")
 
@@ -119,6 +118,7 @@ def run_op(wts, inputs, num_heads, out_dtype=torch.float32, to=None):
             valid=inputs["valid"],
             out=out,
             norm_eps=K.NORM_EPS,
+            backend="triton",
         )
     return u, out[0], out[1]
 
@@ -386,7 +386,14 @@ def test_one_triton_launch_and_no_other_compute(depth):
         torch.empty_like(inputs["hidden"], dtype=torch.float32),
     )
     args = (inputs["x"], *wts.values(), inputs["cell"], inputs["hidden"])
-    kw = dict(num_heads=H, depth=inputs["depth"], valid=inputs["valid"], out=out, norm_eps=K.NORM_EPS)
+    kw = dict(
+        num_heads=H,
+        depth=inputs["depth"],
+        valid=inputs["valid"],
+        out=out,
+        norm_eps=K.NORM_EPS,
+        backend="triton",
+    )
     with torch.no_grad():
         with count_launches_and_ops() as counts:
             lstmem_decode_step(*args, **kw)
@@ -395,6 +402,31 @@ def test_one_triton_launch_and_no_other_compute(depth):
 
 
 # ---------------------------------------------------------------------- state slots, in place
+def decode_slots(layer, x, cells, hiddens, slots, *, depth=None, valid=None, hidden_seq=None):
+    """The vLLM plugin's decode step (``LSTMemState._decode``): the op with ``slots=`` on the
+    layer's member, the tables their own outputs, ``D_t`` into ``hidden_seq`` (a float32 tensor of
+    its own when not given); returns ``u`` and ``D_t``."""
+    w = layer.derived_weights()
+    if hidden_seq is None:
+        R = layer.head_dim
+        hidden_seq = torch.empty(x.shape[0], layer.num_heads, R, R, device=x.device)
+    u = lstmem_decode_step(
+        x,
+        *w.step_weights(depth is not None),
+        cells,
+        hiddens,
+        num_heads=layer.num_heads,
+        out=(cells, hiddens),
+        depth=depth,
+        valid=valid,
+        norm_eps=K.NORM_EPS,
+        slots=slots,
+        hidden_seq=hidden_seq,
+        backend=decode_backend(layer.backend, x, w.w_in.dtype),
+    )
+    return u, hidden_seq
+
+
 def _slot_case(depth: bool, x_dtype=torch.float32):
     """A layer, 3 sequences whose states are rows 5, 0 and 3 of 7-row tables, the middle one
     read-only (``valid`` False), and their inputs."""
@@ -413,10 +445,10 @@ def _slot_case(depth: bool, x_dtype=torch.float32):
 @pytest.mark.parametrize("depth", [False, True], ids=["no-depth", "depth"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_the_slot_step_updates_the_tables_in_place_like_the_gathered_pytorch_step(depth, x_dtype):
-    """``decode_slots`` (:mod:`lstmem_peft.memory.step`) with the Triton kernel (one launch reading
-    and writing the slots where they are) against the same function in PyTorch (gather, the layer's
-    forward, scatter back): ``u``, ``D_t`` and the stepped rows within the float32 bound, the
-    read-only row and the rows of no sequence bit for bit unchanged."""
+    """``lstmem_decode_step`` with slots, the Triton member (one launch reading and writing the
+    slots where they are) against the PyTorch member (gather, step, scatter back): ``u``, ``D_t``
+    and the stepped rows within the float32 bound, the read-only row and the rows of no sequence
+    bit for bit unchanged."""
     layer, cells, hiddens, slots, valid, x, dep = _slot_case(depth, x_dtype)
     tables = {}
     for backend in ("torch", "triton"):
@@ -483,11 +515,11 @@ def test_the_slot_step_is_one_launch_and_no_copy_of_the_states():
 
 @pytest.mark.parametrize("depth", [False, True], ids=["no-depth", "depth"])
 def test_the_pytorch_slot_step_costs_the_step_two_gathers_and_two_writes(depth):
-    """``decode_slots`` on the PyTorch backend (a serving engine on a CPU): the rows are gathered,
+    """The slot step on the PyTorch member (a serving engine on a CPU): the rows are gathered,
     stepped and written back, and nothing else: with every sequence writing (``valid=None``) and
-    ``D_t`` returned where the step made it (``hidden_seq=None``), the step's own 13 operators (15
+    ``D_t`` made where it is wanted (a float32 ``hidden_seq``), the step's own 13 operators (15
     with a depth input) plus two gathers and two writes. The tables and ``D_t`` are those of the
-    call that copies into a given ``hidden_seq``, bit for bit."""
+    call given its own ``hidden_seq``, bit for bit."""
     layer, cells, hiddens, slots, _, x, dep = _slot_case(depth)
     layer.backend = "torch"
     with torch.no_grad():
@@ -539,6 +571,7 @@ def _args(depth=True, dtype=torch.float32):
         "valid": inputs["valid"],
         "out": out,
         "norm_eps": K.NORM_EPS,
+        "backend": "triton",
     }
 
 
@@ -546,9 +579,10 @@ def test_float64_is_refused_naming_the_pytorch_path_and_a_float64_layer_never_as
     args = _args(dtype=torch.float64)
     with torch.no_grad(), pytest.raises(ValueError, match="decodes in PyTorch"):
         lstmem_decode_step(**args)
-    assert not fused_decode_step_applies("triton", args["x"], torch.float64)
-    assert fused_decode_step_applies("triton", args["x"], torch.float32)
-    assert not fused_decode_step_applies("auto", args["x"], torch.float32)  # CPU tensors: PyTorch
+    assert decode_backend("triton", args["x"], torch.float64) == "torch"
+    assert decode_backend("triton", args["x"], torch.float32) == "triton"
+    assert decode_backend("triton", args["x"], torch.float32, samples=True) == "torch"  # feedback samples
+    assert decode_backend("auto", args["x"], torch.float32) == "torch"  # CPU tensors: PyTorch
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,11 @@ import math
 import pytest
 import torch
 
+from lstmem_kernels import decode_backend, lstmem_decode_step
+from lstmem_kernels.step.decode_torch import arrange_step_maps
 from lstmem_peft import LSTMemLayer
-from lstmem_peft.memory import step as decode_step
+from lstmem_peft.memory import constants as K
+from lstmem_peft.memory import layer as layer_module
 from lstmem_peft.memory.reference import memory_layer_ref
 
 D_MODEL, D_Q = 48, 64
@@ -278,12 +281,36 @@ SLOT_DTYPES = {
 }
 
 
+def decode_slots(layer, x, cells, hiddens, slots, *, depth=None, valid=None, hidden_seq=None):
+    """The vLLM plugin's decode step: ``lstmem_decode_step`` with ``slots=`` on the layer's member,
+    the tables their own outputs; ``D_t`` into ``hidden_seq`` (a float32 tensor of its own when not
+    given). Returns ``u`` and ``D_t``."""
+    w = layer.derived_weights()
+    if hidden_seq is None:
+        hidden_seq = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim)
+    u = lstmem_decode_step(
+        x,
+        *w.step_weights(depth is not None),
+        cells,
+        hiddens,
+        num_heads=layer.num_heads,
+        out=(cells, hiddens),
+        depth=depth,
+        valid=valid,
+        norm_eps=K.NORM_EPS,
+        slots=slots,
+        hidden_seq=hidden_seq,
+        backend=decode_backend(layer.backend, x, w.w_in.dtype),
+    )
+    return u, hidden_seq
+
+
 @pytest.mark.parametrize("dtypes", sorted(SLOT_DTYPES))
 @pytest.mark.parametrize("read_only", [False, True], ids=["all-write", "one-reads-only"])
 @pytest.mark.parametrize("with_depth", [False, True])
 def test_decode_slots_steps_the_table_rows_like_the_gathered_rows(with_depth, read_only, dtypes):
-    """``decode_slots`` (:mod:`lstmem_peft.memory.step`, the vLLM plugin's decode; here its PyTorch
-    step) on rows 5, 0 and 3 of 7-row state tables: ``u``, ``D_t`` and the stepped rows are the
+    """``lstmem_decode_step`` with ``slots=`` (the vLLM plugin's decode; here its PyTorch member)
+    on rows 5, 0 and 3 of 7-row state tables: ``u``, ``D_t`` and the stepped rows are the
     layer's forward on the gathered rows bit for bit and the paper reference's; a read-only row
     (``valid`` False) and the rows of no sequence are unchanged bit for bit; ``D_t`` lands in a
     given tensor, or in a float32 one of its own."""
@@ -306,12 +333,10 @@ def test_decode_slots_steps_the_table_rows_like_the_gathered_rows(with_depth, re
             aux=False,
         )
         c, h = cells.clone(), hiddens.clone()
-        u, seq = decode_step.decode_slots(layer, x, c, h, slots, depth=depth, valid=valid)
+        u, seq = decode_slots(layer, x, c, h, slots, depth=depth, valid=valid)
         c2, h2 = cells.clone(), hiddens.clone()
         given = torch.empty(3, 4, 8, 8)
-        u2, seq2 = decode_step.decode_slots(
-            layer, x, c2, h2, slots, depth=depth, valid=valid, hidden_seq=given
-        )
+        u2, seq2 = decode_slots(layer, x, c2, h2, slots, depth=depth, valid=valid, hidden_seq=given)
     assert seq.dtype == torch.float32 and seq2 is given
     assert torch.equal(u, want.read[:, 0]) and torch.equal(u2, u)
     assert torch.equal(seq, want.hidden_seq[:, 0].float()) and torch.equal(seq2, seq)
@@ -421,11 +446,12 @@ def test_weights_arrange_the_paper_maps():
     time_reads = torch.stack([r_time.view(5, H, R), d_k.view(5, H, R)], 2).reshape(5, 2 * ds)
     u_time = r_time @ P["Wread"][:, :ds].T
     ones = torch.ones(5, 3 * ds, dtype=torch.float64)
+    maps = arrange_step_maps(w.eau_depth, w.b_eau, w.read, H)  # the PyTorch decode step's
     for inputs, map_, (e_, a_, u_) in (
-        (torch.cat([v, z, time_reads, by_head], 1), w.eau_step_depth, (e, a, u_dep + u_time)),
-        (torch.cat([v, z, time_reads], 1), w.eau_step_first, (e0, a0, u0 + u_time)),
+        (torch.cat([v, z, time_reads, by_head], 1), maps.depth, (e, a, u_dep + u_time)),
+        (torch.cat([v, z, time_reads], 1), maps.first, (e0, a0, u0 + u_time)),
     ):
-        step = inputs @ map_ + w.b_eau_step
+        step = inputs @ map_ + maps.bias
         torch.testing.assert_close(step, torch.cat([e_, ones, a_, u_], 1))
         assert torch.equal(step[:, ds : 4 * ds], ones)
         i, f, o, g = torch.sigmoid(a_).split(ds, 1)
@@ -549,29 +575,33 @@ def test_with_gradients_the_weights_are_derived_in_the_forward_and_carry_the_gra
     assert all(p.grad is not None for p in layer.parameters())
 
 
-def test_weights_derived_for_training_have_no_step_maps_and_their_one_token_is_scanned(monkeypatch):
-    """A forward that trains derives no one-token step maps (under autograd every token is scanned);
-    weights derived so and passed to a forward without gradients make it scan its one token, which
-    gives what the step gives (float64: agreement to rounding), and the reference's values."""
+def test_one_token_is_scanned_under_autograd_and_stepped_without(monkeypatch):
+    """A forward that trains scans its one token (the gradient reaches the weights); without
+    gradients the token is the decode step, here on the weights derived for training too. Both
+    give the reference's values (float64: agreement to rounding)."""
     layer = make_layer(seed=6).double()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 1, D_MODEL, generator=g, dtype=torch.float64)
     depth = torch.randn(2, 1, 4, 8, 8, generator=g, dtype=torch.float64) * 0.3
     states = [torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64) * 0.3 for _ in range(2)]
     training = layer.derived_weights()  # gradients on, parameters trainable
-    assert training.eau_step_first is None and training.eau_step_depth is None and training.b_eau_step is None
     assert training.w_in.requires_grad
     steps = []
-    step = decode_step._recurrence
-    monkeypatch.setattr(decode_step, "_recurrence", lambda *a: steps.append(1) or step(*a))
+    step = layer_module.lstmem_decode_step
+    monkeypatch.setattr(layer_module, "lstmem_decode_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    scanned = layer(x, *states, depth=depth, weights=training)
+    assert not steps and scanned.read.requires_grad
     with torch.no_grad():
-        scanned = layer(x, *states, depth=depth, weights=training)
-        assert not steps
-        stepped = layer(x, *states, depth=depth)  # the cached inference weights: the step
-        assert steps and layer.derived_weights().b_eau_step is not None
+        stepped = layer(x, *states, depth=depth, weights=training)
+        assert len(steps) == 1
+        cached = layer(x, *states, depth=depth)  # the cached inference weights: the step
+        assert len(steps) == 2
     for name in ("read", "cell", "hidden", "hidden_seq"):
-        torch.testing.assert_close(getattr(scanned, name), getattr(stepped, name), rtol=1e-12, atol=1e-12)
-    assert_close_to_reference(scanned, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)
+        for got in (stepped, cached):
+            torch.testing.assert_close(
+                getattr(scanned, name).detach(), getattr(got, name), rtol=1e-12, atol=1e-12
+            )
+    assert_close_to_reference(stepped, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)
 
 
 def test_importing_the_layer_registers_no_process_wide_hook():

@@ -14,11 +14,12 @@ torch.Size([1, 5, 4, 8, 8])
 
 from .backend import BACKENDS, resolve_backend, triton_available
 from .scan import lstmem_scan, scan_naive, scan_parallel
-from .step import fused_decode_step_applies, lstmem_decode_step, lstmem_step, step_naive, step_torch
+from .step import DecodeSamples, decode_backend, lstmem_decode_step, lstmem_step, step_naive, step_torch
 
 __all__ = [
     "BACKENDS",
-    "fused_decode_step_applies",
+    "DecodeSamples",
+    "decode_backend",
     "lstmem_decode_step",
     "lstmem_scan",
     "lstmem_step",

@@ -166,6 +166,7 @@ def _decode(B, d, H, R, dtype, weights, state, depth, valid, slots, seq, label, 
             norm_eps=1e-6,
             slots=index,
             hidden_seq=hidden_seq,
+            backend="triton",
         )
 
 

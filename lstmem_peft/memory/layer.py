@@ -21,16 +21,17 @@ receives a depth input: elsewhere ``p^dep`` is zero and ``W~_pred`` could never 
 learn. Adapter files that carry the full matrices still load (:mod:`.adapter_files`).
 
 :meth:`LSTMemLayer.forward` derives the weights, returns the decode step for one token without
-gradients (generation: :func:`.step.decode_step`, one call), and is otherwise the one body of this
-math, in the paper's order, for every token count, with or without a depth input, writing or
-read-only, with or without gradients. Its affine maps are arranged once (:class:`LayerWeights`, in
-:mod:`.layer_common` with :class:`LayerOutput`, which the step shares): ``e``, the gate
-pre-activations ``a`` and the depth part of the read ``u`` come from one product of
-``[v; z; r^dep; p^dep]``, whatever the token count. The recurrence (eq:write, eq:hidden and the
-temporal read) is the kernel op family of ``lstmem_kernels``, chosen there by the layer's
-``backend``: ``lstmem_scan`` for a block or anything that needs gradients, and the in-place decode
-step ``lstmem_step`` for one token without gradients (:mod:`.step`, which also steps a serving
-engine's state slots). :func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64
+gradients (generation: one call of the op :func:`lstmem_kernels.lstmem_decode_step`, the whole step
+from the layer input to ``u`` and the new states), and is otherwise the one body of this math, in
+the paper's order, for every token count, with or without a depth input, writing or read-only, with
+or without gradients. Its affine maps are arranged once (:class:`LayerWeights`, in
+:mod:`.layer_common` with :class:`LayerOutput`): ``e``, the gate pre-activations ``a`` and the depth
+part of the read ``u`` come from one product of ``[v; z; r^dep; p^dep]``, whatever the token count.
+The recurrence (eq:write, eq:hidden and the temporal read) is the kernel op family of
+``lstmem_kernels``, its member chosen there from the layer's ``backend``: ``lstmem_scan`` for a
+block or anything that needs gradients, and ``lstmem_decode_step`` (the same op also steps a
+serving engine's state slots) for one token without gradients.
+:func:`lstmem_peft.memory.reference.memory_layer_ref` is the float64
 token-loop transcription every path is tested against.
 
 The layer holds no state: states come in and go out, so one model serves any number of sessions.
@@ -45,12 +46,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lstmem_kernels import lstmem_scan
+from lstmem_kernels import decode_backend, lstmem_decode_step, lstmem_scan
+from lstmem_kernels.step.decode_torch import fresh_states, step_maps
 
 from . import constants as K
 from .adapter_files import refuse_nonfinite_weights
 from .layer_common import LayerOutput, LayerWeights, cast, needs_grad, unit_heads
-from .step import arrange_step_maps, decode_step
 
 
 def head_normalize(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -119,7 +120,8 @@ class LSTMemLayer(nn.Module):
         # whether a depth input D^(l-1) reaches this layer (set at injection: not for the first
         # memory layer, nor without depth coupling); without one there is no W~_pred
         self.depth_input = True
-        #: the recurrence's kernel: ``"auto"`` (Triton for CUDA tensors when installed, else PyTorch),
+        #: the kernels' member (the scan's and the decode step's, :func:`lstmem_kernels.decode_backend`):
+        #: ``"auto"`` (Triton for CUDA tensors when installed, else PyTorch),
         #: ``"torch"``, ``"triton"`` or ``"naive"`` (:mod:`lstmem_kernels.backend`); set at injection from
         #: ``LSTMemConfig.scan_backend``
         self.backend = "auto"
@@ -286,7 +288,7 @@ class LSTMemLayer(nn.Module):
         """
         params = self._parameters
         if torch.is_grad_enabled() and any(p.requires_grad for p in params.values() if p is not None):
-            return self.weights(step_maps=False)  # under autograd every token is scanned
+            return self.weights()  # derived differentiably in every forward that trains
         cached = self.__dict__.get("_derived")
         if torch.compiler.is_compiling():
             return self.weights() if cached is None else cached[1]
@@ -295,6 +297,10 @@ class LSTMemLayer(nn.Module):
             return cached[1]
         with torch.no_grad():
             weights = self.weights()
+            # the PyTorch decode step's own maps, kept with these weights: built now, so that the first
+            # token costs what every token does
+            eau = weights.eau_depth if self.depth_input else weights.eau_first
+            step_maps(eau, weights.b_eau, weights.read, self.num_heads)
         self.__dict__["_derived"] = (key, weights)
         _cache(self)
         return weights
@@ -317,11 +323,8 @@ class LSTMemLayer(nn.Module):
             key += (None, None, None) if p is None else (id(p), p.data_ptr(), p._version)
         return tuple(key)
 
-    def weights(self, step_maps: bool = True) -> LayerWeights:
-        """The :class:`LayerWeights` of the current parameters (differentiable). ``step_maps=False``
-        leaves the one-token step's maps (``eau_step_first``, ``eau_step_depth``, ``b_eau_step``,
-        :func:`.step.arrange_step_maps`) ``None``, for forwards that train: under autograd every token is
-        scanned, so a training step would derive (and differentiate) them for nothing."""
+    def weights(self) -> LayerWeights:
+        """The :class:`LayerWeights` of the current parameters (differentiable)."""
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         w_q, w_k, w_v, w_x = self.w_in.split(ds)
         qk_by_head = torch.stack([w_q.view(H, R, -1), w_k.view(H, R, -1)], 1).reshape(2 * ds, -1)
@@ -339,9 +342,6 @@ class LSTMemLayer(nn.Module):
         read = self.w_read.t().contiguous()
         b_eau = torch.cat([-self.b_pred, self.b_gate - g_e @ self.b_pred, self.b_read])
         corr = (self.scale * torch.cat([self.w_dq, self.w_do])).t()
-        step = dict(eau_step_first=None, eau_step_depth=None, b_eau_step=None)
-        if step_maps:
-            step = arrange_step_maps(eau_first, reads, b_eau, read, H)
         return LayerWeights(
             w_in=torch.cat([qk_by_head, w_v, w_x]).t().contiguous(),
             b_in=torch.cat([torch.zeros_like(self.b_x).repeat(3), self.b_x]),
@@ -353,11 +353,10 @@ class LSTMemLayer(nn.Module):
             corr=corr,
             corr_q=corr[:, : self.query_size],
             corr_o=corr[:, self.query_size :],
-            **step,
         )
 
     # Long on purpose: the paper's equations in their order, one body for every token count (see the
-    # module docstring); the read-only pass is the helper below, the one-token step is .step's.
+    # module docstring); the read-only pass and the one-token step are the helpers below.
     def forward(
         self,
         x: torch.Tensor,
@@ -373,8 +372,7 @@ class LSTMemLayer(nn.Module):
         """Read, then (if ``write``) update the memory for a block of tokens, in the paper's order.
 
         Every token is a row of 2-D products (``B T`` rows), so one token costs few operations. One
-        token without gradients (with weights that have the step maps) is the decode step
-        (:func:`.step.decode_step`).
+        token without gradients is the decode step (:meth:`_decode_step`).
 
         Args:
             x: ``(B, T, d)`` attention input of the backbone layer.
@@ -395,11 +393,9 @@ class LSTMemLayer(nn.Module):
         """
         w = self.derived_weights() if weights is None else weights
         # one token without gradients: the decode step (new states in fresh tensors; the caller's
-        # change only when its pass commits); weights derived for training have no step maps, and
-        # their one token is scanned
-        one_token = write and x.shape[1] == 1 and w.b_eau_step is not None
-        if one_token and not needs_grad(x, cell, hidden, depth, w.w_in):
-            return decode_step(self, x, cell, hidden, depth, valid, w, aux)
+        # change only when its pass commits); under autograd the token is scanned
+        if write and x.shape[1] == 1 and not needs_grad(x, cell, hidden, depth, w.w_in):
+            return self._decode_step(x, cell, hidden, depth, valid, w, aux)
         B, T, _ = x.shape
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         dtype = w.w_in.dtype
@@ -449,6 +445,42 @@ class LSTMemLayer(nn.Module):
             out_gate=o.view(B, T, H, R),
             depth_gate=g.view(B, T, H, R),
         )
+
+    def _decode_step(self, x, cell, hidden, depth, valid, w: LayerWeights, aux: bool) -> LayerOutput:
+        """The forward for one token without gradients: the step op family's
+        (:func:`lstmem_kernels.lstmem_decode_step`) on this layer's weights, on the member
+        :func:`lstmem_kernels.decode_backend` picks for :attr:`backend` (the PyTorch one when the
+        feedback samples are wanted, ``aux``). The new states go into fresh tensors: the caller's
+        states change only when its pass commits."""
+        B = x.shape[0]
+        H, R, ds = self.num_heads, self.head_dim, self.state_size
+        dtype = w.w_in.dtype
+        new_cell, new_hidden = fresh_states(cell, hidden)
+        result = lstmem_decode_step(
+            x.reshape(B, -1),
+            *w.step_weights(depth is not None),
+            cell,
+            hidden,
+            num_heads=H,
+            out=(new_cell, new_hidden),
+            depth=None if depth is None else cast(depth, dtype).reshape(B, H, R, R),
+            valid=None if valid is None else valid.reshape(B),
+            norm_eps=K.NORM_EPS,
+            samples=aux,
+            backend=decode_backend(self.backend, x, dtype, samples=aux),
+        )
+        u, found = result if aux else (result, None)
+        out = LayerOutput(
+            u.view(B, 1, ds),
+            (w.corr_q, w.corr_o),
+            cast(new_cell, cell.dtype),
+            cast(new_hidden, hidden.dtype),
+            cast(new_hidden, dtype).unsqueeze(1),
+        )
+        if found is None:
+            return out
+        key, value, out_gate, depth_gate = (t.unsqueeze(1) for t in found)
+        return out._replace(key=key, value=value, out_gate=out_gate, depth_gate=depth_gate)
 
     def _read_fixed(self, rows, cell, hidden, depth, w: LayerWeights, B: int, T: int) -> LayerOutput:
         """The read-only forward: eq:projections (``q`` only) and eq:read against the fixed states

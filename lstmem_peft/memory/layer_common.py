@@ -1,4 +1,4 @@
-"""What one memory layer's block body (:mod:`.layer`) and its decode step (:mod:`.step`) share: the
+"""What one memory layer's block body (:mod:`.layer`) and its decode step share: the
 parameters arranged as both multiply by them (:class:`LayerWeights`), what both return
 (:class:`LayerOutput`), and the small tensor helpers of their math (the normalisation of the paper's
 ``n(.)``, casts, whether a gradient can flow). Every name follows the paper (Sec. 3.1-3.2, App. C.2;
@@ -77,11 +77,8 @@ class LayerWeights(NamedTuple):
 
     so one product ``[s, reads] eau + b_eau`` gives ``[e | a | u_dep]`` for any number of tokens,
     and ``u = u_dep + W_read^time r^time`` once the recurrence has produced ``r^time``. A one-token
-    step knows ``r^time = D_{t-1} q_t`` before it writes (eq:read reads the state before eq:write
-    changes it), so its map also takes the temporal reads and gives ``u`` whole, and it sets ones
-    beside ``e`` (zero weights, bias one) so that one GLU, ``first half * sigmoid(second half)``,
-    gives ``[i e | f | o | g]``: ``[s, time reads, reads] eau_step + b_eau_step = [e | 1 | a | u]``
-    (these maps are laid out by :func:`.step.arrange_step_maps`).
+    step (:func:`lstmem_kernels.lstmem_decode_step`) takes these maps as they are; its PyTorch member
+    arranges its own from them (``lstmem_kernels.step.decode_torch.StepMaps``).
 
     Attributes:
         w_in, b_in: ``(d, 4 d_s)``, ``(4 d_s,)``: ``[W_q, W_k (head by head); W_v; W_x]^T`` and
@@ -91,15 +88,7 @@ class LayerWeights(NamedTuple):
             ``[r^dep^[j]; p^dep^[j]]`` head by head (the order one batched product over
             ``[q^[j]; k^[j]]`` yields them).
         eau_first: ``(2 d_s, 6 d_s)``: ``[v; z] -> [e | a | u_dep]`` for a layer without depth input.
-        eau_step_first, eau_step_depth: ``(4 d_s, 9 d_s)``, ``(6 d_s, 9 d_s)``: ``eau_first`` and
-            ``eau_depth`` with the rows of the temporal reads ``[r^time^[j]; D_{t-1}^[j] k^[j]]``
-            head by head inserted after ``[v; z]`` (``W_read^time^T`` to the ``u`` columns; the
-            second half, which one batched product over ``[q^[j]; k^[j]]`` also yields, is zero),
-            and ``3 d_s`` zero columns after ``e`` (the ones of ``b_eau_step``):
-            ``[v; z; time reads (; reads)] -> [e | 1 | a | u]`` for a one-token step.
         b_eau: ``(6 d_s,)`` ``[-b_pred; b_gate - G_e b_pred; b_read]``.
-        b_eau_step: ``(9 d_s,)`` ``[-b_pred; 1; b_gate - G_e b_pred; b_read]``. The three step
-            fields are ``None`` in weights derived for training (``weights(step_maps=False)``).
         read: ``(2 d_s, d_s)`` ``W_read^T``; ``read_time``: its first ``d_s`` rows, ``W_read^time^T``
             (a view).
         corr: ``(d_s, d_q + d)``: ``(alpha / r) [W_dq; W_do]^T`` (eq:injection, with its scale
@@ -112,15 +101,17 @@ class LayerWeights(NamedTuple):
     b_in: torch.Tensor
     eau_depth: torch.Tensor
     eau_first: torch.Tensor
-    eau_step_first: torch.Tensor | None
-    eau_step_depth: torch.Tensor | None
     b_eau: torch.Tensor
-    b_eau_step: torch.Tensor | None
     read: torch.Tensor
     read_time: torch.Tensor
     corr: torch.Tensor
     corr_q: torch.Tensor
     corr_o: torch.Tensor
+
+    def step_weights(self, depth: bool) -> tuple[torch.Tensor, ...]:
+        """The weight arguments of :func:`lstmem_kernels.lstmem_decode_step`, ``(w_in, b_in, eau,
+        b_eau, read)``, for a step with a depth input (``eau_depth``) or without (``eau_first``)."""
+        return (self.w_in, self.b_in, self.eau_depth if depth else self.eau_first, self.b_eau, self.read)
 
 
 def unit_heads(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ program per ``(batch, head)`` reads the states, produces the read from the old h
 writes the new states back in place, in the states' dtype). As in :mod:`lstmem_kernels.scan.chunked`, each kernel's
 body stays whole: one kernel is one launch.
 
-For one token per sequence, a memory layer (``decode_step`` in ``lstmem_peft.memory.step``) projects its
+For one token per sequence, a memory layer (:func:`lstmem_kernels.lstmem_decode_step`) projects its
 input row, normalises the query and key per head, reads the depth input, forms the write residual,
 the gates and the depth part of the read with one affine map, runs one step of the recurrence and
 finishes the read. With the layer's derived weights (``LayerWeights``: ``w_in``, ``b_in``, ``eau``,
@@ -316,18 +316,21 @@ def decode_step_triton(
     read: torch.Tensor,
     cell: torch.Tensor,
     hidden: torch.Tensor,
+    *,
     num_heads: int,
-    depth: torch.Tensor | None,
-    valid: torch.Tensor | None,
     out: tuple[torch.Tensor, torch.Tensor],
+    depth: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     norm_eps: float,
     slots: torch.Tensor | None = None,
     hidden_seq: torch.Tensor | None = None,
+    samples: bool = False,
 ) -> torch.Tensor:
-    """The decode step of one memory layer in one kernel launch (see the module docstring);
-    ``norm_eps``: the lower bound of the l2 normalisation's denominator in ``n(.)``; ``slots``, the
-    state rows of each batch row, and ``hidden_seq``, where ``D_t`` goes besides (see
-    :func:`lstmem_kernels.lstmem_decode_step`).
+    """The Triton member of :func:`lstmem_kernels.lstmem_decode_step` (its contract): the decode
+    step of one memory layer in one kernel launch (see the module docstring); ``norm_eps``: the
+    lower bound of the l2 normalisation's denominator in ``n(.)``; ``slots``, the state rows of each
+    batch row, and ``hidden_seq``, where ``D_t`` goes besides. It returns no feedback samples
+    (``samples=True`` is refused: a step that needs them runs on the PyTorch member).
 
     Shapes are checked by :func:`lstmem_kernels.lstmem_decode_step`; this checks what the kernel
     needs besides: float32, bfloat16 or float16 for ``x``, the weights (one dtype) and ``depth``, any
@@ -336,6 +339,11 @@ def decode_step_triton(
     Returns:
         ``u`` ``(B, d_s)`` in the dtype of the weights; ``C_t`` and ``D_t`` go into ``out``.
     """
+    if samples:
+        raise ValueError(
+            "the Triton decode step returns no feedback samples; a step that needs them (block-end "
+            "feedback) runs on the PyTorch member (backend='torch')"
+        )
     device = x.device
     wdtype = w_in.dtype
     if (

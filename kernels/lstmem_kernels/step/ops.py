@@ -1,14 +1,17 @@
 """The step family's public ops: :func:`lstmem_step` (one token of the recurrence, on the member
 :mod:`lstmem_kernels.backend` picks: :mod:`.naive`, :mod:`.pytorch` or the Triton step of
-:mod:`.fused`), :func:`lstmem_decode_step` (a memory layer's whole decode step in one Triton launch,
-also on a serving engine's state slots) with the check of its inputs, and
-:func:`fused_decode_step_applies` (when a layer hands its step to it)."""
+:mod:`.fused`), :func:`lstmem_decode_step` (a memory layer's whole decode step, also on a serving
+engine's state slots: :mod:`.decode_naive`, :mod:`.decode_torch` or the Triton launch of
+:mod:`.fused`) with the check of its inputs, and :func:`decode_backend` (the member a layer steps
+on)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..backend import Backend, check_backend, resolve_backend
+from .decode_naive import decode_step_naive
+from .decode_torch import decode_step_torch
 from .naive import step_naive
 from .pytorch import step_torch
 
@@ -86,11 +89,18 @@ def lstmem_step(
     return None if q is None else read
 
 
-def fused_decode_step_applies(backend: str, x: torch.Tensor, weight_dtype: torch.dtype) -> bool:
-    """Whether a memory layer whose kernels run on ``backend`` hands its one-token decode step to
-    :func:`lstmem_decode_step`: ``"triton"`` (not with float64 weights, which the kernel refuses), or
-    ``"auto"`` on CUDA tensors with Triton installed."""
-    return weight_dtype != torch.float64 and resolve_backend(backend, x) == "triton"
+def decode_backend(
+    backend: Backend, x: torch.Tensor, weight_dtype: torch.dtype, samples: bool = False
+) -> str:
+    """The member of :func:`lstmem_decode_step` that a memory layer whose kernels are ``backend``
+    (its ``scan_backend``) steps ``x`` on: :func:`~lstmem_kernels.backend.resolve_backend`'s, except
+    that the Triton member, which computes in float32 and returns no feedback samples, gives way to
+    the PyTorch one for float64 weights and when ``samples`` are wanted. The one place that rule is
+    written."""
+    member = resolve_backend(backend, x)
+    if member == "triton" and (weight_dtype == torch.float64 or samples):
+        return "torch"
+    return member
 
 
 # Long for its docstring: the op's whole contract (the math, every argument's shape, the slots).
@@ -111,13 +121,17 @@ def lstmem_decode_step(
     norm_eps: float,
     slots: torch.Tensor | None = None,
     hidden_seq: torch.Tensor | None = None,
-) -> torch.Tensor:
+    samples: bool = False,
+    backend: Backend = "auto",
+):
     """The whole decode step of one memory layer for one token per sequence, from the layer input to
-    the read ``u`` and the new states, in one Triton kernel launch.
+    the read ``u`` and the new states.
 
-    Only the Triton member exists: in PyTorch the layer's decode step is this step (its math is
-    written once, in ``lstmem_peft.memory.step``), and :func:`fused_decode_step_applies` says when
-    a layer hands its step to this kernel instead.
+    Three members with this signature, picked once from ``backend``
+    (:func:`~lstmem_kernels.backend.resolve_backend`): ``"naive"`` (:mod:`.decode_naive`, float64,
+    one line per equation: the specification), ``"torch"`` (:mod:`.decode_torch`, PyTorch operators)
+    and ``"triton"`` (:mod:`.fused`, one kernel launch). A memory layer picks its member with
+    :func:`decode_backend`.
 
     With ``d_s = n_h r`` and the weights arranged as the layer's ``LayerWeights`` (``lstmem_peft``)::
 
@@ -149,17 +163,21 @@ def lstmem_decode_step(
         slots: ``(B,)`` int64 (or int32), or ``None``. Given, ``cell``, ``hidden`` and the two ``out``
             tensors are state tables ``(S, n_h, r, r)`` (a serving engine's per-request slots) and
             row ``b`` steps the states in row ``slots[b]`` of them, so ``out`` may be ``(cell,
-            hidden)`` themselves: the step updates the slots **in place**, with no copy out and none
-            back (rows where ``valid`` is ``False`` keep theirs). The slots of one call must differ
-            (one row of each table per sequence; not checked, it would read the device), except
-            negative ones: a negative slot (vLLM pads a CUDA graph's batch with ``-1``) marks a
-            padding row, which steps zero states and writes no table row (its ``u`` and
-            ``hidden_seq`` row are made, and mean nothing).
+            hidden)`` themselves: the step updates the slots **in place** (the Triton member with
+            no copy out and none back; rows where ``valid`` is ``False`` keep theirs). The slots of
+            one call must differ (one row of each table per sequence; not checked, it would read the
+            device), except negative ones (the naive and Triton members): a negative slot (vLLM pads
+            a CUDA graph's batch with ``-1``) marks a padding row, which steps zero states and
+            writes no table row (its ``u`` and ``hidden_seq`` row are made, and mean nothing).
         hidden_seq: ``(B, n_h, r, r)`` float tensor that also receives ``D_t`` of each row (the depth
             input of the memory layer above), or ``None``.
+        samples: also return the feedback samples (:class:`~.decode_torch.DecodeSamples`: ``k``,
+            ``v``, ``o``, ``g``), which block-end feedback writes with; not the Triton member's.
+        backend: the member (``"auto"``: Triton for CUDA tensors when installed, else PyTorch).
     Returns:
         ``u`` ``(B, d_s)`` in the weights' dtype: the read ``u_dep + W_read^time r^time`` that the
-        layer's corrections are made from (``Δq = u corr_q``, ``Δo = u corr_o``).
+        layer's corrections are made from (``Δq = u corr_q``, ``Δo = u corr_o``); with ``samples``,
+        ``(u, DecodeSamples)``.
 
     Not differentiable (a decode step): under autograd run the layer's forward, which scans the token.
     """
@@ -173,7 +191,12 @@ def lstmem_decode_step(
             "lstmem_decode_step has no gradient; call it inside torch.no_grad(), or under autograd run "
             "the memory layer's forward (which scans the token with lstmem_scan)"
         )
-    return _fused().decode_step_triton(
+    member = resolve_backend(backend, x)
+    if member == "triton":
+        step = _fused().decode_step_triton
+    else:
+        step = decode_step_torch if member == "torch" else decode_step_naive
+    return step(
         x,
         w_in,
         b_in,
@@ -182,13 +205,14 @@ def lstmem_decode_step(
         read,
         cell,
         hidden,
-        num_heads,
-        depth,
-        valid,
-        out,
-        norm_eps,
-        slots,
-        hidden_seq,
+        num_heads=num_heads,
+        out=out,
+        depth=depth,
+        valid=valid,
+        norm_eps=norm_eps,
+        slots=slots,
+        hidden_seq=hidden_seq,
+        samples=samples,
     )
 
 
@@ -245,14 +269,21 @@ def _check_decode_inputs(
             "out must be a pair (cell_out, hidden_out) of (B, n_h, r, r) tensors for C_t and D_t"
         )
     inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth, "hidden_seq": hidden_seq}
+    # state tables that are their own outputs: each row reads its own slot before it writes it, and the
+    # two tables may share one buffer (a serving engine's interleave their rows)
+    tables = slots is not None and all(_same_view(t, own) for t, own in zip(out, (cell, hidden), strict=True))
     for name, t, own in zip(("cell_out", "hidden_out"), out, (cell, hidden), strict=True):
         if tuple(t.shape) != state or not t.is_floating_point():
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected a float tensor of shape {state}"
             )
+        if torch.compiler.is_compiling():
+            continue  # a traced graph has no addresses to compare
         for other, u in inputs.items():
             # with slots each row reads its own slot before it writes it: a table may be its own output
-            in_place = slots is not None and u is own and _same_view(t, own)
+            in_place = (slots is not None and u is own and _same_view(t, own)) or (
+                tables and (u is cell or u is hidden)
+            )
             if u is not None and not in_place and _overlap(t, u):
                 raise ValueError(
                     f"{name} overlaps the memory of {other}: the step reads its inputs while it writes, so "

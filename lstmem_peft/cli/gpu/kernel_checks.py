@@ -202,8 +202,9 @@ def _decode_layer(d: int, H: int, R: int, depth: bool, device: torch.device, see
 
 
 def check_decode_step(s: dict, device: torch.device, log=print) -> dict:
-    """``lstmem_decode_step`` against the memory layer's own PyTorch step (``LSTMemLayer.forward`` on one
-    token, ``backend="torch"``), both measured against that step in float64.
+    """``lstmem_decode_step(backend="triton")`` against the memory layer's own PyTorch step
+    (``LSTMemLayer.forward`` on one token, ``backend="torch"``), both measured against that step in
+    float64.
 
     Tolerance, per output (``u``, ``C_t``, ``D_t``): the kernel tests' float32 one (:data:`TOLERANCES`)
     at the largest error, or, where the step's own math loses more (a projection over ``d`` = 2560
@@ -232,6 +233,7 @@ def check_decode_step(s: dict, device: torch.device, log=print) -> dict:
                 u = lstmem_decode_step(
                     x, w.w_in, w.b_in, w.eau_depth if depth else w.eau_first, w.b_eau, w.read,
                     cell, hidden, num_heads=H, out=out, depth=dep, valid=valid, norm_eps=constants.NORM_EPS,
+                    backend="triton",
                 )  # fmt: skip
                 kw = dict(depth=None if dep is None else dep[:, None], valid=valid[:, None], aux=False)
                 member = layer(x[:, None], cell, hidden, **kw)

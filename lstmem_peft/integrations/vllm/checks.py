@@ -15,7 +15,7 @@ import functools
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
 
-from lstmem_kernels import fused_decode_step_applies
+from lstmem_kernels import decode_backend
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.loading import adapter_weights_file
 from lstmem_peft.tuner.shipped_adapters import resolve_adapter
@@ -127,7 +127,7 @@ def _check_graphs(vllm_config: VllmConfig) -> None:
     if full_decode_graphs(vllm_config):
         adapter, _ = adapter_of(vllm_config.model_config.hf_config)
         probe = torch.empty(0, device=vllm_config.device_config.device)
-        if not fused_decode_step_applies(adapter.scan_backend, probe, torch.float32):
+        if decode_backend(adapter.scan_backend, probe, torch.float32) != "triton":
             raise ValueError(
                 f"cudagraph_mode={graphs.name} captures decode steps in full CUDA graphs, which needs the "
                 f"memory's fused Triton decode step; the adapter's scan_backend {adapter.scan_backend!r} on "

@@ -71,9 +71,10 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from lstmem_kernels import decode_backend, lstmem_decode_step
+from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import STATE_DTYPES
 from lstmem_peft.memory.layer import LayerWeights
-from lstmem_peft.memory.step import decode_slots, fused_decode
 from lstmem_peft.tuner.config import LSTMemConfig
 from lstmem_peft.tuner.layer import memory_layer
 
@@ -188,8 +189,8 @@ class LSTMemState(nn.Module, MambaBase):
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
         or ``None``, ``weights`` the layer's derived weights. Returns ``u`` ``(n, d_s)`` and ``D_t``
         ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
-        states are stepped in their slots (:func:`~lstmem_peft.memory.step.decode_slots`: in place in
-        one launch with the Triton kernels); read-only requests keep theirs."""
+        states are stepped in their slots (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``:
+        in place in one launch with the Triton member); read-only requests keep theirs."""
         cells, hiddens = self.kv_cache
         history = metadata.history_decodes
         if history:  # one-token history chunks: their states before the step
@@ -199,19 +200,26 @@ class LSTMemState(nn.Module, MambaBase):
         # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
+        member = decode_backend(self.memory.backend, x, weights.w_in.dtype)
         write = metadata.decode_write
-        if not (fused_decode(self.memory, x) or self.shared.step_has_read_only):
+        if not (member == "triton" or self.shared.step_has_read_only):
             write = None
-        u, out_seq = decode_slots(
-            self.memory,
+        if out_seq is None:  # D_t of each request, the next memory layer's depth input
+            H, R = self.memory.num_heads, self.memory.head_dim
+            out_seq = x.new_empty(x.shape[0], H, R, R, dtype=torch.float32)
+        u = lstmem_decode_step(
             x,
+            *weights.step_weights(depth is not None),
             cells,
             hiddens,
-            metadata.decode_slots,
+            num_heads=self.memory.num_heads,
+            out=(cells, hiddens),
             depth=depth,
             valid=write,
+            norm_eps=K.NORM_EPS,
+            slots=metadata.decode_slots,
             hidden_seq=out_seq,
-            weights=weights,
+            backend=member,
         )
         if read is None:
             read = u
