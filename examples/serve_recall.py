@@ -66,8 +66,8 @@ def main() -> None:
 
     from lstmem_peft.eval import serve_recall as sr
     from lstmem_peft.tuner.backbones import resolve_model
-    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
     from lstmem_peft.utils.chat import ChatFormat
+    from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
     positions = sorted(int(x) for x in args.positions.split(","))
     endpoints = [e for e in args.endpoints.split(",") if e]

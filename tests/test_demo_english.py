@@ -20,7 +20,7 @@ import lstmem_cli
 from lstmem_peft.cli import commands as cli
 from lstmem_peft.cli.demo import command as toy
 from lstmem_peft.cli.demo import english
-from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ Read from the source (every ``import``, at module level or inside a function), n
 
     front  >  cli  >  serve  >  eval, integrations  >  training  >  tuner  >  memory  >  utils, lstmem_kernels
 
+``integrations`` (the vLLM plugin) skips the tuner: it builds its memory layers from ``memory``
+(:class:`~lstmem_peft.memory.spec.MemorySpec`, read from the adapter's files), never from PEFT's
+wrappers, so a vLLM worker does not load the PEFT tuner to run an adapter.
+
 ``front`` is the top-level ``lstmem_cli`` (the command's parser, version and filters, which run
 before the library loads); it imports only ``cli`` (to run a subcommand) and nothing of the library
 at module level (tests/test_startup.py). ``lstmem_peft/__init__.py`` (the public API) stands above
@@ -33,7 +37,7 @@ MAY_IMPORT = {
     "tuner": {"memory", "utils", "lstmem_kernels"},
     "training": {"tuner", "memory", "utils"},
     "eval": {"training", "tuner", "memory", "utils"},
-    "integrations": {"tuner", "memory", "utils", "lstmem_kernels"},
+    "integrations": {"memory", "utils", "lstmem_kernels"},
     "serve": {"integrations", "training", "tuner", "memory", "utils"},
     "api": {"training", "tuner", "memory", "utils"},
     "cli": {"api", "serve", "eval", "integrations", "training", "tuner", "memory", "utils", "lstmem_kernels"},
@@ -120,6 +124,38 @@ def test_each_module_imports_only_downward(module):
         assert not libraries, (
             f"{module} (wing {wing}) imports {libraries}: keep the model libraries out of it"
         )
+
+
+def _reached(start: set[str]) -> set[str]:
+    """The project's modules that ``start`` imports, directly or through others (lazy imports
+    included), and ``start`` itself."""
+    seen, todo = set(start), list(start)
+    while todo:
+        for target in GRAPH[todo.pop()]:
+            if target in MODULES and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_vllm_plugin_builds_its_memory_without_the_tuner():
+    """Issue 46 item 5: no module of the vLLM plugin imports ``lstmem_peft.tuner``, directly or through
+    another module of the project, and none of the modules it reaches imports ``peft``: the plugin
+    builds its memory layers from :mod:`lstmem_peft.memory.spec` (the adapter's
+    :class:`~lstmem_peft.memory.spec.MemorySpec` and :func:`~lstmem_peft.memory.spec.memory_layer`, the
+    factory the tuner builds with too). The package's ``__init__.py`` (the public API, which registers
+    LSTMem with PEFT) is not counted: Python runs it before any submodule, see
+    tests/test_vllm_args.py for what a process that skips it loads."""
+    plugin = {m for m in MODULES if m.startswith("lstmem_peft.integrations.vllm")}
+    assert plugin, "the plugin's modules moved: update this test"
+    reached = _reached(plugin)
+    tuner = sorted(m for m in reached if m.startswith("lstmem_peft.tuner"))
+    assert not tuner, f"the vLLM plugin reaches the PEFT tuner: {tuner}"
+    peft = sorted(m for m in reached if any(t.split(".")[0] == "peft" for t in GRAPH[m]))
+    assert not peft, f"modules the vLLM plugin reaches import peft: {peft}"
+    assert "lstmem_peft" not in reached, (
+        "the plugin imports the package's public API (lstmem_peft/__init__.py)"
+    )
 
 
 def test_no_import_circles():

@@ -261,7 +261,7 @@ def test_the_wheel_ships_every_module_the_license_and_the_package_version(tmp_pa
     assert not any(f.startswith("kernels/") for f in files), "the wheel ships lstmem_kernels, not kernels/"
     assert not expected - files, f"missing from the wheel: {sorted(expected - files)}"
     assert any(f.startswith("lstmem_peft/assets/demo/adapter_full/") for f in files)
-    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+    from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
     for name in SHIPPED_ADAPTERS:  # every shipped adapter whole: config, weights and card
         for part in ("adapter_config.json", "adapter_model.safetensors", "README.md"):

@@ -556,7 +556,7 @@ def test_the_real_smollm2_recalls_english_facts_from_memory_with_its_shipped_ada
     from lstmem_peft.eval.forced_choice import forced_choice, swap_histories
     from lstmem_peft.training.english import english_episodes
     from lstmem_peft.tuner.loading import load_model_and_adapter
-    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+    from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
     monkeypatch.setenv("LSTMEM_HOME", str(tmp_path / "home"))
     shipped = SHIPPED_ADAPTERS["smollm2-135m-english-numbers"]

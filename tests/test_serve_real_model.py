@@ -155,7 +155,7 @@ def test_the_real_smollm2_served_recalls_a_fact_stated_in_the_session_above_the_
     not in the prompt) more often than by the same question in a session that never heard it."""
     from transformers import AutoTokenizer
 
-    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+    from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
     monkeypatch.setenv("LSTMEM_HOME", str(tmp_path / "home"))  # converted here, as the other real tests do
     shipped = SHIPPED_ADAPTERS["smollm2-135m-english-numbers"]

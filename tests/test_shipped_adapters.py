@@ -13,12 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from lstmem_peft.tuner.backbones import RECORD_FORMAT, RECORD_NAME
-from lstmem_peft.tuner.shipped_adapters import (
+from lstmem_peft.tuner.shipped_adapters import WrongBackbone, check_pair, default_adapter
+from lstmem_peft.utils.shipped_adapters import (
     ADAPTER_ASSETS,
     SHIPPED_ADAPTERS,
-    WrongBackbone,
-    check_pair,
-    default_adapter,
     resolve_adapter,
     shipped_adapter,
 )

@@ -550,3 +550,46 @@ def test_which_layers_get_memory_is_defined_once_on_the_config():
         ValueError, match=r"decoder layers \[3\] that the model does not have \(it has 2 layers\)"
     ):
         some.memory_layer_indices(2)
+
+
+def test_the_memory_spec_read_without_peft_is_the_configs_and_builds_the_same_layers(tmp_path):
+    """Issue 46 item 5: the vLLM plugin and the server's facts read an adapter's
+    :class:`~lstmem_peft.memory.spec.MemorySpec` from its ``adapter_config.json`` without PEFT; it is
+    the one the config gives (:meth:`LSTMemConfig.memory_spec`), it checks the options as the config
+    does, and :func:`~lstmem_peft.memory.spec.memory_layer` builds the memory layer the tuner injects."""
+    import json
+
+    from lstmem_peft import LSTMemConfig
+    from lstmem_peft.memory.spec import MemorySpec, memory_layer, read_memory_spec
+
+    config = LSTMemConfig(r=4, num_heads=2, alpha=8, layers_to_transform=[2, 0], scan_backend="torch")
+    model = get_peft_model(tiny_model("qwen3"), config)
+    model.save_pretrained(tmp_path)
+    saved = model.peft_config["default"]
+    spec = read_memory_spec(tmp_path)
+    assert spec == saved.memory_spec()
+    assert spec.layers_to_transform == (0, 2) and spec.query_module == saved.query_module
+    assert spec.memory_id == saved.memory_id and spec.base_model_name_or_path == saved.base_model_name_or_path
+    injected = memory_layers(model)[1]
+    built = memory_layer(spec, injected.hidden_size, injected.query_size, 2)
+    assert built.extra_repr() == injected.extra_repr() and built.backend == injected.backend == "torch"
+    assert {n: p.shape for n, p in built.named_parameters()} == {
+        n: p.shape for n, p in injected.named_parameters()
+    }
+    for bad, match in (
+        ({"r": 0}, "r must be a positive integer"),
+        ({"block_feedback": "false"}, "block_feedback must be true or false"),
+        ({"layers_to_transform": [1, 1]}, "layers_to_transform has duplicates"),
+        ({"state_dtype": "float16"}, "state_dtype must be one of"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LSTMemConfig(**bad)
+        with pytest.raises(ValueError, match=match):
+            MemorySpec(**bad)
+    options = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**options, "peft_type": "LORA"}))
+    with pytest.raises(ValueError, match="the config of a LORA adapter, not of an LSTMem one"):
+        read_memory_spec(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        read_memory_spec(tmp_path / "empty")

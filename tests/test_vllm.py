@@ -509,6 +509,30 @@ def test_tensor_parallel_engine_equals_the_library(setup, monkeypatch):
             assert_same_memory(MemoryCache.load(session_path(f"tp-out-{i}"), layout), final)
 
 
+def test_the_plugins_modules_and_memory_layers_load_without_peft_or_the_tuner():
+    """Issue 46 item 5: a vLLM process that imports the plugin's model, worker and scheduler and builds
+    an adapter's memory layers as the model does (:func:`~lstmem_peft.integrations.vllm.checks.load_adapter`,
+    :func:`~lstmem_peft.memory.spec.memory_layer`) loads neither PEFT nor the tuner. The package's
+    ``__init__.py`` (the public API, which imports PEFT) is skipped, as in tests/test_vllm_args.py."""
+    import json
+    import subprocess
+    import sys
+
+    from test_vllm_args import BUILD_SHIPPED_MEMORY, WITHOUT_PACKAGE_INIT
+
+    plugin = (
+        "from lstmem_peft.integrations.vllm import model, scheduler, worker\n"
+        "from lstmem_peft.integrations.vllm.checks import load_adapter\n"
+        "assert load_adapter('smollm2-135m-english-numbers')[0].block_size == 256\n"
+    )
+    code = WITHOUT_PACKAGE_INIT + plugin + BUILD_SHIPPED_MEMORY
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    layers, loaded = json.loads(result.stdout.splitlines()[-1])
+    assert layers == 18
+    assert [m for m in loaded if not m.startswith("transformers")] == []  # vLLM itself loads transformers
+
+
 def test_pipeline_parallelism_another_worker_and_graphs_that_capture_the_memory_op_are_refused(monkeypatch):
     """``pipeline_parallel_size > 1`` (refused by :func:`engine_args`: tests/test_vllm_args.py) is
     refused by the model too, for engines built without :func:`engine_args` (``vllm serve

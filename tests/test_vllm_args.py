@@ -223,3 +223,55 @@ def test_history_chunks_end_at_block_ends_and_find_their_feedback_samples():
             assert [samples[j] for j in range(len(expected))] == list(expected)
     with pytest.raises(ValueError, match="crosses the history block end 40.*LSTMemScheduler"):
         plan_chunk(32, 16, 100, 40, 32)
+
+
+#: A child process's first lines: the package's submodules without its ``__init__.py`` (the public
+#: API, which imports PEFT to register LSTMem with it), so what the rest imports shows.
+WITHOUT_PACKAGE_INIT = """
+import importlib.util, json, sys, types
+found = importlib.util.find_spec("lstmem_peft")
+package = types.ModuleType("lstmem_peft")
+package.__path__ = list(found.submodule_search_locations)
+sys.modules["lstmem_peft"] = package
+"""
+
+#: The shipped adapter's memory layers, built as the vLLM plugin builds them (SmolLM2-135M: 30 decoder
+#: layers, hidden and query width 576), then the model libraries and tuner modules loaded.
+BUILD_SHIPPED_MEMORY = """
+import torch
+from safetensors.torch import load_file
+from lstmem_peft.memory.adapter_files import adapter_weights_file, memory_weights_by_layer
+from lstmem_peft.memory.spec import memory_layer, read_memory_spec
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
+folder = resolve_adapter("smollm2-135m-english-numbers")
+spec, weights_file = read_memory_spec(folder), adapter_weights_file(folder)
+chosen = spec.memory_layer_indices(30)
+by_layer = memory_weights_by_layer(load_file(weights_file), spec.query_module, chosen, weights_file)
+for depth, layer_idx in enumerate(chosen):
+    layer = memory_layer(spec, 576, 576, layer_idx, dtype=torch.float32)
+    layer.set_depth_input(spec.receives_depth(depth))
+    layer.load_state_dict(by_layer[layer_idx], strict=True)
+print(json.dumps([len(chosen), sorted(
+    m for m in sys.modules if m.partition(".")[0] in ("peft", "transformers") or m.startswith("lstmem_peft.tuner")
+)]))
+"""
+
+
+def test_the_plugins_memory_layers_are_built_without_peft_transformers_or_the_tuner():
+    """Issue 46 item 5: what the vLLM plugin builds its memory layers with (the adapter's
+    :class:`~lstmem_peft.memory.spec.MemorySpec` read from its ``adapter_config.json``, its weights file,
+    :func:`~lstmem_peft.memory.spec.memory_layer`) loads neither PEFT nor transformers nor the tuner.
+    Only the package's ``__init__.py`` imports PEFT, which a child process skips here; the plugin's
+    own modules, which need vLLM, are checked the same way in tests/test_vllm.py."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PACKAGE_INIT + BUILD_SHIPPED_MEMORY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [18, []]

@@ -7,7 +7,7 @@ from __future__ import annotations
 def run_models(args) -> int:
     """``lstmem models``: list the known real backbones, convert one (printing its folder), or remove one."""
     from lstmem_peft.tuner import backbones
-    from lstmem_peft.tuner.shipped_adapters import SHIPPED_ADAPTERS
+    from lstmem_peft.utils.shipped_adapters import SHIPPED_ADAPTERS
 
     if args.action == "prepare":
         print(backbones.resolve_backbone(args.name, force=args.force))  # progress and notes on stderr

@@ -2,6 +2,8 @@
 layer's math (:mod:`.layer`; its decode step, :mod:`.step`; what both share, :mod:`.layer_common`)
 and its float64 reference (:mod:`.reference`), block-end feedback, the states
 (:class:`~lstmem_peft.memory.cache.MemoryCache`) and one forward of the memory stack
-(:class:`~lstmem_peft.memory.engine.MemoryPass`), the adapter's saved files, and the rule for
+(:class:`~lstmem_peft.memory.engine.MemoryPass`), the adapter's saved files and the memory stack its
+config describes (:class:`~lstmem_peft.memory.spec.MemorySpec`, with
+:func:`~lstmem_peft.memory.spec.memory_layer`, the one factory of a memory layer), and the rule for
 naming a session's memory on disk with the one atomic, fsynced writer both servers use
 (:mod:`.sessions`). Imports only ``lstmem_kernels`` and ``utils``."""

@@ -1,14 +1,52 @@
 """What an LSTMem layer checks when an adapter file (or a checkpoint) is loaded into it: weights that
-hold NaN or inf are refused; and how an adapter file's tensors are found by decoder layer when
-they are loaded without PEFT (the vLLM plugin, the server's fingerprint); and the refusal of weights
-saved for another base model, rank or head count, which names that cause."""
+hold NaN or inf are refused; where an adapter's files are (:func:`adapter_file`,
+:func:`adapter_weights_file`) and how its tensors are found by decoder layer when they are loaded
+without PEFT (the vLLM plugin, the server's fingerprint); and the refusal of weights saved for
+another base model, rank or head count, which names that cause."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
 import torch
+
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
+
+#: The files of a saved adapter (PEFT's names: ``peft.utils.CONFIG_NAME``, ``SAFETENSORS_WEIGHTS_NAME``).
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def adapter_file(adapter: str | os.PathLike, name: str) -> str:
+    """The file ``name`` of the adapter ``adapter``: in a local folder (whether there or not: the
+    caller says what is missing), a shipped adapter's (its short name,
+    :func:`~lstmem_peft.utils.shipped_adapters.resolve_adapter`), or a Hub id's through the Hub cache
+    (downloaded once)."""
+    adapter = resolve_adapter(adapter)
+    if os.path.isdir(adapter):
+        return os.path.join(adapter, name)
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(adapter, name)
+
+
+def adapter_weights_file(adapter: str | os.PathLike) -> str:
+    """The ``adapter_model.safetensors`` of the LSTMem adapter ``adapter`` (a local folder, a shipped
+    adapter's short name or a Hub id, :func:`adapter_file`), for loading it without PEFT (the vLLM
+    plugin, the server's facts).
+
+    Raises:
+        FileNotFoundError: a local folder without it, with the fix.
+    """
+    path = adapter_file(adapter, ADAPTER_WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{os.fspath(adapter)} has no {ADAPTER_WEIGHTS_NAME} (a .bin adapter cannot be loaded without PEFT); "
+            "load it and save it again with save_pretrained(folder) (safetensors is its default)"
+        )
+    return path
 
 
 def refuse_nonfinite_weights(layer, incompatible_keys) -> None:

@@ -15,13 +15,16 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lstmem_peft.memory.adapter_files import adapter_weights_file
 from lstmem_peft.memory.cache import MemoryLayout
+from lstmem_peft.memory.spec import read_memory_spec
 from lstmem_peft.tuner.backbones import resolve_model
 from lstmem_peft.tuner.history import memory_layers, memory_layout
-from lstmem_peft.tuner.loading import adapter_weights_file, load_model_and_adapter, load_tokenizer
-from lstmem_peft.tuner.shipped_adapters import check_pair, resolve_adapter
+from lstmem_peft.tuner.loading import load_model_and_adapter, load_tokenizer
+from lstmem_peft.tuner.shipped_adapters import check_pair
 from lstmem_peft.utils.offline import DEMO_ASSETS
 from lstmem_peft.utils.positions import trained_positions
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
 
 from .engine import Engine, NoEngine
 from .engine_library import LibraryEngine
@@ -147,10 +150,8 @@ class LoadedModel:
         """
         from transformers import AutoConfig, GenerationConfig
 
-        from lstmem_peft.tuner.config import LSTMemConfig
-
         backbone = AutoConfig.from_pretrained(model)
-        config = LSTMemConfig.from_pretrained(adapter)
+        config = read_memory_spec(adapter)  # what the vLLM plugin builds its memory layers from
         layers = adapter_memory_layers(config, adapter_weights_file(adapter), backbone)
         try:
             generation = GenerationConfig.from_pretrained(model)
@@ -199,14 +200,16 @@ def memory_fingerprint(layers) -> str:
 def adapter_memory_layers(config, weights_file: str, backbone_config) -> list[torch.nn.Module]:
     """The adapter's memory layers, loaded from its weights file without the backbone.
 
-    Each is the layer :func:`~lstmem_peft.tuner.layer.memory_layer` builds for its decoder layer (the
+    Each is the layer :func:`~lstmem_peft.memory.spec.memory_layer` builds for its decoder layer (the
     one the PEFT tuner and the vLLM plugin build), float32 on the CPU, with its depth input as
     injection sets it, then ``load_state_dict(strict=True)`` of its tensors: the values
     ``PeftModel.from_pretrained`` gives it (PEFT casts the adapter to float32; the layer's load hooks
     convert older files and refuse NaN).
 
     Args:
-        config: the adapter's :class:`~lstmem_peft.LSTMemConfig`.
+        config: the adapter's :class:`~lstmem_peft.memory.spec.MemorySpec`
+            (:func:`~lstmem_peft.memory.spec.read_memory_spec`, or
+            :meth:`LSTMemConfig.memory_spec <lstmem_peft.LSTMemConfig.memory_spec>`).
         weights_file: its ``adapter_model.safetensors``, keys as PEFT saves them
             (``...layers.<i>.self_attn.<query module>.lstmem_memory.<name>``).
         backbone_config: the backbone's transformers config (``num_hidden_layers``, ``hidden_size``,
@@ -222,7 +225,7 @@ def adapter_memory_layers(config, weights_file: str, backbone_config) -> list[to
     from safetensors.torch import load_file
 
     from lstmem_peft.memory.adapter_files import memory_weights_by_layer
-    from lstmem_peft.tuner.layer import memory_layer
+    from lstmem_peft.memory.spec import memory_layer
 
     chosen = config.memory_layer_indices(backbone_config.num_hidden_layers)
     by_layer = memory_weights_by_layer(load_file(weights_file), config.query_module, chosen, weights_file)

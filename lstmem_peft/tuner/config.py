@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import math
 import os
 import uuid
 import warnings
@@ -13,7 +12,7 @@ from peft import PeftConfig
 from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
 
 from lstmem_peft.memory import constants as K
-from lstmem_peft.memory.cache import STATE_DTYPES
+from lstmem_peft.memory.spec import MemorySpec, check_memory_id
 
 
 class LSTMemPeftType(str, enum.Enum):
@@ -100,8 +99,7 @@ class LSTMemConfig(PeftConfig):
         super().__post_init__()
         if self.memory_id is None:
             self.memory_id = uuid.uuid4().hex
-        elif not isinstance(self.memory_id, str) or not self.memory_id:
-            raise ValueError(f"memory_id must be a non-empty string (or unset), got {self.memory_id!r}")
+        check_memory_id(self.memory_id)
         self.peft_type = LSTMemPeftType.LSTMEM
         if self.task_type is None:
             self.task_type = "CAUSAL_LM"
@@ -109,52 +107,21 @@ class LSTMemConfig(PeftConfig):
             raise ValueError(
                 f"task_type must be 'CAUSAL_LM' (LSTMem adapts causal LMs), got {self.task_type!r}"
             )
-        for name in ("r", "num_heads", "feedback_positions", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if (
-            isinstance(self.alpha, bool)
-            or not isinstance(self.alpha, (int, float))
-            or not (math.isfinite(self.alpha) and self.alpha > 0)
-        ):
-            raise ValueError(f"alpha must be a positive finite number, got {self.alpha!r}")
-        for name in ("depth_coupling", "block_feedback", "update_during_generation"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"{name} must be true or false (a JSON boolean), got {getattr(self, name)!r}; a string such as "
-                    "'false' would count as true"
-                )
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be one of {sorted(STATE_DTYPES)}, got {self.state_dtype!r}")
-        if self.scan_backend not in ("auto", "torch", "triton", "naive"):
+        spec = self.memory_spec()  # checks the memory's options (memory/spec.py holds the rules)
+        self.layers_to_transform = (
+            None if spec.layers_to_transform is None else list(spec.layers_to_transform)
+        )
+        self.target_modules = None if spec.target_modules is None else list(spec.target_modules)
+        if not isinstance(self.update_during_generation, bool):
             raise ValueError(
-                f"scan_backend must be 'auto', 'torch', 'triton' or 'naive', got {self.scan_backend!r}"
+                f"update_during_generation must be true or false (a JSON boolean), got "
+                f"{self.update_during_generation!r}; a string such as 'false' would count as true"
             )
-        if isinstance(self.layers_to_transform, int) and not isinstance(self.layers_to_transform, bool):
-            self.layers_to_transform = [self.layers_to_transform]
-        if self.layers_to_transform is not None:
-            if not isinstance(self.layers_to_transform, (list, tuple)):
-                raise ValueError(
-                    f"layers_to_transform must be None (all layers), a layer index or a list of them, got "
-                    f"{self.layers_to_transform!r}"
-                )
-            layers = list(self.layers_to_transform)
-            if not layers or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in layers):
-                raise ValueError(
-                    "layers_to_transform must be None (all layers) or non-negative layer indices, "
-                    f"got {self.layers_to_transform!r}"
-                )
-            if len(set(layers)) != len(layers):
-                raise ValueError(f"layers_to_transform has duplicates: {layers}")
-            self.layers_to_transform = sorted(layers)
-        if self.target_modules is not None:
-            if isinstance(self.target_modules, str) or len(self.target_modules) != 2:
-                raise ValueError(
-                    "target_modules must be [query projection, output projection], e.g. ['q_proj', 'o_proj'], "
-                    f"got {self.target_modules!r}"
-                )
-            self.target_modules = list(self.target_modules)
+
+    def memory_spec(self) -> MemorySpec:
+        """The memory stack this config describes (:class:`~lstmem_peft.memory.spec.MemorySpec`): what
+        builds and runs its memory layers, here and where the adapter is loaded without PEFT."""
+        return MemorySpec.of_options(vars(self))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs):
@@ -182,25 +149,19 @@ class LSTMemConfig(PeftConfig):
 
     # ------------------------------------------------------------------ which layers get memory
     def carries_memory(self, layer_idx: int) -> bool:
-        """Whether decoder layer ``layer_idx`` gets a memory layer (all of them unless
-        ``layers_to_transform`` names some)."""
-        return self.layers_to_transform is None or layer_idx in self.layers_to_transform
+        """Whether decoder layer ``layer_idx`` gets a memory layer (:meth:`MemorySpec.carries_memory
+        <lstmem_peft.memory.spec.MemorySpec.carries_memory>`)."""
+        return self.memory_spec().carries_memory(layer_idx)
 
     def memory_layer_indices(self, num_layers: int) -> list[int]:
-        """The decoder layers of a ``num_layers``-layer model that get memory, in depth order; an
-        index the model does not have is an error."""
-        absent = sorted({i for i in self.layers_to_transform or () if i >= num_layers})
-        if absent:
-            raise ValueError(
-                f"layers_to_transform names decoder layers {absent} that the model does not have "
-                f"(it has {num_layers} layers)"
-            )
-        return [i for i in range(num_layers) if self.carries_memory(i)]
+        """The decoder layers of a ``num_layers``-layer model that get memory, in depth order
+        (:meth:`MemorySpec.memory_layer_indices <lstmem_peft.memory.spec.MemorySpec.memory_layer_indices>`)."""
+        return self.memory_spec().memory_layer_indices(num_layers)
 
     def receives_depth(self, depth: int) -> bool:
-        """Whether the memory layer at depth index ``depth`` (0: the lowest) gets a depth input
-        ``D^(l-1)``: every one but the first, with depth coupling."""
-        return self.depth_coupling and depth > 0
+        """Whether the memory layer at depth index ``depth`` gets a depth input
+        (:meth:`MemorySpec.receives_depth <lstmem_peft.memory.spec.MemorySpec.receives_depth>`)."""
+        return self.memory_spec().receives_depth(depth)
 
 
 class PeftLoaderConfig(LSTMemConfig):

@@ -18,7 +18,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from lstmem_peft.memory.layer import LSTMemLayer
+from lstmem_peft.memory.spec import memory_layer
 
 from . import context
 from .attention import QueryColumns, projection_shape
@@ -66,28 +66,6 @@ def _correction_shape(x: torch.Tensor, layer_idx: int, width: int) -> torch.Tens
 
 _query_correction.register_fake(_correction_shape)
 _output_correction.register_fake(_correction_shape)
-
-
-def memory_layer(
-    config, hidden_size: int, query_size: int, layer_idx: int, *, device=None, dtype=None
-) -> LSTMemLayer:
-    """The memory layer an adapter configuration (:class:`~lstmem_peft.tuner.config.LSTMemConfig`)
-    gives decoder layer ``layer_idx`` of a backbone with ``hidden_size`` and ``query_size``: its heads,
-    rank, scale and kernel backend (the paper's initialisation; the injection then sets the
-    corrections from the backbone and the depth input from ``config.receives_depth``). The one
-    definition the PEFT tuner and the vLLM plugin build their memory layers with."""
-    memory = LSTMemLayer(
-        hidden_size=hidden_size,
-        query_size=query_size,
-        num_heads=config.num_heads,
-        head_dim=config.r,
-        alpha=config.alpha,
-        layer_idx=layer_idx,
-        device=device,
-        dtype=dtype,
-    )
-    memory.backend = config.scan_backend
-    return memory
 
 
 def _in_captured_graph() -> bool:
@@ -158,7 +136,12 @@ class LSTMemQueryLayer(nn.Module, LSTMemTunerLayer):
         stored = getattr(base, "weight", None)
         dtype = stored.dtype if stored is not None and stored.dtype.is_floating_point else torch.float32
         memory = memory_layer(
-            config, weight.shape[1], weight.shape[0], self.layer_idx, device=weight.device, dtype=dtype
+            config.memory_spec(),
+            weight.shape[1],
+            weight.shape[0],
+            self.layer_idx,
+            device=weight.device,
+            dtype=dtype,
         )
         memory.init_corrections(weight, output_weight)
         self.lstmem_memory[adapter_name] = memory

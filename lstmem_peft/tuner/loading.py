@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from lstmem_peft.utils.offline import DEMO_ASSETS, demo_tokenizer
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
 
 from .backbones import resolve_model
 from .config import require_adapter_weights
-from .shipped_adapters import check_pair, resolve_adapter
+from .shipped_adapters import check_pair
 
 
 def load_model_and_adapter(
@@ -26,7 +27,7 @@ def load_model_and_adapter(
             folder, converted once from the installed package, :func:`~.backbones.resolve_model`), a
             Hub id or a local folder; ``None``: the embedded demo's backbone (and its word-level tokenizer).
         adapter: the LSTMem adapter, a Hub id, a local folder or the short name of an adapter shipped
-            in the package (:data:`~.shipped_adapters.SHIPPED_ADAPTERS`, e.g.
+            in the package (:data:`~lstmem_peft.utils.shipped_adapters.SHIPPED_ADAPTERS`, e.g.
             ``smollm2-135m-english-numbers``); ``None``: the plain backbone, or with ``model=None`` the
             demo's ``full`` adapter.
         dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
@@ -67,31 +68,6 @@ def load_tokenizer(model: str, adapter: str | None = None):
     adapter = resolve_adapter(adapter)
     own = adapter is not None and os.path.isfile(os.path.join(adapter, "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(adapter if own else resolve_model(model))
-
-
-def adapter_weights_file(adapter: str) -> str:
-    """The ``adapter_model.safetensors`` of the LSTMem adapter ``adapter``, for loading it without
-    PEFT (the vLLM plugin, the server's facts): a local folder's, a shipped adapter's (its short
-    name), or a Hub id's through the Hub cache.
-
-    Raises:
-        FileNotFoundError: a local folder without it, with the fix.
-    """
-    from peft.utils import SAFETENSORS_WEIGHTS_NAME
-
-    adapter = resolve_adapter(adapter)
-
-    if not os.path.isdir(adapter):
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(adapter, SAFETENSORS_WEIGHTS_NAME)
-    path = os.path.join(adapter, SAFETENSORS_WEIGHTS_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{adapter} has no {SAFETENSORS_WEIGHTS_NAME} (a .bin adapter cannot be loaded without PEFT); load it "
-            "and save it again with save_pretrained(folder) (safetensors is its default)"
-        )
-    return path
 
 
 def load_demo_backbone(path: Path = DEMO_ASSETS):

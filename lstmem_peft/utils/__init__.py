@@ -1,2 +1,3 @@
-"""The ground floor: user-facing errors, optional dependencies, and tiny offline models and
-tokenizers. Imports nothing else of the package."""
+"""The ground floor: user-facing errors, optional dependencies, tiny offline models and
+tokenizers, and the catalogue of adapters shipped in the package. Imports nothing else of the
+package."""

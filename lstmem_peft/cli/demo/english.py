@@ -123,8 +123,9 @@ def demo_settings(
         UsageError: no adapter given and none ships for ``model`` (the fix: ``--adapter`` or
             ``--train``), or a ``sweep`` (the toy task's, which needs ``--train`` on a ``--model``).
     """
-    from lstmem_peft.tuner.shipped_adapters import default_adapter, resolve_adapter, shipped_adapter
+    from lstmem_peft.tuner.shipped_adapters import default_adapter
     from lstmem_peft.utils.errors import UsageError
+    from lstmem_peft.utils.shipped_adapters import resolve_adapter, shipped_adapter
 
     if sweep is not None:
         raise UsageError(

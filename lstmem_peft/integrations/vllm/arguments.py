@@ -3,7 +3,7 @@ select the LSTMem variant of a backbone (:func:`hf_overrides`); they need no vLL
 
 from __future__ import annotations
 
-from lstmem_peft.tuner.shipped_adapters import resolve_adapter
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
 
 from .plugin import ARCHITECTURES, MEMORY_LAYER_TYPE, SCHEDULER, SESSION_FILE_CHECK, WORKER
 

@@ -3,9 +3,10 @@
 :func:`check_engine_config` runs when the model is built, before any layer: pipeline parallelism,
 another worker or scheduler than the plugin's, speculative decoding, prefix caching, and CUDA graphs
 that would replay the memory op where its Python must run are refused, each with an error naming
-what to do instead. :func:`adapter_of` reads the adapter an engine serves (its config and weights
-file, from ``hf_overrides["lstmem_adapter"]``); :func:`full_decode_graphs` says whether decode-only
-steps run in full CUDA graphs (read here and by the metadata builder, :mod:`~.backend`).
+what to do instead. :func:`adapter_of` reads the adapter an engine serves (its
+:class:`~lstmem_peft.memory.spec.MemorySpec` and weights file, from
+``hf_overrides["lstmem_adapter"]``); :func:`full_decode_graphs` says whether decode-only steps run
+in full CUDA graphs (read here and by the metadata builder, :mod:`~.backend`).
 """
 
 from __future__ import annotations
@@ -16,23 +17,24 @@ import torch
 from vllm.config import CUDAGraphMode, VllmConfig
 
 from lstmem_kernels import decode_backend
-from lstmem_peft.tuner.config import LSTMemConfig
-from lstmem_peft.tuner.loading import adapter_weights_file
-from lstmem_peft.tuner.shipped_adapters import resolve_adapter
+from lstmem_peft.memory.adapter_files import adapter_weights_file
+from lstmem_peft.memory.spec import MemorySpec, read_memory_spec
+from lstmem_peft.utils.shipped_adapters import resolve_adapter
 
 from . import MEMORY_OP, SCHEDULER, WORKER
 
 
 @functools.lru_cache(maxsize=8)
-def load_adapter(name: str) -> tuple[LSTMemConfig, str]:
-    """The config and the weights file of the LSTMem adapter ``name`` (a local folder, a shipped
-    adapter's short name, or a Hub id through the Hub cache)."""
+def load_adapter(name: str) -> tuple[MemorySpec, str]:
+    """The memory spec (read from its ``adapter_config.json``, without PEFT) and the weights file of
+    the LSTMem adapter ``name`` (a local folder, a shipped adapter's short name, or a Hub id through
+    the Hub cache)."""
     folder = resolve_adapter(name)  # a shipped adapter's short name: its folder in the package
-    return LSTMemConfig.from_pretrained(folder), adapter_weights_file(folder)
+    return read_memory_spec(folder), adapter_weights_file(folder)
 
 
-def adapter_of(hf_config) -> tuple[LSTMemConfig, str]:
-    """The config and the weights file of the adapter an engine serves (``hf_config.lstmem_adapter``).
+def adapter_of(hf_config) -> tuple[MemorySpec, str]:
+    """The memory spec and the weights file of the adapter an engine serves (``hf_config.lstmem_adapter``).
 
     Raises:
         ValueError: the config names no adapter (an engine not built with ``engine_args``).

@@ -17,7 +17,7 @@ import torch
 from vllm.logger import init_logger
 
 from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
-from lstmem_peft.tuner.config import LSTMemConfig
+from lstmem_peft.memory.spec import MemorySpec
 
 from .history import ChunkPlan, plan_chunk
 
@@ -61,7 +61,7 @@ class EngineMemory:
         block_size, feedback_positions, block_feedback, depth_coupling: the adapter's history settings.
     """
 
-    def __init__(self, config: LSTMemConfig | None = None) -> None:
+    def __init__(self, config: MemorySpec | None = None) -> None:
         self.depth_seq: torch.Tensor | None = None
         self.read_only: set[int] = set()
         self.step_has_read_only = False
@@ -70,7 +70,7 @@ class EngineMemory:
         self.step_history: dict[int, tuple[int, int]] = {}
         self.terminals: dict[int, list[LayerTerminal]] = {}
         self.states: list[torch.nn.Module] = []  # LSTMemState
-        config = config or LSTMemConfig()
+        config = config or MemorySpec()
         self.block_size = int(config.block_size)
         self.feedback_positions = int(config.feedback_positions)
         self.block_feedback = bool(config.block_feedback)

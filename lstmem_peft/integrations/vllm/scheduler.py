@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from lstmem_peft.tuner.config import LSTMemConfig
+from lstmem_peft.memory.spec import read_memory_spec
 
 from .history import cap_history_chunk
 from .sessions import is_history
@@ -30,7 +30,7 @@ def adapter_block_size(hf_config) -> int | None:
     name = getattr(hf_config, "lstmem_adapter", None)
     if not name:
         return None
-    return int(LSTMemConfig.from_pretrained(name).block_size)
+    return int(read_memory_spec(name).block_size)
 
 
 class LSTMemScheduler(Scheduler):

@@ -75,8 +75,7 @@ from lstmem_kernels import decode_backend, lstmem_decode_step
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import STATE_DTYPES
 from lstmem_peft.memory.layer import LayerWeights
-from lstmem_peft.tuner.config import LSTMemConfig
-from lstmem_peft.tuner.layer import memory_layer
+from lstmem_peft.memory.spec import MemorySpec, memory_layer
 
 from . import MEMORY_BACKEND, register_memory_backend
 from .backend import LSTMemMetadata
@@ -92,14 +91,14 @@ class LSTMemState(nn.Module, MambaBase):
     Args:
         hidden_size: the backbone layer's ``d``.
         query_size: the width of this rank's shard of the query projection (``d_q / tp``).
-        config: the adapter's config.
+        config: the adapter's memory spec (:func:`~lstmem_peft.memory.spec.read_memory_spec`).
         layer_idx: the decoder layer.
         depth: the memory layer's index among the memory layers (0: no depth input).
         prefix: the module's name (vLLM finds the layer and its metadata by it).
     """
 
     def __init__(
-        self, hidden_size: int, query_size: int, config: LSTMemConfig, layer_idx: int, depth: int, prefix: str
+        self, hidden_size: int, query_size: int, config: MemorySpec, layer_idx: int, depth: int, prefix: str
     ) -> None:
         nn.Module.__init__(self)
         # float32, as the PEFT adapter (PEFT keeps adapter weights in float32 unless told otherwise); W_dq
