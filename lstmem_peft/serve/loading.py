@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lstmem_peft.memory.adapter_files import adapter_weights_file
+from lstmem_peft.memory.adapter_files import ADAPTER_CONFIG_NAME, adapter_file, adapter_weights_file
 from lstmem_peft.memory.cache import MemoryLayout
 from lstmem_peft.memory.spec import read_memory_spec
 from lstmem_peft.tuner.backbones import resolve_model
@@ -336,11 +336,7 @@ def check_saved_memory_id(adapter: str) -> None:
     Such an adapter draws a new random ``memory_id`` at every load, so the memory a server stored
     would be refused (another layout) after a restart.
     """
-    path = os.path.join(adapter, "adapter_config.json")
-    if not os.path.isfile(path):
-        from huggingface_hub import hf_hub_download
-
-        path = hf_hub_download(adapter, "adapter_config.json")
+    path = adapter_file(adapter, ADAPTER_CONFIG_NAME)
     with open(path) as fh:
         saved = json.load(fh)
     if not saved.get("memory_id"):
