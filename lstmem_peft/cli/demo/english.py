@@ -392,9 +392,9 @@ def format_scores(result: dict[str, Any], backbone: str) -> str:
         row("greedy, exact", result["greedy_exact"]),
         row(f"greedy, leading digit (n={digits})", result["greedy_leading_digit"]),
         caption(
-            f"One note is {1 / max(n, 1):.2f} of a row here, and one standard error of the memory's forced "
-            f"choice is {standard_error(fc['memory'], n):.2f}; --episodes N scores more notes (about 2 s "
-            "each on a busy 2-core CPU)."
+            f"One note is {1 / max(n, 1):.2f} of a row here, and one standard error of a figure at most "
+            f"{standard_error(0.5, n):.2f} (binomial, largest at 0.5); --episodes N scores more notes (about "
+            "2 s each on a busy 2-core CPU)."
         ),
     ]
     return "\n".join(lines)
