@@ -269,3 +269,20 @@ def test_state_tables_may_share_one_buffer(backend):
         )  # fmt: skip
     _, (cells, hiddens), _, _ = step(layer, inputs, backend, slots=slots)
     assert torch.equal(buffer[:, 0], cells) and torch.equal(buffer[:, 1], hiddens)
+
+
+def test_a_layer_on_the_meta_device_steps_without_a_false_overlap():
+    """A model laid out on the meta device (accelerate's big-model loading, the sharded tests) has no
+    memory, so every tensor's address is 0: the overlap check must not read that as the new states
+    overlapping the inputs. The step gives a meta ``u`` of the right shape."""
+    layer = make_layer(True).to("meta")
+    inputs = {n: None if t is None else t.to("meta") for n, t in make_inputs(True, True).items()}
+    with torch.no_grad():
+        w = layer.weights()
+        out = (torch.empty_like(inputs["cell"]), torch.empty_like(inputs["hidden"]))
+        u = lstmem_decode_step(
+            inputs["x"], *w.step_weights(True), inputs["cell"], inputs["hidden"],
+            num_heads=H, out=out, depth=inputs["depth"], valid=inputs["valid"], norm_eps=K.NORM_EPS,
+            backend="torch",
+        )  # fmt: skip
+    assert u.is_meta and tuple(u.shape) == (B, H * R)

@@ -304,8 +304,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect. Meta tensors
+    (a model laid out before its weights load) have no memory: every one's address is 0."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta:
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:
