@@ -604,6 +604,42 @@ def test_one_token_is_scanned_under_autograd_and_stepped_without(monkeypatch):
     assert_close_to_reference(stepped, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)
 
 
+def test_the_decode_member_is_chosen_once_and_again_when_the_layer_moves(monkeypatch):
+    """The member of ``lstmem_decode_step`` a layer steps on is chosen when it is built, not per
+    token: tokens ask nothing; a new backend, dtype (``.double()``) or device (a parameter replaced
+    as accelerate loads a meta-device model) choose again, once, and the choice follows."""
+    chosen, used = [], []
+    choose, step = layer_module.decode_backend, layer_module.lstmem_decode_step
+    monkeypatch.setattr(layer_module, "decode_backend", lambda *a, **k: chosen.append(1) or choose(*a, **k))
+    monkeypatch.setattr(
+        layer_module, "lstmem_decode_step", lambda *a, **k: used.append(k["backend"]) or step(*a, **k)
+    )
+    layer = make_layer(seed=7)
+    layer.set_depth_input(False)
+    assert len(chosen) == 2  # at construction: the member without and with feedback samples
+    x, states = torch.randn(2, 1, D_MODEL), (torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8))
+    for _ in range(3):
+        _block(layer, x, states, aux=False)
+        _block(layer, x, states)
+    assert len(chosen) == 2 and used == ["torch"] * 6
+    layer.backend = "naive"
+    for _ in range(2):
+        _block(layer, x, states, aux=False)
+    assert len(chosen) == 4 and used[-2:] == ["naive"] * 2
+    layer.backend = "triton"  # the choice alone: the Triton member gives way for float64 and samples
+    assert (layer.decode_member(), layer.decode_member(samples=True)) == ("triton", "torch")
+    layer.double()
+    assert layer.decode_member() == "torch" and len(chosen) == 8
+    for _ in range(2):
+        _block(layer, x.double(), [t.double() for t in states], aux=False)
+    assert len(chosen) == 8 and used[-2:] == ["torch"] * 2
+    layer.backend = "auto"
+    layer.decode_member()
+    layer._parameters["w_in"] = torch.nn.Parameter(layer.w_in.detach().to("meta"))
+    assert layer.decode_member() == "torch" and len(chosen) == 12  # the meta device: chosen again
+    assert layer.decode_member() == "torch" and len(chosen) == 12
+
+
 def test_importing_the_layer_registers_no_process_wide_hook():
     """The optimizer hook that keeps cached weights current is registered by the first layer that
     caches them (decoding without gradients), not by importing the module."""
