@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from decode_steps import step
 
 from lstmem_kernels import lstmem_decode_step, triton_available
 from lstmem_kernels.step.decode_torch import step_maps
@@ -56,35 +57,6 @@ def make_inputs(depth: bool, valid: bool, dtype=torch.float32, rows: int = B, se
         "depth": (0.5 * torch.randn(B, H, R, R, generator=g)).to(dtype) if depth else None,
         "valid": torch.tensor([True, False, True]) if valid else None,
     }
-
-
-def step(layer, inputs, backend, *, slots=None, samples=False):
-    """One ``lstmem_decode_step`` on ``backend`` with ``layer``'s weights: returns ``u``, the new
-    states (the tables themselves with ``slots``), ``D_t`` from ``hidden_seq``, and the samples."""
-    with torch.no_grad():
-        w = layer.weights()
-        depth = inputs["depth"]
-        weights = w.step_weights(depth is not None)
-        cell, hidden = inputs["cell"].clone(), inputs["hidden"].clone()
-        out = (cell, hidden) if slots is not None else (torch.empty_like(cell), torch.empty_like(hidden))
-        seq = torch.empty(B, H, R, R)
-        result = lstmem_decode_step(
-            inputs["x"],
-            *weights,
-            cell,
-            hidden,
-            num_heads=H,
-            out=out,
-            depth=depth,
-            valid=inputs["valid"],
-            norm_eps=K.NORM_EPS,
-            slots=slots,
-            hidden_seq=seq,
-            samples=samples,
-            backend=backend,
-        )
-    u, found = result if samples else (result, None)
-    return u, out, seq, found
 
 
 def paper(layer, inputs):

@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from decode_steps import decode_slots
 
-from lstmem_kernels import decode_backend, lstmem_decode_step
 from lstmem_kernels.step.decode_torch import arrange_step_maps
 from lstmem_peft import LSTMemLayer
-from lstmem_peft.memory import constants as K
 from lstmem_peft.memory import layer as layer_module
 from lstmem_peft.memory.reference import memory_layer_ref
 
@@ -279,30 +278,6 @@ SLOT_DTYPES = {
     "float64": (torch.float64, torch.float64, 1e-12),
     "float32 layer, bf16 tables": (torch.float32, torch.bfloat16, 1e-5),
 }
-
-
-def decode_slots(layer, x, cells, hiddens, slots, *, depth=None, valid=None, hidden_seq=None):
-    """The vLLM plugin's decode step: ``lstmem_decode_step`` with ``slots=`` on the layer's member,
-    the tables their own outputs; ``D_t`` into ``hidden_seq`` (a float32 tensor of its own when not
-    given). Returns ``u`` and ``D_t``."""
-    w = layer.derived_weights()
-    if hidden_seq is None:
-        hidden_seq = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim)
-    u = lstmem_decode_step(
-        x,
-        *w.step_weights(depth is not None),
-        cells,
-        hiddens,
-        num_heads=layer.num_heads,
-        out=(cells, hiddens),
-        depth=depth,
-        valid=valid,
-        norm_eps=K.NORM_EPS,
-        slots=slots,
-        hidden_seq=hidden_seq,
-        backend=decode_backend(layer.backend, x, w.w_in.dtype),
-    )
-    return u, hidden_seq
 
 
 @pytest.mark.parametrize("dtypes", sorted(SLOT_DTYPES))
