@@ -487,6 +487,7 @@ class LSTMemLayer(nn.Module):
             norm_eps=K.NORM_EPS,
             samples=aux,
             backend=self.decode_member(aux),
+            fresh_out=True,  # the new states' tensors were made just above
         )
         u, found = result if aux else (result, None)
         out = LayerOutput(
