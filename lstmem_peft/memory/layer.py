@@ -447,16 +447,18 @@ class LSTMemLayer(nn.Module):
             depth_gate=g.view(B, T, H, R),
         )
 
-    def decode_member(self, samples: bool = False) -> str:
+    def decode_member(self, samples: bool = False, weight: torch.Tensor | None = None) -> str:
         """The member of :func:`lstmem_kernels.lstmem_decode_step` this layer steps on
         (:func:`lstmem_kernels.decode_backend` of :attr:`backend` on its weights' device and dtype;
-        with ``samples``, the one that returns the feedback samples).
+        with ``samples``, the one that returns the feedback samples). ``weight``: the derived
+        ``w_in`` a step runs with (default: the parameter ``w_in``, of the same device and dtype
+        unless a caller passes weights of its own).
 
         Chosen once, and chosen again only when what it depends on changes: :attr:`backend`, or the
         device or dtype of the weights (``.to()``, ``.double()``, or parameters replaced on another
         device, as accelerate does for a model laid out on the meta device). So a token pays a
         comparison of three values, not the choice."""
-        weight = self._parameters["w_in"]
+        weight = self._parameters["w_in"] if weight is None else weight
         key = (self.backend, weight.device, weight.dtype)
         chosen = self.__dict__.get("_members")
         if chosen is None or chosen[0] != key:
@@ -486,7 +488,7 @@ class LSTMemLayer(nn.Module):
             valid=None if valid is None else valid.reshape(B),
             norm_eps=K.NORM_EPS,
             samples=aux,
-            backend=self.decode_member(aux),
+            backend=self.decode_member(aux, w.w_in),
             fresh_out=True,  # the new states' tensors were made just above
         )
         u, found = result if aux else (result, None)
