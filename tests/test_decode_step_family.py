@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+from decode_steps import step
 
 from lstmem_kernels import lstmem_decode_step, triton_available
 from lstmem_kernels.step.decode_torch import step_maps
@@ -56,35 +57,6 @@ def make_inputs(depth: bool, valid: bool, dtype=torch.float32, rows: int = B, se
         "depth": (0.5 * torch.randn(B, H, R, R, generator=g)).to(dtype) if depth else None,
         "valid": torch.tensor([True, False, True]) if valid else None,
     }
-
-
-def step(layer, inputs, backend, *, slots=None, samples=False):
-    """One ``lstmem_decode_step`` on ``backend`` with ``layer``'s weights: returns ``u``, the new
-    states (the tables themselves with ``slots``), ``D_t`` from ``hidden_seq``, and the samples."""
-    with torch.no_grad():
-        w = layer.weights()
-        depth = inputs["depth"]
-        weights = w.step_weights(depth is not None)
-        cell, hidden = inputs["cell"].clone(), inputs["hidden"].clone()
-        out = (cell, hidden) if slots is not None else (torch.empty_like(cell), torch.empty_like(hidden))
-        seq = torch.empty(B, H, R, R)
-        result = lstmem_decode_step(
-            inputs["x"],
-            *weights,
-            cell,
-            hidden,
-            num_heads=H,
-            out=out,
-            depth=depth,
-            valid=inputs["valid"],
-            norm_eps=K.NORM_EPS,
-            slots=slots,
-            hidden_seq=seq,
-            samples=samples,
-            backend=backend,
-        )
-    u, found = result if samples else (result, None)
-    return u, out, seq, found
 
 
 def paper(layer, inputs):
@@ -286,3 +258,60 @@ def test_a_layer_on_the_meta_device_steps_without_a_false_overlap():
             backend="torch",
         )  # fmt: skip
     assert u.is_meta and tuple(u.shape) == (B, H * R)
+
+
+def test_a_layers_step_checks_the_shapes_but_not_the_overlaps_of_the_states_it_made(monkeypatch):
+    """A memory layer's decode step allocates its new states itself (``fresh_out=True``), so the
+    op skips the overlap check, the costly part of checking a call, and checks the shapes at every
+    token: a state of the wrong batch still fails loudly through the layer. A caller's own ``out``
+    is compared with the inputs at every call, however many calls passed before."""
+    from lstmem_kernels.step import ops
+
+    counts = {"shapes": 0, "overlaps": 0}
+    for name in counts:
+        real = getattr(ops, f"_check_decode_{name}")
+        monkeypatch.setattr(
+            ops,
+            f"_check_decode_{name}",
+            lambda *a, _f=real, _n=name: counts.update({_n: counts[_n] + 1}) or _f(*a),
+        )
+    layer = make_layer(True)
+    inputs = make_inputs(True, True)
+    x, depth, valid = inputs["x"][:, None], inputs["depth"][:, None], inputs["valid"][:, None]
+    with torch.no_grad():
+        for _ in range(3):
+            layer(x, inputs["cell"], inputs["hidden"], depth=depth, valid=valid, aux=False)
+        assert counts == {"shapes": 3, "overlaps": 0}
+        with pytest.raises(ValueError, match=r"cell has shape \(2, 2, 4, 4\), expected \(3, 2, 4, 4\)"):
+            layer(x, inputs["cell"][:2], inputs["hidden"][:2], depth=depth, valid=valid)
+        w = layer.weights()
+
+        def call(out):
+            lstmem_decode_step(
+                inputs["x"], *w.step_weights(True), inputs["cell"], inputs["hidden"], num_heads=H,
+                out=out, depth=inputs["depth"], valid=inputs["valid"], norm_eps=K.NORM_EPS, backend="torch",
+            )  # fmt: skip
+
+        good = (torch.empty_like(inputs["cell"]), torch.empty_like(inputs["hidden"]))
+        call(good)
+        call(good)
+        with pytest.raises(ValueError, match="cell_out overlaps the memory of cell"):
+            call((inputs["cell"], good[1]))
+    assert counts == {"shapes": 7, "overlaps": 3}
+
+
+def test_the_overlap_check_reads_spans_of_contiguous_and_strided_tensors():
+    """``_overlap`` on views of one buffer: touching blocks do not overlap, shared elements do, and a
+    strided view overlaps what lies between its elements (its span), as a contiguous one does."""
+    from lstmem_kernels.step.ops import _overlap
+
+    buffer = torch.zeros(64)
+    first, second = buffer[:32], buffer[32:]
+    assert not _overlap(first, second) and not _overlap(second, first)
+    assert _overlap(buffer[:33], second) and _overlap(buffer[16:48], first)
+    assert not _overlap(first, torch.zeros(32))
+    strided = buffer[:48:2]  # elements 0, 2, ..., 46
+    assert not strided.is_contiguous()
+    assert _overlap(strided, buffer[40:41].view(1)) and not _overlap(strided, buffer[47:])
+    table = buffer.view(4, 16)
+    assert _overlap(table[1:3].reshape(2, 4, 4), buffer[35:36]) and not _overlap(table[1:3], buffer[48:])

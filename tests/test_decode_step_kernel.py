@@ -20,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from decode_steps import decode_slots, run_step
 from launch_count import count_launches_and_ops
 
 from lstmem_kernels import decode_backend, lstmem_decode_step
@@ -100,27 +101,11 @@ def weights(layer, *, depth):
     return {"w_in": w.w_in, "b_in": w.b_in, "eau": eau, "b_eau": w.b_eau, "read": w.read}
 
 
-def run_op(wts, inputs, num_heads, out_dtype=torch.float32, to=None):
-    """``lstmem_decode_step`` into fresh outputs; ``to``: a dtype every float input is cast to first."""
-    if to is not None:
-        wts = {n: t.to(to) for n, t in wts.items()}
-        inputs = {n: t if t is None or not t.is_floating_point() else t.to(to) for n, t in inputs.items()}
-    x, cell, hidden = inputs["x"], inputs["cell"], inputs["hidden"]
-    out = (torch.empty(cell.shape, dtype=out_dtype, device=DEVICE), torch.empty_like(hidden, dtype=out_dtype))
-    with torch.no_grad():
-        u = lstmem_decode_step(
-            x,
-            *wts.values(),
-            cell,
-            hidden,
-            num_heads=num_heads,
-            depth=inputs["depth"],
-            valid=inputs["valid"],
-            out=out,
-            norm_eps=K.NORM_EPS,
-            backend="triton",
-        )
-    return u, out[0], out[1]
+def run_op(wts, inputs, num_heads):
+    """The Triton member into fresh outputs (float64 for float64 states, else float32): ``u``,
+    ``C_t`` and ``D_t``."""
+    u, (cell, hidden), _, _ = run_step(tuple(wts.values()), inputs, "triton", num_heads=num_heads)
+    return u, cell, hidden
 
 
 def layer_step_float64(layer, w, inputs):
@@ -310,7 +295,7 @@ def test_matches_the_paper_reference(B, d, H, R, depth, valid, dtype, state_dtyp
     inputs = make_inputs(B, d, H, R, depth=depth, valid=valid, dtype=dtype, state_dtype=state_dtype)
     before = {n: t.clone() for n, t in inputs.items() if t is not None}
     out_dtype = torch.float64 if state_dtype == torch.float64 else torch.float32
-    u, cell, hidden = run_op(wts, inputs, H, out_dtype=out_dtype)
+    u, cell, hidden = run_op(wts, inputs, H)
     assert all(torch.equal(inputs[n], t) for n, t in before.items())
     assert u.dtype == torch.float32 and u.shape == (B, H * R) and cell.dtype == out_dtype
     want_u, want_c, want_h = reference(layer, inputs)
@@ -402,31 +387,6 @@ def test_one_triton_launch_and_no_other_compute(depth):
 
 
 # ---------------------------------------------------------------------- state slots, in place
-def decode_slots(layer, x, cells, hiddens, slots, *, depth=None, valid=None, hidden_seq=None):
-    """The vLLM plugin's decode step (``LSTMemState._decode``): the op with ``slots=`` on the
-    layer's member, the tables their own outputs, ``D_t`` into ``hidden_seq`` (a float32 tensor of
-    its own when not given); returns ``u`` and ``D_t``."""
-    w = layer.derived_weights()
-    if hidden_seq is None:
-        R = layer.head_dim
-        hidden_seq = torch.empty(x.shape[0], layer.num_heads, R, R, device=x.device)
-    u = lstmem_decode_step(
-        x,
-        *w.step_weights(depth is not None),
-        cells,
-        hiddens,
-        num_heads=layer.num_heads,
-        out=(cells, hiddens),
-        depth=depth,
-        valid=valid,
-        norm_eps=K.NORM_EPS,
-        slots=slots,
-        hidden_seq=hidden_seq,
-        backend=decode_backend(layer.backend, x, w.w_in.dtype),
-    )
-    return u, hidden_seq
-
-
 def _slot_case(depth: bool, x_dtype=torch.float32):
     """A layer, 3 sequences whose states are rows 5, 0 and 3 of 7-row tables, the middle one
     read-only (``valid`` False), and their inputs."""

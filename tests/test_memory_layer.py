@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from decode_steps import decode_slots
 
-from lstmem_kernels import decode_backend, lstmem_decode_step
 from lstmem_kernels.step.decode_torch import arrange_step_maps
 from lstmem_peft import LSTMemLayer
-from lstmem_peft.memory import constants as K
 from lstmem_peft.memory import layer as layer_module
 from lstmem_peft.memory.reference import memory_layer_ref
 
@@ -279,30 +278,6 @@ SLOT_DTYPES = {
     "float64": (torch.float64, torch.float64, 1e-12),
     "float32 layer, bf16 tables": (torch.float32, torch.bfloat16, 1e-5),
 }
-
-
-def decode_slots(layer, x, cells, hiddens, slots, *, depth=None, valid=None, hidden_seq=None):
-    """The vLLM plugin's decode step: ``lstmem_decode_step`` with ``slots=`` on the layer's member,
-    the tables their own outputs; ``D_t`` into ``hidden_seq`` (a float32 tensor of its own when not
-    given). Returns ``u`` and ``D_t``."""
-    w = layer.derived_weights()
-    if hidden_seq is None:
-        hidden_seq = torch.empty(x.shape[0], layer.num_heads, layer.head_dim, layer.head_dim)
-    u = lstmem_decode_step(
-        x,
-        *w.step_weights(depth is not None),
-        cells,
-        hiddens,
-        num_heads=layer.num_heads,
-        out=(cells, hiddens),
-        depth=depth,
-        valid=valid,
-        norm_eps=K.NORM_EPS,
-        slots=slots,
-        hidden_seq=hidden_seq,
-        backend=decode_backend(layer.backend, x, w.w_in.dtype),
-    )
-    return u, hidden_seq
 
 
 @pytest.mark.parametrize("dtypes", sorted(SLOT_DTYPES))
@@ -602,6 +577,42 @@ def test_one_token_is_scanned_under_autograd_and_stepped_without(monkeypatch):
                 getattr(scanned, name).detach(), getattr(got, name), rtol=1e-12, atol=1e-12
             )
     assert_close_to_reference(stepped, reference(layer, x, depth, *states), atol=1e-12, rtol=1e-12)
+
+
+def test_the_decode_member_is_chosen_once_and_again_when_the_layer_moves(monkeypatch):
+    """The member of ``lstmem_decode_step`` a layer steps on is chosen when it is built, not per
+    token: tokens ask nothing; a new backend, dtype (``.double()``) or device (a parameter replaced
+    as accelerate loads a meta-device model) choose again, once, and the choice follows."""
+    chosen, used = [], []
+    choose, step = layer_module.decode_backend, layer_module.lstmem_decode_step
+    monkeypatch.setattr(layer_module, "decode_backend", lambda *a, **k: chosen.append(1) or choose(*a, **k))
+    monkeypatch.setattr(
+        layer_module, "lstmem_decode_step", lambda *a, **k: used.append(k["backend"]) or step(*a, **k)
+    )
+    layer = make_layer(seed=7)
+    layer.set_depth_input(False)
+    assert len(chosen) == 2  # at construction: the member without and with feedback samples
+    x, states = torch.randn(2, 1, D_MODEL), (torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8))
+    for _ in range(3):
+        _block(layer, x, states, aux=False)
+        _block(layer, x, states)
+    assert len(chosen) == 2 and used == ["torch"] * 6
+    layer.backend = "naive"
+    for _ in range(2):
+        _block(layer, x, states, aux=False)
+    assert len(chosen) == 4 and used[-2:] == ["naive"] * 2
+    layer.backend = "triton"  # the choice alone: the Triton member gives way for float64 and samples
+    assert (layer.decode_member(), layer.decode_member(samples=True)) == ("triton", "torch")
+    layer.double()
+    assert layer.decode_member() == "torch" and len(chosen) == 8
+    for _ in range(2):
+        _block(layer, x.double(), [t.double() for t in states], aux=False)
+    assert len(chosen) == 8 and used[-2:] == ["torch"] * 2
+    layer.backend = "auto"
+    layer.decode_member()
+    layer._parameters["w_in"] = torch.nn.Parameter(layer.w_in.detach().to("meta"))
+    assert layer.decode_member() == "torch" and len(chosen) == 12  # the meta device: chosen again
+    assert layer.decode_member() == "torch" and len(chosen) == 12
 
 
 def test_importing_the_layer_registers_no_process_wide_hook():

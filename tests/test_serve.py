@@ -783,7 +783,8 @@ def test_an_interrupted_commit_leaves_the_previous_version(tmp_path, loaded):
 
     store = SessionStore(tmp_path, loaded.layout)
     session = store.get("public", "s")
-    (row,), _ = write_rows(loaded, [MemoryRow(fresh_memory(loaded.layout, loaded.device))], [[1, 5, 6, 7]])
+    fresh = [MemoryRow(fresh_memory(loaded.layout, loaded.device))]
+    (row,), _ = write_rows(loaded.engine, fresh, [[1, 5, 6, 7]], loaded.device)
     session.memory = row.memory
     store.commit(session)
     folder = tmp_path / "public" / "s"

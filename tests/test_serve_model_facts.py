@@ -92,7 +92,9 @@ def test_the_facts_read_from_the_files_equal_those_of_the_library_model(
     assert files.eos_ids == frozenset(generation_eos or [2])
     assert files.tokenizer.encode("hello") == library.tokenizer.encode("hello")
     with pytest.raises(RuntimeError, match="no engine to run it.*engine=VLLMEngine.*engine='hf'"):
-        write_rows(files, [MemoryRow(fresh_memory(files.layout, files.device))], [[3, 4, 5]])
+        write_rows(
+            files.engine, [MemoryRow(fresh_memory(files.layout, files.device))], [[3, 4, 5]], files.device
+        )
     # the fingerprint follows the weights: one changed weight changes it
     weights = load_file(os.path.join(adapter, "adapter_model.safetensors"))
     key = next(k for k in weights if k.endswith("lstmem_memory.b_x"))
@@ -278,16 +280,17 @@ def test_log_probabilities_an_engine_decodes_with_become_those_the_library_score
     if eos is not None:
         loaded = dataclasses.replace(loaded, eos_ids=frozenset(fmt.encode_text(eos)))
     (memory,), _ = write_rows(
-        loaded,
+        loaded.engine,
         [MemoryRow(fresh_memory(loaded.layout, loaded.device))],
         [fmt.encode_text("<s> k07 v19 ; k12 v03 ; k01 v05")],
+        loaded.device,
     )
     rows = [memory, MemoryRow(fresh_memory(loaded.layout, loaded.device))]
     prompts = [fmt.encode_text("<s> ? k12"), fmt.encode_text("<s> k07 v19 ; k01")]
     sampling = Sampling(max_tokens, 0.0, 1.0, n, stop, None, logprobs, echo)
-    engine = dataclasses.replace(loaded, engine=KeepingEngine(loaded.engine))
-    want = generate_rows(loaded, rows, prompts, sampling)
-    got = generate_rows(engine, rows, prompts, sampling)
+    keeping = KeepingEngine(loaded.engine)
+    want = generate_rows(loaded.engine, loaded.tokenizer, loaded.eos_ids, rows, prompts, sampling)
+    got = generate_rows(keeping, loaded.tokenizer, loaded.eos_ids, rows, prompts, sampling)
     assert [(a.finish_reason, a.end_token is not None) for a, *_ in want] == endings
     for choices_got, choices_want in zip(got, want, strict=True):
         assert len(choices_got) == len(choices_want) == n
@@ -307,9 +310,9 @@ def test_prompts_an_engine_scores_become_those_the_library_scores(loaded):
     rows = [MemoryRow(fresh_memory(loaded.layout, loaded.device))] * 3
     sequences = [fmt.encode_text(t) for t in ("<s> k07 v19 ; ? k07", "<s> k01 v05", "<s> ? k12")]
     starts = [0, 3, len(sequences[2])]
-    engine = dataclasses.replace(loaded, engine=KeepingEngine(loaded.engine))
-    want = score_rows(loaded, rows, sequences, starts, 2)
-    got = score_rows(engine, rows, sequences, starts, 2)
+    keeping = KeepingEngine(loaded.engine)
+    want = score_rows(loaded.engine, loaded.tokenizer, rows, sequences, starts, 2)
+    got = score_rows(keeping, loaded.tokenizer, rows, sequences, starts, 2)
     assert got[2].ids == [] and want[2].ids == []
     for a, b in zip(got, want, strict=True):
         assert_same_logprobs(a, b)

@@ -484,7 +484,8 @@ def test_a_record_of_another_format_is_refused_naming_it(loaded, tmp_path):
 
     store = SessionStore(tmp_path, loaded.layout)
     session = store.get("public", "old")
-    (row,), _ = write_rows(loaded, [MemoryRow(fresh_memory(loaded.layout, loaded.device))], [[1, 5, 6, 7]])
+    fresh = [MemoryRow(fresh_memory(loaded.layout, loaded.device))]
+    (row,), _ = write_rows(loaded.engine, fresh, [[1, 5, 6, 7]], loaded.device)
     session.memory = row.memory
     store.commit(session)
     path = tmp_path / "public" / "old" / "record.json"

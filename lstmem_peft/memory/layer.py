@@ -125,6 +125,7 @@ class LSTMemLayer(nn.Module):
         #: ``"torch"``, ``"triton"`` or ``"naive"`` (:mod:`lstmem_kernels.backend`); set at injection from
         #: ``LSTMemConfig.scan_backend``
         self.backend = "auto"
+        self.decode_member()  # the decode step's member, chosen now and again when the layer moves
         self.reset_parameters()
         self.register_load_state_dict_post_hook(refuse_nonfinite_weights)
         self.register_load_state_dict_post_hook(_forget_derived)
@@ -446,12 +447,32 @@ class LSTMemLayer(nn.Module):
             depth_gate=g.view(B, T, H, R),
         )
 
+    def decode_member(self, samples: bool = False, weight: torch.Tensor | None = None) -> str:
+        """The member of :func:`lstmem_kernels.lstmem_decode_step` this layer steps on
+        (:func:`lstmem_kernels.decode_backend` of :attr:`backend` on its weights' device and dtype;
+        with ``samples``, the one that returns the feedback samples). ``weight``: the derived
+        ``w_in`` a step runs with (default: the parameter ``w_in``, of the same device and dtype
+        unless a caller passes weights of its own).
+
+        Chosen once, and chosen again only when what it depends on changes: :attr:`backend`, or the
+        device or dtype of the weights (``.to()``, ``.double()``, or parameters replaced on another
+        device, as accelerate does for a model laid out on the meta device). So a token pays a
+        comparison of three values, not the choice."""
+        weight = self._parameters["w_in"] if weight is None else weight
+        key = (self.backend, weight.device, weight.dtype)
+        chosen = self.__dict__.get("_members")
+        if chosen is None or chosen[0] != key:
+            members = tuple(
+                decode_backend(self.backend, weight, weight.dtype, samples=s) for s in (False, True)
+            )
+            chosen = self.__dict__["_members"] = (key, members)
+        return chosen[1][samples]
+
     def _decode_step(self, x, cell, hidden, depth, valid, w: LayerWeights, aux: bool) -> LayerOutput:
         """The forward for one token without gradients: the step op family's
-        (:func:`lstmem_kernels.lstmem_decode_step`) on this layer's weights, on the member
-        :func:`lstmem_kernels.decode_backend` picks for :attr:`backend` (the PyTorch one when the
-        feedback samples are wanted, ``aux``). The new states go into fresh tensors: the caller's
-        states change only when its pass commits."""
+        (:func:`lstmem_kernels.lstmem_decode_step`) on this layer's weights, on its member
+        (:meth:`decode_member`: the PyTorch one when the feedback samples are wanted, ``aux``). The
+        new states go into fresh tensors: the caller's states change only when its pass commits."""
         B = x.shape[0]
         H, R, ds = self.num_heads, self.head_dim, self.state_size
         dtype = w.w_in.dtype
@@ -467,7 +488,8 @@ class LSTMemLayer(nn.Module):
             valid=None if valid is None else valid.reshape(B),
             norm_eps=K.NORM_EPS,
             samples=aux,
-            backend=decode_backend(self.backend, x, dtype, samples=aux),
+            backend=self.decode_member(aux, w.w_in),
+            fresh_out=True,  # the new states' tensors were made just above
         )
         u, found = result if aux else (result, None)
         out = LayerOutput(

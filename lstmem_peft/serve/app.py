@@ -221,8 +221,9 @@ def create_app(
     store = SessionStore(
         store_dir, loaded.layout, max_versions=session_versions, max_version_bytes=session_version_bytes
     )
+    runner = JobRunner(loaded.engine, loaded.tokenizer, loaded.device, loaded.eos_ids, store, window)
     scheduler = Scheduler(
-        JobRunner(loaded, store, window),
+        runner,
         max_batch=max_batch,
         batch_wait=batch_wait_ms / 1000,
         batching=batching,

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .decoding import Decoded, Sampling, Scores, find_stop
-from .engine import MemoryRow
-from .loading import LoadedModel
+from .engine import Engine, MemoryRow
 
 __all__ = [
     "Answer",
@@ -71,7 +70,9 @@ def cut_answer(
 
 
 def generate_rows(
-    loaded: LoadedModel,
+    engine: Engine,
+    tokenizer,
+    eos_ids: frozenset[int],
     rows: list[MemoryRow],
     prompts: list[list[int]],
     sampling: Sampling,
@@ -89,7 +90,9 @@ def generate_rows(
     choices are equal, as OpenAI's are); sampling decodes ``n`` sequences per prompt.
 
     Args:
-        loaded: the served model.
+        engine: what decodes (the served model's :class:`~.engine.Engine`).
+        tokenizer: the served model's tokenizer (answers' text, stop strings, log-probabilities).
+        eos_ids: the model's end-of-answer tokens (none are used with ``sampling.ignore_eos``).
         rows: the memories (not modified).
         prompts: prompt token ids per row (non-empty).
         sampling: the shared decoding parameters.
@@ -105,21 +108,22 @@ def generate_rows(
     expanded_stops = [s for s in stops for _ in range(k)]
     if k < n:
         on_token, cancelled = _per_decoded_row(n, on_token, cancelled)
-    decoded = loaded.engine.generate(rows, prompts, sampling, expanded_stops, on_token, cancelled)
-    eos_ids = answer_eos_ids(loaded, sampling)
+    decoded = engine.generate(rows, prompts, sampling, expanded_stops, on_token, cancelled)
+    ends = answer_eos_ids(eos_ids, sampling)
     answers = [
-        cut_answer(loaded.tokenizer, d.token_ids, eos_ids, expanded_stops[r], sampling.min_tokens)
+        cut_answer(tokenizer, d.token_ids, ends, expanded_stops[r], sampling.min_tokens)
         for r, d in enumerate(decoded)
     ]
     per_row = [answers[i * k : (i + 1) * k] for i in range(len(rows))]
     if k < n:  # greedy: the one decoded answer is each of the ``n`` choices
         per_row = [[replace(a[0], token_ids=list(a[0].token_ids)) for _ in range(n)] for a in per_row]
-    return attach_logprobs(loaded, rows, prompts, sampling, per_row, decoded)
+    return attach_logprobs(engine, tokenizer, rows, prompts, sampling, per_row, decoded)
 
 
-def answer_eos_ids(loaded: LoadedModel, sampling: Sampling) -> frozenset[int]:
-    """The tokens that end an answer of ``sampling``: the model's EOS tokens, none with ``ignore_eos``."""
-    return frozenset() if sampling.ignore_eos else loaded.eos_ids
+def answer_eos_ids(eos_ids: frozenset[int], sampling: Sampling) -> frozenset[int]:
+    """The tokens that end an answer of ``sampling``: the model's EOS tokens ``eos_ids``, none with
+    ``ignore_eos``."""
+    return frozenset() if sampling.ignore_eos else eos_ids
 
 
 def _per_decoded_row(n: int, on_token, cancelled):
@@ -187,7 +191,7 @@ def token_logprobs(tokenizer, seq: list[int], start: int, scores: Scores) -> Tok
 
 
 def score_rows(
-    loaded: LoadedModel, rows: list[MemoryRow], sequences: list[list[int]], starts: list[int], top: int
+    engine: Engine, tokenizer, rows: list[MemoryRow], sequences: list[list[int]], starts: list[int], top: int
 ) -> list[TokenLogprobs]:
     """Log-probabilities of ``sequences[i][starts[i]:]`` read from memory ``rows[i]``.
 
@@ -197,7 +201,8 @@ def score_rows(
     distribution (log-softmax of the logits, before temperature or ``top_p``).
 
     Args:
-        loaded: the served model.
+        engine: what scores (the served model's :class:`~.engine.Engine`).
+        tokenizer: the served model's tokenizer (each token's text piece).
         rows: the memories (not modified).
         sequences: token ids per row (the prompt in context, then the answer).
         starts: the first position reported per row (0: the whole sequence; its first token gets
@@ -208,16 +213,17 @@ def score_rows(
     todo = [i for i in range(len(rows)) if starts[i] < len(sequences[i])]
     if not todo:
         return out
-    scores = loaded.engine.score(
+    scores = engine.score(
         [rows[i] for i in todo], [sequences[i] for i in todo], [starts[i] for i in todo], top
     )
     for i, score in zip(todo, scores, strict=True):
-        out[i] = token_logprobs(loaded.tokenizer, sequences[i], starts[i], score)
+        out[i] = token_logprobs(tokenizer, sequences[i], starts[i], score)
     return out
 
 
 def attach_logprobs(
-    loaded: LoadedModel,
+    engine: Engine,
+    tokenizer,
     rows: list[MemoryRow],
     prompts: list[list[int]],
     sampling: Sampling,
@@ -244,10 +250,10 @@ def attach_logprobs(
             if decoded is not None:
                 known.append(_decoded_scores(decoded[i * sampling.decoded + c], len(ids), sampling.echo))
     if decoded is None:
-        scores = score_rows(loaded, memories, sequences, starts, sampling.logprobs)
+        scores = score_rows(engine, tokenizer, memories, sequences, starts, sampling.logprobs)
     else:
         scores = [
-            token_logprobs(loaded.tokenizer, seq, start, s)
+            token_logprobs(tokenizer, seq, start, s)
             for seq, start, s in zip(sequences, starts, known, strict=True)
         ]
     for (i, c), score in zip(owners, scores, strict=True):

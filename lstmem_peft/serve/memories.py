@@ -14,8 +14,7 @@ import torch
 
 from lstmem_peft.memory.cache import MemoryCache, MemoryLayout
 
-from .engine import MemoryRow
-from .loading import LoadedModel
+from .engine import Engine, MemoryRow
 
 
 def fresh_memory(layout: MemoryLayout, device: torch.device) -> MemoryCache:
@@ -36,18 +35,19 @@ def state_norms(cache: MemoryCache) -> dict[str, list[float]]:
 
 
 def write_rows(
-    loaded: LoadedModel, rows: list[MemoryRow], tokens: list[list[int]]
+    engine: Engine, rows: list[MemoryRow], tokens: list[list[int]], device: torch.device
 ) -> tuple[list[MemoryRow], list[dict | None]]:
     """Write ``tokens[i]`` into ``rows[i]`` as history (blocks + feedback) in one batched call of the
     engine's :meth:`~.engine.Engine.write`.
 
     Args:
-        loaded: the served model.
+        engine: what writes (the served model's :class:`~.engine.Engine`).
         rows: the memories (not modified).
         tokens: token ids per row; rows with none are returned as they are.
+        device: where session memories live (the served model's ``LoadedModel.device``).
 
     Returns:
-        the new memories (same order; a row's new memory on ``loaded.device``) and the gate
+        the new memories (same order; a row's new memory on ``device``) and the gate
         statistics of each row's write (or ``None``: a row that wrote nothing, or an engine that
         reports no gates, as vLLM).
     """
@@ -56,9 +56,9 @@ def write_rows(
     active = [i for i, t in enumerate(tokens) if t]
     if not active:
         return out, gates
-    written, stats = loaded.engine.write([rows[i] for i in active], [tokens[i] for i in active])
+    written, stats = engine.write([rows[i] for i in active], [tokens[i] for i in active])
     for i, row, gate in zip(active, written, stats, strict=True):
-        out[i], gates[i] = replace(row, memory=row.memory.to(loaded.device)), gate
+        out[i], gates[i] = replace(row, memory=row.memory.to(device)), gate
     return out, gates
 
 

@@ -82,10 +82,12 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from lstmem_peft.utils.chat import ChatFormat
 
 from .conversation import message_hash
-from .engine import MemoryRow
+from .engine import Engine, MemoryRow
 from .events import Done, Failed
 from .generation import Answer, answer_eos_ids, generate_rows, score_rows
 from .jobs import (
@@ -100,7 +102,6 @@ from .jobs import (
     StreamState,
     WriteMemory,
 )
-from .loading import LoadedModel
 from .memories import fresh_memory, merge_gates, state_norms, write_rows
 from .planning import Plan, plan_chat, plan_completion
 from .protocol import ServeError
@@ -130,22 +131,37 @@ class _Turn:
     answer_ids: list[int] = field(default_factory=list)
 
 
+def _written_entry(role: str, content: str, tokens: int) -> dict:
+    """A session record's entry for a message a commit wrote (``tokens``: its length in tokens)."""
+    return {"hash": message_hash(role, content), "role": role, "tokens": tokens, "written": True}
+
+
 class JobRunner:
     """Runs a batch of jobs of one request type on the scheduler's worker thread (the turn rule and
     the write policies of this module's docstring); each job gets its result or its error through
     its events.
 
     Args:
-        loaded: the served model (its engine does the model's work).
-        store: the session store.
+        engine: what answers, scores and writes memory (the served model's :class:`~.engine.Engine`).
+        tokenizer: the served model's tokenizer.
+        device: where session memories live (``LoadedModel.device``).
+        eos_ids: the tokens that end an answer (``LoadedModel.eos_ids``).
+        store: the session store (its ``layout`` is every session's, a fresh one's too).
         window: the context window (tokens) of the prompt policy.
     """
 
-    def __init__(self, loaded: LoadedModel, store: SessionStore, window: int) -> None:
-        self.loaded = loaded
-        self.fmt = ChatFormat(loaded.tokenizer)
-        self.store = store
-        self.window = window
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        device: torch.device,
+        eos_ids: frozenset[int],
+        store: SessionStore,
+        window: int,
+    ) -> None:
+        self.engine, self.tokenizer, self.device = engine, tokenizer, device
+        self.eos_ids, self.store, self.window = eos_ids, store, window
+        self.fmt = ChatFormat(tokenizer)
 
     def run(self, jobs: list[Job]) -> None:
         """Run a batch (jobs of one request type: :meth:`~.jobs.Job.key`) by the type of its requests."""
@@ -175,7 +191,7 @@ class JobRunner:
 
     def _memory(self, session: Session) -> MemoryRow:
         """The session's memory as the engine takes it (a fresh one when nothing was written)."""
-        fresh = None if session.memory is not None else fresh_memory(self.loaded.layout, self.loaded.device)
+        fresh = None if session.memory is not None else fresh_memory(self.store.layout, self.device)
         return self.store.row(session, fresh)
 
     def _commit(
@@ -229,8 +245,9 @@ class JobRunner:
         try:
             # new messages older than the prompt: written first, memory is where the answer reads them
             # (under write "none" into a copy that is dropped after answering: write_rows returns new rows)
+            before = [t.plan.before for t in turns]
             memories, gates_in = write_rows(
-                self.loaded, [self._memory(t.session) for t in turns], [t.plan.before for t in turns]
+                self.engine, [self._memory(t.session) for t in turns], before, self.device
             )
             answers = self._answer(turns, memories)
             for turn, choices in zip(turns, answers, strict=True):
@@ -239,9 +256,10 @@ class JobRunner:
             # "messages_and_answer" the answer after them; otherwise the answer is written when the
             # client sends it back as part of its conversation (or prompt)
             finals, gates_out = write_rows(
-                self.loaded,
+                self.engine,
                 memories,
                 [[] if t.plan.write == "none" else t.plan.after + t.answer_ids for t in turns],
+                self.device,
             )
             elapsed = time.perf_counter() - start
             for i, turn in enumerate(turns):
@@ -327,11 +345,11 @@ class JobRunner:
         turns that stream get their text deltas as the tokens come, and a cancelled turn's rows stop."""
         sampling = turns[0].job.sampling
         n = sampling.n
-        eos_ids = answer_eos_ids(self.loaded, sampling)  # none with ignore_eos
+        eos_ids = answer_eos_ids(self.eos_ids, sampling)  # none with ignore_eos
         for turn in turns:
             if turn.job.stream:
                 turn.streams = [
-                    StreamState(turn.job, c, self.loaded.tokenizer, sampling.stop, sampling.min_tokens)
+                    StreamState(turn.job, c, self.tokenizer, sampling.stop, sampling.min_tokens)
                     for c in range(n)
                 ]
 
@@ -341,7 +359,9 @@ class JobRunner:
                 streams[row % n].push(token, eos_ids)
 
         return generate_rows(
-            self.loaded,
+            self.engine,
+            self.tokenizer,
+            self.eos_ids,
             memories,
             [t.plan.prompt for t in turns],
             sampling,
@@ -442,15 +462,7 @@ class JobRunner:
         if isinstance(turn.job.request, ChatTurn):
             entries = list(plan.new_messages)
             if plan.write == "messages_and_answer":
-                text = choices[0].text
-                entries.append(
-                    {
-                        "hash": message_hash("assistant", text),
-                        "role": "assistant",
-                        "tokens": len(turn.answer_ids),
-                        "written": True,
-                    }
-                )
+                entries.append(_written_entry("assistant", choices[0].text, len(turn.answer_ids)))
             return {"messages": session.messages + entries}
         chain = plan.text_chain + (choices[0].text if plan.write == "messages_and_answer" else "")
         return {
@@ -467,7 +479,7 @@ class JobRunner:
                 tokens.append([t for m in messages for t in self.fmt.message(m["role"], m["content"])])
             else:
                 tokens.append(self.fmt.encode_text(job.request.text))
-        memories, gates = write_rows(self.loaded, [self._memory(s) for s in sessions], tokens)
+        memories, gates = write_rows(self.engine, [self._memory(s) for s in sessions], tokens, self.device)
         try:
             self._commit_writes(jobs, sessions, memories, tokens, gates)
         finally:
@@ -478,12 +490,7 @@ class JobRunner:
             changes = {}
             if job.request.messages is not None:
                 changes["messages"] = session.messages + [
-                    {
-                        "hash": message_hash(m["role"], m["content"]),
-                        "role": m["role"],
-                        "tokens": len(self.fmt.message(m["role"], m["content"])),
-                        "written": True,
-                    }
+                    _written_entry(m["role"], m["content"], len(self.fmt.message(m["role"], m["content"])))
                     for m in job.request.messages
                 ]
             new = self._commit_or_report(
@@ -524,18 +531,9 @@ class JobRunner:
             memory = job.request.memory
             session = self._session(job)
             fresh = Session(job.namespace, job.session, created=session.created)
-            new = self._commit(
-                job,
-                fresh,
-                MemoryRow(memory.to(self.loaded.device)),
-                kind="import",
-                input="",
-                answer="",
-                written=0,
-                prompt_tokens=0,
-                batch=1,
-                gates=None,
-            )
+            row = MemoryRow(memory.to(self.device))
+            record = dict(input="", answer="", written=0, prompt_tokens=0, batch=1, gates=None)
+            new = self._commit(job, fresh, row, kind="import", **record)
             job.emit(Done({"tokens_written": new.tokens_written}))
 
     # ------------------------------------------------------------------ scoring
@@ -568,7 +566,8 @@ class JobRunner:
         wanted = [i for i, job in enumerate(ok) if job.sampling.logprobs is not None]
         top = max((ok[i].sampling.logprobs for i in wanted), default=0)
         scores = score_rows(
-            self.loaded,
+            self.engine,
+            self.tokenizer,
             [self._memory(sessions[i]) for i in wanted],
             [prompts[i] for i in wanted],
             [0] * len(wanted),

@@ -123,6 +123,7 @@ def lstmem_decode_step(
     hidden_seq: torch.Tensor | None = None,
     samples: bool = False,
     backend: Backend = "auto",
+    fresh_out: bool = False,
 ):
     """The whole decode step of one memory layer for one token per sequence, from the layer input to
     the read ``u`` and the new states.
@@ -174,6 +175,10 @@ def lstmem_decode_step(
         samples: also return the feedback samples (:class:`~.decode_torch.DecodeSamples`: ``k``,
             ``v``, ``o``, ``g``), which block-end feedback writes with; not the Triton member's.
         backend: the member (``"auto"``: Triton for CUDA tensors when installed, else PyTorch).
+        fresh_out: ``True`` says that ``out`` was allocated for this call (``torch.empty_like``, as a
+            memory layer's step does), so no input can share its memory and the overlap check, most
+            of what checking a call costs, is skipped; the shapes and dtypes are checked all the
+            same. A caller that passes tensors it holds must leave it ``False``.
     Returns:
         ``u`` ``(B, d_s)`` in the weights' dtype: the read ``u_dep + W_read^time r^time`` that the
         layer's corrections are made from (``Δq = u corr_q``, ``Δo = u corr_o``); with ``samples``,
@@ -181,9 +186,11 @@ def lstmem_decode_step(
 
     Not differentiable (a decode step): under autograd run the layer's forward, which scans the token.
     """
-    _check_decode_inputs(
+    _check_decode_shapes(
         x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, slots, hidden_seq
     )
+    if not fresh_out and not torch.compiler.is_compiling():  # a traced graph has no addresses to compare
+        _check_decode_overlaps(x, cell, hidden, out, depth, slots, hidden_seq)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w_in, b_in, eau, b_eau, read, cell, hidden, depth)
     ):
@@ -216,10 +223,11 @@ def lstmem_decode_step(
     )
 
 
-def _check_decode_inputs(
-    x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, slots=None, hidden_seq=None
+def _check_decode_shapes(
+    x, w_in, b_in, eau, b_eau, read, cell, hidden, num_heads, out, depth, valid, slots, hidden_seq
 ) -> None:
-    """Shapes of :func:`lstmem_decode_step`'s inputs, with ``ValueError`` saying what was expected."""
+    """The shapes and dtypes of :func:`lstmem_decode_step`'s inputs, with ``ValueError`` saying what
+    was expected."""
     if x.dim() != 2:
         raise ValueError(
             f"x must have shape (B, d), one token per sequence, got {tuple(x.shape)}; for a block of tokens "
@@ -268,17 +276,21 @@ def _check_decode_inputs(
         raise ValueError(
             "out must be a pair (cell_out, hidden_out) of (B, n_h, r, r) tensors for C_t and D_t"
         )
+    for name, t in zip(("cell_out", "hidden_out"), out, strict=True):
+        if tuple(t.shape) != state or not t.is_floating_point():
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected a float tensor of shape {state}"
+            )
+
+
+def _check_decode_overlaps(x, cell, hidden, out, depth, slots, hidden_seq) -> None:
+    """``ValueError`` where an ``out`` tensor shares memory with an input, except a state table that
+    is its own output with ``slots``."""
     inputs = {"x": x, "cell": cell, "hidden": hidden, "depth": depth, "hidden_seq": hidden_seq}
     # state tables that are their own outputs: each row reads its own slot before it writes it, and the
     # two tables may share one buffer (a serving engine's interleave their rows)
     tables = slots is not None and all(_same_view(t, own) for t, own in zip(out, (cell, hidden), strict=True))
     for name, t, own in zip(("cell_out", "hidden_out"), out, (cell, hidden), strict=True):
-        if tuple(t.shape) != state or not t.is_floating_point():
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}, expected a float tensor of shape {state}"
-            )
-        if torch.compiler.is_compiling():
-            continue  # a traced graph has no addresses to compare
         for other, u in inputs.items():
             # with slots each row reads its own slot before it writes it: a table may be its own output
             in_place = (slots is not None and u is own and _same_view(t, own)) or (
@@ -308,6 +320,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a model laid out before its weights load) have no memory: every one's address is 0."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.is_meta:
         return False
+    if a.is_contiguous() and b.is_contiguous():  # one block of memory each: no strides to walk
+        a0, b0 = a.data_ptr(), b.data_ptr()
+        return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
     def span(t: torch.Tensor) -> tuple[int, int]:
         extents = [(n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)]
