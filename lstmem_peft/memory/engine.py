@@ -4,13 +4,15 @@ The tuner opens a pass when the backbone's forward starts, calls :meth:`MemoryPa
 memory-enabled decoder layer (shallow to deep; the backbone's own order), and calls
 :meth:`MemoryPass.finish` when the forward ends. A pass
 
-* reads each layer's states from the :class:`~lstmem_peft.memory.cache.MemoryCache` and writes them back,
+* reads each layer's states from the :class:`~lstmem_peft.memory.cache.MemoryCache` and writes them back
+  through its dense rows (:class:`~lstmem_peft.memory.storage.DenseRows`: staged, committed together),
 * hands ``D_t`` of one memory layer to the next as its depth input, keeping it only until then,
 * keeps each layer's states on the device its layer computes on (a ``device_map`` may spread the
   decoder layers over devices): states, depth input and validity mask move there when they are
   elsewhere, and the cache keeps them there,
 * gathers what block-end feedback needs (terminal gates, shared sampled keys/values) and applies it
-  in :meth:`finish` when asked to.
+  in :meth:`finish` when asked to (:class:`~lstmem_peft.memory.feedback.BlockEnds`, which the vLLM
+  plugin's memory layers share with the pass, over slot tables in place of dense rows).
 
 It depends on torch only, so the whole engine can be driven without a transformer (see the tests).
 """
@@ -20,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from . import constants as K
-from .cache import MemoryCache, nonfinite_rows
-from .feedback import FeedbackResult, LayerTerminal, block_feedback, sample_feedback_positions
+from .cache import MemoryCache
+from .feedback import BlockEnds, FeedbackResult, layer_terminal, sample_feedback_positions
 from .layer import LayerOutput, LSTMemLayer
+from .storage import DenseRows
 
 
 def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -68,12 +71,10 @@ class MemoryPass:
         self.feedback_positions = feedback_positions
         self.every_layer = every_layer
         self.feedback_result: FeedbackResult | None = None
+        self.rows = DenseRows(cache)  # new (C, D) per layer staged there, committed by finish()
+        self.block_ends = BlockEnds(len(cache.layers), depth_coupling)
         self._next = 0
         self._depth: torch.Tensor | None = None
-        self._terminals: list[LayerTerminal] = []
-        self._staged: list[
-            tuple[torch.Tensor, torch.Tensor]
-        ] = []  # new (C, D) per layer, committed by finish()
         self._tokens: torch.Tensor | None = None
         self._length = 0
         self._valid_copies: dict[torch.device, torch.Tensor] = {}
@@ -95,7 +96,7 @@ class MemoryPass:
             valid = torch.ones(self.cache.batch_size, T, dtype=torch.bool, device=device)
         self._positions, self._mask = sample_feedback_positions(valid, self.feedback_positions)
         idx = torch.arange(T, device=device).expand_as(valid)
-        self._last = torch.where(valid, idx, torch.zeros_like(idx)).amax(dim=1, keepdim=True)
+        self._last = torch.where(valid, idx, torch.zeros_like(idx)).amax(dim=1)
 
     def _valid_on(self, device: torch.device) -> torch.Tensor | None:
         """The validity mask on ``device`` (copied once per device and pass)."""
@@ -114,24 +115,22 @@ class MemoryPass:
                 f"memory layer {index} ran before memory layer {self._next}: memory layers must run "
                 "once each, shallow to deep, within one forward"
             )
-        state = self.cache.layers[index]
         device = x.device
-        if state.cell.device != device:  # a sharded backbone: each layer's memory lives on its layer's device
-            state.to(device)
+        cell, hidden = self.rows.read(index, device=device)  # on this layer's device (a sharded backbone)
         depth, valid = self._depth, self._valid_on(device)
         if depth is not None and depth.device != device:
             depth = depth.to(device)
         out = layer(
             x,
-            state.cell,
-            state.hidden,
+            cell,
+            hidden,
             depth=depth,
             valid=valid,
             write=self.write,
             aux=self.feedback,  # the feedback samples, only where block feedback reads them
         )
         if self.write:
-            self._staged.append((out.cell, out.hidden))
+            self.rows.write(index, out.cell, out.hidden)
             self._depth = out.hidden_seq if self.depth_coupling else None
             if index == 0:
                 tokens = self.cache.tokens_written
@@ -139,21 +138,13 @@ class MemoryPass:
                 self._tokens = tokens + n
                 self._length = x.shape[1]
         else:
-            self._depth = state.hidden if self.depth_coupling else None
+            self._depth = hidden if self.depth_coupling else None
         if self.feedback:
             if index == 0:
                 self._sampling(x.shape[1], x.device)
             last, positions = self._last.to(device), self._positions.to(device)
-            self._terminals.append(
-                LayerTerminal(
-                    cell=out.cell,
-                    hidden=out.hidden,
-                    out_gate=_gather_time(out.out_gate, last)[:, 0],
-                    depth_gate=_gather_time(out.depth_gate, last)[:, 0],
-                    key=_gather_time(out.key, positions),
-                    value=_gather_time(out.value, positions),
-                )
-            )
+            key, value = _gather_time(out.key, positions), _gather_time(out.value, positions)
+            self.block_ends.add(0, layer_terminal(out, last, key, value), self._mask)
         self._next += 1
         return out
 
@@ -172,24 +163,10 @@ class MemoryPass:
         self._depth = None
         if not self.write:
             return None
-        staged = self._staged
-        if self.feedback and self._terminals:
-            result = block_feedback(self._terminals, self._mask, self.depth_coupling)
-            staged = list(zip(result.cells, result.hiddens, strict=True))
-            self.feedback_result = result
-            self._terminals = []
+        if self.feedback and self.block_ends:
+            self.feedback_result = self.block_ends.apply(self.rows)  # stages the corrected states
         # block ends (one-token steps: at the next block end or save); a graph torch.compile traces
         # cannot read values on the host, so there too the check waits for the next eager block end
-        if (self._length > 1 or self.feedback) and not torch.compiler.is_compiling():
-            rows = nonfinite_rows(staged)
-            if rows:
-                raise FloatingPointError(
-                    f"the memory of batch row(s) {rows} became nonfinite (NaN or inf) in this forward: their inputs or "
-                    "the adapter's weights hold nonfinite values. Nothing was written to the MemoryCache; check those "
-                    "rows' inputs"
-                )
-        for state, (cell, hidden) in zip(self.cache.layers, staged, strict=True):
-            state.cell, state.hidden = cell, hidden
-        self.cache.tokens_written = self._tokens
-        self._staged = []
+        check = (self._length > 1 or self.feedback) and not torch.compiler.is_compiling()
+        self.rows.commit(self._tokens, check=check)
         return self.feedback_result

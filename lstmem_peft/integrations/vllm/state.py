@@ -190,12 +190,13 @@ class LSTMemState(nn.Module, MambaBase):
         ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
         states are stepped in their slots (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``:
         in place in one launch with the Triton member); read-only requests keep theirs."""
-        cells, hiddens = self.kv_cache
+        tables = self.shared.slots
+        cells, hiddens = tables.tables(self.depth)
         history = metadata.history_decodes
         if history:  # one-token history chunks: their states before the step
             rows = torch.tensor([row for row, _, _ in history], device=x.device)
             slots = metadata.decode_slots[rows]
-            before = cells[slots].clone(), hiddens[slots].clone()
+            before = tables.read(self.depth, slots)
         # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
@@ -233,8 +234,7 @@ class LSTMemState(nn.Module, MambaBase):
                 depth=None if depth is None else depth[rows, None],
                 aux=True,
             )
-            cells.index_copy_(0, slots, out.cell)
-            hiddens.index_copy_(0, slots, out.hidden)
+            tables.write(self.depth, out.cell, out.hidden, slots)
             read[rows] = out.read[:, 0].to(read.dtype)
             out_seq[rows] = out.hidden_seq[:, 0]
             for i, (_, slot, plan) in enumerate(history):
@@ -256,9 +256,9 @@ class LSTMemState(nn.Module, MambaBase):
         """One padded block scan over a group's chunks: writes their states to their slots, keeps
         the feedback samples of history chunks (``samples``: ``(row in group, slot, plan)``) and
         returns the padded reads ``(G, T, d_s)`` and hidden states ``(G, T, n_h, r, r)``."""
-        cells, hiddens = self.kv_cache
+        tables = self.shared.slots
         slots, gather = group.slots, group.gather
-        cell, hidden = cells[slots], hiddens[slots]
+        cell, hidden = tables.read(self.depth, slots)
         xs = x[gather]  # (G, T, d)
         depth = None if depth_seq is None else depth_seq[gather]  # (G, T, n_h, r, r)
         out = self.memory(xs, cell, hidden, depth=depth, valid=group.write, aux=bool(samples))
@@ -270,8 +270,7 @@ class LSTMemState(nn.Module, MambaBase):
             hidden_seq = torch.where(
                 keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
             )
-        cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
-        hiddens.index_copy_(0, slots, out.hidden)
+        tables.write(self.depth, out.cell, out.hidden, slots)  # a read-only chunk's come back unchanged
         for row, slot, plan in samples:  # feedback samples (and terminals at block ends) of history chunks
             self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
         return reads, hidden_seq
