@@ -34,6 +34,49 @@ def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, view)
 
 
+def run_layer(
+    layer: LSTMemLayer,
+    x: torch.Tensor,
+    cell: torch.Tensor,
+    hidden: torch.Tensor,
+    *,
+    depth: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    read_only: bool | torch.Tensor,
+    aux: bool = False,
+) -> tuple[LayerOutput, torch.Tensor]:
+    """One memory layer over a block of ``B`` rows, some writing, some only reading (the read-only
+    read: every token reads the fixed states ``C``, ``D``, and ``D`` goes up as the depth input).
+
+    Args:
+        layer: the memory layer.
+        x: ``(B, T, d)``; ``cell``, ``hidden``: ``(B, n_h, r, r)`` the states before the block.
+        depth: the depth input ``D^(l-1)`` ``(B, T, n_h, r, r)``, or ``(B, n_h, r, r)`` fixed, or ``None``.
+        valid: ``(B, T)`` bool, the positions that write (``False`` at padding and in read-only
+            rows), or ``None``.
+        read_only: ``True`` (every row only reads), ``False`` (every row writes), or ``(B,)`` bool,
+            the rows that only read; their states come back unchanged when ``valid`` masks their tokens.
+        aux: return the feedback samples (writing rows).
+
+    Returns:
+        ``(out, handoff)``: the layer's output (reads of read-only rows from the fixed states), and
+        the next memory layer's depth input: ``D_t`` ``(B, T, n_h, r, r)``, the fixed ``D`` in
+        read-only rows; ``(B, n_h, r, r)`` when every row only reads.
+    """
+    if read_only is True:
+        return layer(x, cell, hidden, depth=depth, valid=valid, write=False), hidden
+    out = layer(x, cell, hidden, depth=depth, valid=valid, aux=aux)
+    if read_only is False:
+        return out, out.hidden_seq
+    fixed_depth = depth if depth is None or depth.dim() == 4 else depth[:, 0]  # reading rows: D fixed
+    fixed = layer(x, cell, hidden, depth=fixed_depth, write=False)
+    read = torch.where(read_only[:, None, None], fixed.read, out.read)
+    handoff = torch.where(
+        read_only[:, None, None, None, None], hidden[:, None].to(out.hidden_seq.dtype), out.hidden_seq
+    )
+    return out._replace(read=read, hidden_seq=handoff), handoff
+
+
 class MemoryPass:
     """Run the memory layers of one forward against a cache.
 
@@ -120,25 +163,18 @@ class MemoryPass:
         depth, valid = self._depth, self._valid_on(device)
         if depth is not None and depth.device != device:
             depth = depth.to(device)
-        out = layer(
-            x,
-            cell,
-            hidden,
-            depth=depth,
-            valid=valid,
-            write=self.write,
-            aux=self.feedback,  # the feedback samples, only where block feedback reads them
+        # the feedback samples (aux) only where block feedback reads them
+        out, handoff = run_layer(
+            layer, x, cell, hidden, depth=depth, valid=valid, read_only=not self.write, aux=self.feedback
         )
+        self._depth = handoff if self.depth_coupling else None
         if self.write:
             self.rows.write(index, out.cell, out.hidden)
-            self._depth = out.hidden_seq if self.depth_coupling else None
             if index == 0:
                 tokens = self.cache.tokens_written
                 n = x.shape[1] if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
                 self._tokens = tokens + n
                 self._length = x.shape[1]
-        else:
-            self._depth = hidden if self.depth_coupling else None
         if self.feedback:
             if index == 0:
                 self._sampling(x.shape[1], x.device)

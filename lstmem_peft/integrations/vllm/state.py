@@ -74,6 +74,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from lstmem_kernels import decode_backend, lstmem_decode_step
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import STATE_DTYPES
+from lstmem_peft.memory.engine import run_layer
 from lstmem_peft.memory.layer import LayerWeights
 from lstmem_peft.memory.spec import MemorySpec, memory_layer
 
@@ -261,19 +262,21 @@ class LSTMemState(nn.Module, MambaBase):
         cell, hidden = tables.read(self.depth, slots)
         xs = x[gather]  # (G, T, d)
         depth = None if depth_seq is None else depth_seq[gather]  # (G, T, n_h, r, r)
-        out = self.memory(xs, cell, hidden, depth=depth, valid=group.write, aux=bool(samples))
-        reads, hidden_seq = out.read, out.hidden_seq
-        if read_only_pass:  # read-only chunks: every token reads the fixed states
-            fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
-            keep = group.read_only
-            reads = torch.where(keep[:, None, None], fixed.read, reads)
-            hidden_seq = torch.where(
-                keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
-            )
+        # read-only chunks (their tokens masked out of valid): every token reads the fixed states
+        out, hidden_seq = run_layer(
+            self.memory,
+            xs,
+            cell,
+            hidden,
+            depth=depth,
+            valid=group.write,
+            read_only=group.read_only if read_only_pass else False,
+            aux=bool(samples),
+        )
         tables.write(self.depth, out.cell, out.hidden, slots)  # a read-only chunk's come back unchanged
         for row, slot, plan in samples:  # feedback samples (and terminals at block ends) of history chunks
             self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
-        return reads, hidden_seq
+        return out.read, hidden_seq
 
 
 def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:
