@@ -1,12 +1,13 @@
 """What the memory layers of one LSTMem model share within a forward, and with the worker's sessions.
 
-:class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, which
-state slots only read, and each history request's block being written (:class:`HistorySlot`: the
-feedback samples kept across a block's chunks, the terminal states at its end), with the block-end
-feedback that runs after the last memory layer of a forward. The worker's sessions
-(:class:`~.worker_sessions.Sessions`) set its per-step fields before each step; the memory layers
-(:class:`~.state.LSTMemState`) and the metadata builder (:class:`~.backend.LSTMemMetadataBuilder`) read
-them.
+:class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, the
+memory layers' slot tables (:class:`~lstmem_peft.memory.storage.SlotTables`), which state slots only
+read, and each history request's block being written (:class:`HistorySlot`: the feedback samples
+kept across a block's chunks), with the terminals of the blocks that end in a forward and their
+feedback after its last memory layer (:class:`~lstmem_peft.memory.feedback.BlockEnds`, the library
+pass's own). The worker's sessions (:class:`~.worker_sessions.Sessions`) set its per-step fields
+before each step; the memory layers (:class:`~.state.LSTMemState`) and the metadata builder
+(:class:`~.backend.LSTMemMetadataBuilder`) read them.
 """
 
 from __future__ import annotations

@@ -22,13 +22,18 @@ A request's state slot holds its starting memory before its first chunk runs: th
 :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` writes it there (a session's memory, or
 zeros) when the request is scheduled, so no layer asks which chunk is a request's first.
 
+A request's slot is a row of its memory layer's slot tables
+(:class:`~lstmem_peft.memory.storage.SlotTables`, :attr:`.EngineMemory.slots`): the layer reads and
+writes its requests' states there, in place.
+
 A read-only request (``lstmem_memory_write`` false) reads the fixed states of its slot at every
 token, as the library's read-only pass (:class:`lstmem_peft.memory.engine.MemoryPass` with
 ``write=False``) does; its depth input is the fixed ``D`` of memory layer ``m - 1`` (that layer hands
 it up in place of ``D_t``). In the batched decode step it runs with the writing requests and its slot
 keeps its states (``torch.where``): the step's read ``u`` uses ``D_{t-1}`` and the depth input before
 any write, which is the read-only read. In a prefill batch, its tokens are masked out of the write
-(``valid``) and its reads come from one read-only pass over the same batch.
+(``valid``) and its reads come from one read-only pass over the same batch
+(:func:`lstmem_peft.memory.engine.run_layer`, the layer run of the library's pass).
 
 A history request (``lstmem_history``; :mod:`~lstmem_peft.integrations.vllm.history`) writes like any
 writing request; its chunks never cross a block end (the plugin's scheduler). At each of its chunks,
@@ -36,8 +41,9 @@ each memory layer also keeps the keys and values at the block's feedback positio
 (:meth:`~.engine_memory.EngineMemory.take_samples`: per-slot buffers that last the block), and at a
 block's end its terminal states and gates; after the last memory layer,
 :meth:`~.engine_memory.EngineMemory.block_end_feedback` runs the library's
-:func:`~lstmem_peft.memory.feedback.block_feedback` over every request whose block ended in this
-forward and writes the corrected states into their slots. A one-token history chunk, which vLLM
+:class:`~lstmem_peft.memory.feedback.BlockEnds` (the one :class:`~lstmem_peft.memory.engine.MemoryPass`
+collects its terminals in) over every request whose block ended in this forward, which writes the
+corrected states into their slots. A one-token history chunk, which vLLM
 runs as a decode, is stepped by the block scan (which gives the samples) in place of the decode step.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
