@@ -157,3 +157,58 @@ def test_one_layer_run_mixes_writing_and_read_only_rows():
         R,
     )
     torch.testing.assert_close(out.cell[1], cell[1])
+
+
+def _stack(d=16, seed=0) -> list[LSTMemLayer]:
+    torch.manual_seed(seed)
+    layers = [LSTMemLayer(d, d, num_heads=H, head_dim=R, layer_idx=i) for i in range(L)]
+    layers[0].set_depth_input(False)
+    with torch.no_grad():
+        for layer in layers:
+            layer.init_corrections(torch.randn(d, d), torch.randn(d, d))
+            for p in layer.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return layers
+
+
+def test_one_pass_over_slots_equals_each_row_over_dense_rows_alone():
+    """A batch of chunks of several lengths (right-padded, masked) in slots, one of them read-only,
+    through one MemoryPass over the slot tables: each row reads and writes what a pass over a cache
+    holding that slot's states alone gives, and the read-only row's slot keeps its states."""
+    from lstmem_peft import MemoryPass
+
+    layers, tables = _stack(), slot_tables(seed=3)
+    slots, lengths, T = torch.tensor([4, 1, 2]), [6, 3, 6], 6
+    read_only = torch.tensor([False, False, True])
+    valid = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]) & ~read_only[:, None]
+    before = [tables.read(d, slots) for d in range(L)]
+    xs = [torch.randn(3, T, 16) for _ in range(L)]
+    memory_pass = MemoryPass(tables, valid, slots=slots, read_only=read_only)
+    outs = [memory_pass.run(d, layer, x) for d, (layer, x) in enumerate(zip(layers, xs, strict=True))]
+    assert memory_pass.finish() is None
+    for b, n in enumerate(lengths):
+        cache = MemoryCache(LAYOUT)
+        cache.ensure(1, torch.device("cpu"))
+        for d, state in enumerate(cache.layers):
+            state.cell, state.hidden = before[d][0][b : b + 1], before[d][1][b : b + 1]
+        alone = MemoryPass(cache, write=not bool(read_only[b]))
+        for d, (layer, x) in enumerate(zip(layers, xs, strict=True)):
+            out = alone.run(d, layer, x[b : b + 1, :n])
+            torch.testing.assert_close(outs[d].read[b, :n], out.read[0], rtol=1e-5, atol=1e-6)
+        alone.finish()
+        for d in range(L):
+            cell, hidden = tables.read(d, slots[b : b + 1])
+            torch.testing.assert_close(cell, cache.layers[d].cell, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(hidden, cache.layers[d].hidden, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(tables.read(d, slots[2:])[0], before[d][0][2:]) for d in range(L))
+
+
+def test_a_pass_over_slots_is_told_its_slots_and_leaves_feedback_to_the_engine():
+    from lstmem_peft import MemoryPass
+
+    with pytest.raises(ValueError, match="slots="):
+        MemoryPass(slot_tables())
+    with pytest.raises(ValueError, match="slots="):
+        MemoryPass(dense_rows(1), slots=torch.tensor([0]))
+    with pytest.raises(ValueError, match="engine applies it"):
+        MemoryPass(slot_tables(), slots=torch.tensor([0]), feedback=True)

@@ -1,5 +1,9 @@
 """``MemoryPass``: one forward of the memory stack over a block of tokens.
 
+One pass drives both kinds of storage (:mod:`~lstmem_peft.memory.storage`): a cache's dense rows
+for the library, and a serving engine's slot tables for the vLLM plugin, whose memory layers run
+one pass per group of prefill chunks of a step (``MemoryPass(tables, valid, slots=...)``).
+
 The tuner opens a pass when the backbone's forward starts, calls :meth:`MemoryPass.run` from each
 memory-enabled decoder layer (shallow to deep; the backbone's own order), and calls
 :meth:`MemoryPass.finish` when the forward ends. A pass
@@ -25,7 +29,7 @@ from . import constants as K
 from .cache import MemoryCache
 from .feedback import BlockEnds, FeedbackResult, layer_terminal, sample_feedback_positions
 from .layer import LayerOutput, LSTMemLayer
-from .storage import DenseRows
+from .storage import DenseRows, SlotTables
 
 
 def _gather_time(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -78,22 +82,31 @@ def run_layer(
 
 
 class MemoryPass:
-    """Run the memory layers of one forward against a cache.
+    """Run the memory layers of one forward against a cache's dense rows or a serving engine's slots.
 
     Args:
-        cache: the session states; bound and allocated by the caller.
-        valid: ``(B, T)`` bool validity of the block's positions, or ``None`` (all valid).
+        cache: the session states: a :class:`~lstmem_peft.memory.cache.MemoryCache`, bound and
+            allocated by the caller (its rows are the batch; new states are staged and committed by
+            :meth:`finish`), or :class:`~lstmem_peft.memory.storage.SlotTables` with ``slots`` (the
+            batch's rows are those slots, written in place as each layer runs).
+        valid: ``(B, T)`` bool validity of the block's positions, or ``None`` (all valid); over slot
+            tables, the positions that write (``False`` also at every token of a read-only row).
         write: update the states (``False``: read-only pass over fixed states).
-        feedback: apply block-end feedback in :meth:`finish` (history blocks only).
+        feedback: apply block-end feedback in :meth:`finish` (history blocks of dense rows only: an
+            engine's blocks span several forwards, and it collects their terminals itself).
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
         every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
             stack (an early-exit draft).
+        slots: ``(B,)`` int64, the slot of each row (with :class:`~lstmem_peft.memory.storage.SlotTables`).
+        read_only: ``(B,)`` bool, rows of a writing pass that only read (:func:`run_layer`), or ``None``.
+        keep_samples: have each layer return its feedback samples (keys, values, gates) for the
+            caller to collect (an engine's history chunks), without feedback in :meth:`finish`.
     """
 
     def __init__(
         self,
-        cache: MemoryCache,
+        cache: MemoryCache | SlotTables,
         valid: torch.Tensor | None = None,
         *,
         write: bool = True,
@@ -101,11 +114,18 @@ class MemoryPass:
         depth_coupling: bool = True,
         feedback_positions: int = K.FEEDBACK_POSITIONS,
         every_layer: bool = True,
+        slots: torch.Tensor | None = None,
+        read_only: torch.Tensor | None = None,
+        keep_samples: bool = False,
     ) -> None:
         if feedback and not write:
             raise ValueError("block feedback needs a writing pass (write=True)")
         if write and not every_layer:
             raise ValueError("a writing pass must run every memory layer (every_layer=True)")
+        if isinstance(cache, SlotTables) != (slots is not None):
+            raise ValueError("a pass over slot tables needs the rows' slots (slots=), and only such a pass")
+        if feedback and slots is not None:
+            raise ValueError("block feedback over slot tables spans a block's chunks: the engine applies it")
         self.cache = cache
         self.valid = valid
         self.write = write
@@ -113,12 +133,15 @@ class MemoryPass:
         self.depth_coupling = depth_coupling
         self.feedback_positions = feedback_positions
         self.every_layer = every_layer
+        self.slots = slots
+        self.read_only = (not write) if read_only is None else read_only
+        self.keep_samples = keep_samples
         self.feedback_result: FeedbackResult | None = None
-        self.rows = DenseRows(cache)  # new (C, D) per layer staged there, committed by finish()
-        self.block_ends = BlockEnds(len(cache.layers), depth_coupling)
+        # where each layer's new (C, D) go: staged until finish() (dense rows), or in place (slots)
+        self.storage = cache if slots is not None else DenseRows(cache)
+        self.block_ends = BlockEnds(len(self.storage), depth_coupling)
         self._next = 0
         self._depth: torch.Tensor | None = None
-        self._tokens: torch.Tensor | None = None
         self._length = 0
         self._valid_copies: dict[torch.device, torch.Tensor] = {}
 
@@ -130,7 +153,7 @@ class MemoryPass:
     @property
     def all_layers_run(self) -> bool:
         """Whether every memory layer has run in this pass."""
-        return self._next == len(self.cache.layers)
+        return self._next == len(self.storage)
 
     def _sampling(self, T: int, device: torch.device) -> None:
         """Shared feedback positions ``I_b`` and the last valid position ``T_b`` of each row."""
@@ -159,22 +182,21 @@ class MemoryPass:
                 "once each, shallow to deep, within one forward"
             )
         device = x.device
-        cell, hidden = self.rows.read(index, device=device)  # on this layer's device (a sharded backbone)
+        # on this layer's device (a sharded backbone moves dense rows there)
+        cell, hidden = self.storage.read(index, self.slots, device=device)
         depth, valid = self._depth, self._valid_on(device)
         if depth is not None and depth.device != device:
             depth = depth.to(device)
         # the feedback samples (aux) only where block feedback reads them
+        aux = self.feedback or self.keep_samples
         out, handoff = run_layer(
-            layer, x, cell, hidden, depth=depth, valid=valid, read_only=not self.write, aux=self.feedback
+            layer, x, cell, hidden, depth=depth, valid=valid, read_only=self.read_only, aux=aux
         )
         self._depth = handoff if self.depth_coupling else None
         if self.write:
-            self.rows.write(index, out.cell, out.hidden)
-            if index == 0:
-                tokens = self.cache.tokens_written
-                n = x.shape[1] if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
-                self._tokens = tokens + n
-                self._length = x.shape[1]
+            self.storage.write(index, out.cell, out.hidden, self.slots)
+        if index == 0:
+            self._length = x.shape[1]
         if self.feedback:
             if index == 0:
                 self._sampling(x.shape[1], x.device)
@@ -187,22 +209,25 @@ class MemoryPass:
     def finish(self) -> FeedbackResult | None:
         """Close the pass: apply feedback (history blocks), then commit every layer's new states and
         ``tokens_written`` to the cache at once. Until this returns the cache holds exactly what it held
-        before the pass, so a forward that raises (or is interrupted) leaves it untouched.
+        before the pass, so a forward that raises (or is interrupted) leaves it untouched. (Over slot
+        tables each layer wrote its slots in place as it ran: this only checks that every layer ran.)
 
         Returns the :class:`~lstmem_peft.memory.feedback.FeedbackResult` when feedback ran.
         """
         if not self.all_layers_run and self.every_layer:
             raise RuntimeError(
-                f"only {self._next} of {len(self.cache.layers)} memory layers ran in this forward; "
+                f"only {self._next} of {len(self.storage)} memory layers ran in this forward; "
                 "every memory-enabled layer must run (is the model truncated or the adapter disabled?)"
             )
         self._depth = None
-        if not self.write:
+        if not self.write or self.slots is not None:  # slot tables were written in place
             return None
         if self.feedback and self.block_ends:
-            self.feedback_result = self.block_ends.apply(self.rows)  # stages the corrected states
+            self.feedback_result = self.block_ends.apply(self.storage)  # stages the corrected states
+        tokens = self.cache.tokens_written
+        n = self._length if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
         # block ends (one-token steps: at the next block end or save); a graph torch.compile traces
         # cannot read values on the host, so there too the check waits for the next eager block end
         check = (self._length > 1 or self.feedback) and not torch.compiler.is_compiling()
-        self.rows.commit(self._tokens, check=check)
+        self.storage.commit(tokens + n, check=check)
         return self.feedback_result

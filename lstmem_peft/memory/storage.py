@@ -41,6 +41,9 @@ class DenseRows:
         self.cache = cache
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.layers)
 
+    def __len__(self) -> int:
+        return len(self.cache.layers)
+
     def read(self, depth: int, index: torch.Tensor | None = None, device: torch.device | None = None):
         """Layer ``depth``'s committed ``C``, ``D`` ``(B, n_h, r, r)`` (rows ``index``, or all), first
         moved to ``device`` where given: each layer's states live on the device its layer computes on
@@ -102,9 +105,15 @@ class SlotTables:
         cells, hiddens = self.layers[depth].kv_cache
         return cells, hiddens
 
-    def read(self, depth: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``depth``'s ``C``, ``D`` of slots ``index`` ``(n,)``: ``(n, n_h, r, r)`` copies."""
+    def read(
+        self, depth: int, index: torch.Tensor, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``depth``'s ``C``, ``D`` of slots ``index`` ``(n,)``: ``(n, n_h, r, r)`` copies.
+        ``device``: where the caller computes; the tables stay where the engine holds them, so
+        another device is refused."""
         cells, hiddens = self.tables(depth)
+        if device is not None and device != cells.device:
+            raise ValueError(f"memory layer {depth}'s slot tables are on {cells.device}, not {device}")
         return cells[index], hiddens[index]
 
     def write(self, depth: int, cell: torch.Tensor, hidden: torch.Tensor, index: torch.Tensor) -> None:

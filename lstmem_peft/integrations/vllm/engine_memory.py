@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from vllm.logger import init_logger
 
+from lstmem_peft.memory.engine import MemoryPass
 from lstmem_peft.memory.feedback import BlockEnds, layer_terminal
 from lstmem_peft.memory.spec import MemorySpec
 from lstmem_peft.memory.storage import SlotTables
@@ -46,8 +47,11 @@ class EngineMemory:
     """What the memory layers of one model share within a forward, and with the worker's sessions.
 
     Attributes:
-        depth_seq: ``(N, n_h, r, r)`` float32 ``D_t`` of every token from the memory layer that ran last
-            in the current forward (the depth input of the next one), or ``None``.
+        depth_seq: ``(n, n_h, r, r)`` float32 ``D_t`` of the ``n`` decoding requests from the memory
+            layer that ran last in the current forward (the depth input of the next one), or ``None``.
+        prefill_passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the slot tables per
+            group of prefill chunks of the current forward (:meth:`start_forward`): each memory layer
+            runs the group through it, and it hands ``D_t`` from one memory layer to the next.
         read_only: the state slots of read-only requests (host), kept by
             :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` through :meth:`set_read_only`.
         step_has_read_only: whether the step about to run schedules a read-only request (host, set
@@ -68,6 +72,7 @@ class EngineMemory:
 
     def __init__(self, config: MemorySpec | None = None) -> None:
         self.depth_seq: torch.Tensor | None = None
+        self.prefill_passes: list[MemoryPass] = []
         self.read_only: set[int] = set()
         self.step_has_read_only = False
         self._read_only_slots: torch.Tensor | None = None
@@ -154,6 +159,32 @@ class EngineMemory:
             )
             mask = torch.ones(1, plan.num_samples, dtype=torch.bool, device=device)
             self.block_ends.add(slot, terminal, mask, index=slot)
+
+    def start_forward(self, metadata) -> None:
+        """Open the forward's passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the
+        slot tables per group of prefill chunks of ``metadata`` (an ``LSTMemMetadata``,
+        :mod:`~.backend`), writing at the positions of its ``write`` mask; read-only chunks read the
+        fixed states when the step holds any, and groups with a history chunk keep their samples."""
+        history = {row for row, _, _ in metadata.history_prefills}
+        self.prefill_passes = [
+            MemoryPass(
+                self.slots,
+                group.write,
+                slots=group.slots,
+                read_only=group.read_only if metadata.read_only_pass else None,
+                depth_coupling=self.depth_coupling,
+                keep_samples=any(row in history for row in group.rows),
+            )
+            for group in metadata.prefill_groups
+        ]
+
+    def finish_forward(self) -> None:
+        """Close the forward after its last memory layer: its passes (each checks that every memory
+        layer ran), then block-end feedback."""
+        for memory_pass in self.prefill_passes:
+            memory_pass.finish()
+        self.prefill_passes = []
+        self.block_end_feedback()
 
     def block_end_feedback(self) -> None:
         """Block-end feedback (the library's :class:`~lstmem_peft.memory.feedback.BlockEnds`, one
