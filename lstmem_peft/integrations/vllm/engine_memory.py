@@ -52,6 +52,10 @@ class EngineMemory:
         prefill_passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the slot tables per
             group of prefill chunks of the current forward (:meth:`start_forward`): each memory layer
             runs the group through it, and it hands ``D_t`` from one memory layer to the next.
+        history_decodes: ``(rows, pass)`` for the one-token history chunks of the current forward
+            (vLLM runs them as decodes): their ``(h,)`` rows among the decodes and the
+            :class:`~lstmem_peft.memory.engine.MemoryPass` over their slots that writes them with the
+            block scan; ``None`` when the forward has none.
         read_only: the state slots of read-only requests (host), kept by
             :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` through :meth:`set_read_only`.
         step_has_read_only: whether the step about to run schedules a read-only request (host, set
@@ -73,6 +77,7 @@ class EngineMemory:
     def __init__(self, config: MemorySpec | None = None) -> None:
         self.depth_seq: torch.Tensor | None = None
         self.prefill_passes: list[MemoryPass] = []
+        self.history_decodes: tuple[torch.Tensor, MemoryPass] | None = None
         self.read_only: set[int] = set()
         self.step_has_read_only = False
         self._read_only_slots: torch.Tensor | None = None
@@ -164,7 +169,8 @@ class EngineMemory:
         """Open the forward's passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the
         slot tables per group of prefill chunks of ``metadata`` (an ``LSTMemMetadata``,
         :mod:`~.backend`), writing at the positions of its ``write`` mask; read-only chunks read the
-        fixed states when the step holds any, and groups with a history chunk keep their samples."""
+        fixed states when the step holds any, and groups with a history chunk keep their samples.
+        One more over the slots of its one-token history chunks, if any."""
         history = {row for row, _, _ in metadata.history_prefills}
         self.prefill_passes = [
             MemoryPass(
@@ -177,13 +183,23 @@ class EngineMemory:
             )
             for group in metadata.prefill_groups
         ]
+        self.history_decodes = None
+        if metadata.history_decodes:
+            slots = metadata.decode_slots
+            rows = torch.tensor([row for row, _, _ in metadata.history_decodes], device=slots.device)
+            history_pass = MemoryPass(
+                self.slots, slots=slots[rows], depth_coupling=self.depth_coupling, keep_samples=True
+            )
+            self.history_decodes = (rows, history_pass)
 
     def finish_forward(self) -> None:
         """Close the forward after its last memory layer: its passes (each checks that every memory
         layer ran), then block-end feedback."""
         for memory_pass in self.prefill_passes:
             memory_pass.finish()
-        self.prefill_passes = []
+        if self.history_decodes is not None:
+            self.history_decodes[1].finish()
+        self.prefill_passes, self.history_decodes = [], None
         self.block_end_feedback()
 
     def block_end_feedback(self) -> None:

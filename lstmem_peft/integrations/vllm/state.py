@@ -45,8 +45,9 @@ block's end its terminal states and gates; after the last memory layer,
 :meth:`~.engine_memory.EngineMemory.block_end_feedback` runs the library's
 :class:`~lstmem_peft.memory.feedback.BlockEnds` (the one :class:`~lstmem_peft.memory.engine.MemoryPass`
 collects its terminals in) over every request whose block ended in this forward, which writes the
-corrected states into their slots. A one-token history chunk, which vLLM
-runs as a decode, is stepped by the block scan (which gives the samples) in place of the decode step.
+corrected states into their slots. A one-token history chunk, which vLLM runs as a decode, is
+written by the block scan (which gives the samples) through a pass of its own
+(:attr:`.EngineMemory.history_decodes`); the decode step only reads its slot.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
 layer (states replicated, not sharded by memory head: the read ``u``, the gates and the corrections
@@ -197,25 +198,24 @@ class LSTMemState(nn.Module, MambaBase):
         ``(n, n_h, r, r)`` (``u`` written into ``read`` when given). No host reads. The
         states are stepped in their slots (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``:
         in place in one launch with the Triton member); read-only requests keep theirs."""
-        tables = self.shared.slots
-        cells, hiddens = tables.tables(self.depth)
+        cells, hiddens = self.shared.slots.tables(self.depth)
         history = metadata.history_decodes
-        if history:  # one-token history chunks: their states before the step
-            rows = torch.tensor([row for row, _, _ in history], device=x.device)
-            slots = metadata.decode_slots[rows]
-            before = tables.read(self.depth, slots)
         # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
         member = decode_backend(self.memory.backend, x, weights.w_in.dtype)
         write = metadata.decode_write
-        if not (member == "triton" or self.shared.step_has_read_only):
+        if history:
+            # one-token history chunks: the library writes a one-token block with its block scan,
+            # which also gives the feedback samples; their pass runs it on their slots, which the
+            # step then only reads
+            rows, history_pass = self.shared.history_decodes
+            out = history_pass.run(self.depth, self.memory, x[rows, None])
+            write = write.index_fill(0, rows, False)
+        elif not (member == "triton" or self.shared.step_has_read_only):
             write = None
-        H, R = (
-            self.memory.num_heads,
-            self.memory.head_dim,
-        )  # D_t of each request: the next layer's depth input
-        out_seq = x.new_empty(x.shape[0], H, R, R, dtype=torch.float32)
+        H, R = self.memory.num_heads, self.memory.head_dim
+        out_seq = x.new_empty(x.shape[0], H, R, R, dtype=torch.float32)  # D_t: the next layer's depth input
         u = lstmem_decode_step(
             x,
             *weights.step_weights(depth is not None),
@@ -234,16 +234,7 @@ class LSTMemState(nn.Module, MambaBase):
             read = u
         else:
             read.copy_(u)
-        if history:
-            # the library writes a one-token block with its block scan, which also gives the
-            # feedback samples: that scan's states replace the step's for these rows
-            out = self.memory(
-                x[rows, None],
-                *before,
-                depth=None if depth is None else depth[rows, None],
-                aux=True,
-            )
-            tables.write(self.depth, out.cell, out.hidden, slots)
+        if history:  # the block scan's read and D_t replace the step's for these rows
             read[rows] = out.read[:, 0].to(read.dtype)
             out_seq[rows] = out.hidden_seq[:, 0]
             for i, (_, slot, plan) in enumerate(history):
