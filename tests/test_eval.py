@@ -13,7 +13,7 @@ import torch
 from eval_fixtures import write_hotpot, write_hotpot_hf_jsonl, write_locomo
 from peft import get_peft_model
 
-import lstmem_peft.memory.engine
+import lstmem_peft.memory.feedback
 from lstmem_peft import LSTMemConfig
 from lstmem_peft.eval import (
     Benchmark,
@@ -229,7 +229,7 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
     model, tok, locomo, monkeypatch
 ):
     calls, feedbacks = [], []
-    real_feedback = lstmem_peft.memory.engine.block_feedback
+    real_feedback = lstmem_peft.memory.feedback.block_feedback
 
     def counting_feedback(*args, **kwargs):
         feedbacks.append(1)
@@ -253,7 +253,9 @@ def test_every_question_starts_from_the_same_snapshot_written_in_blocks_with_fee
         )
         return real_generate(**kwargs)
 
-    monkeypatch.setattr(lstmem_peft.memory.engine, "block_feedback", counting_feedback)
+    monkeypatch.setattr(
+        lstmem_peft.memory.feedback, "block_feedback", counting_feedback
+    )  # BlockEnds calls it
     monkeypatch.setattr(model, "generate", spy)
     block = 64
     history = next(locomo.histories())

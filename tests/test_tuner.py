@@ -370,7 +370,7 @@ def test_a_history_without_kv_cache_stops_each_block_after_the_topmost_memory_la
 def test_a_failure_while_committing_a_stopped_forward_reaches_the_caller(monkeypatch):
     """torch silences errors raised in a forward hook while another error propagates: a stopped
     forward's commit error (here feedback's) must still reach the caller, with the cache unchanged."""
-    from lstmem_peft.memory import engine
+    from lstmem_peft.memory import feedback  # the pass's block ends run feedback from there
 
     model = make()
     cache = MemoryCache()
@@ -381,7 +381,7 @@ def test_a_failure_while_committing_a_stopped_forward_reaches_the_caller(monkeyp
         def broken(*args, **kwargs):
             raise FloatingPointError("feedback broke")
 
-        monkeypatch.setattr(engine, "block_feedback", broken)
+        monkeypatch.setattr(feedback, "block_feedback", broken)
         with pytest.raises(FloatingPointError, match="feedback broke"):
             write_history(model, ids(1, 16, seed=1), cache, block_size=16)
     for state, (cell, hidden) in zip(cache.layers, before, strict=True):

@@ -229,3 +229,112 @@ def block_feedback(
         cells.append(C_aft)
         hiddens.append(D_aft)
     return FeedbackResult(cells, hiddens, accepted, has_samples & ~finite, losses)
+
+
+def layer_terminal(
+    out, last: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None = None
+) -> LayerTerminal:
+    """One memory layer's :class:`LayerTerminal` from its output over a block.
+
+    Args:
+        out: the layer's :class:`~lstmem_peft.memory.layer_common.LayerOutput` over ``(B, T)`` tokens
+            (with its feedback samples: ``aux=True``).
+        last: ``(k,)`` long, the time index of each block's last token (``T_b``).
+        key, value: ``(k, P, n_h, r)`` the layer's keys and values at the block's samples ``I_b``.
+        rows: ``(k,)`` long, the batch rows whose blocks end, or ``None``: every row (``k = B``).
+    """
+    if rows is None:
+        rows = torch.arange(out.cell.shape[0], device=last.device)
+        cell, hidden = out.cell, out.hidden
+    else:
+        cell, hidden = out.cell[rows], out.hidden[rows]
+    return LayerTerminal(
+        cell=cell,
+        hidden=hidden,
+        out_gate=out.out_gate[rows, last],
+        depth_gate=out.depth_gate[rows, last],
+        key=key,
+        value=value,
+    )
+
+
+class BlockEnds:
+    """The blocks that end in one forward of the memory stack, and their feedback in one batch.
+
+    Each memory layer adds its :class:`LayerTerminal` of a group of blocks as it runs (shallow to
+    deep); after the last layer, :meth:`apply` runs :func:`block_feedback` once over every group that
+    every layer added to, and writes the corrected states into a storage
+    (:mod:`~lstmem_peft.memory.storage`: staged into dense rows, in place into slot tables). A group is
+    the rows of one batch (a history block of the library's pass) or one request's slot of a serving
+    engine, whose samples were gathered over the block's chunks; groups with fewer samples are padded
+    with zeros that the mask leaves out.
+
+    Args:
+        num_layers: the memory layers ``L``.
+        depth_coupling: as :func:`block_feedback`'s.
+    """
+
+    def __init__(self, num_layers: int, depth_coupling: bool = True) -> None:
+        self.num_layers = num_layers
+        self.depth_coupling = depth_coupling
+        self.groups: dict[object, tuple[int | None, torch.Tensor, list[LayerTerminal]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def add(self, group, terminal: LayerTerminal, mask: torch.Tensor, index: int | None = None) -> None:
+        """Add the next memory layer's terminal of ``group`` (any key): ``mask`` ``(k, P)`` bool, its
+        sampled slots; ``index`` where its states are stored (a slot; ``None``: every dense row)."""
+        entry = self.groups.setdefault(group, (index, mask, []))
+        entry[2].append(terminal)
+
+    def discard(self, group) -> None:
+        """Forget ``group``'s terminals (its request left or started over)."""
+        self.groups.pop(group, None)
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+    def apply(self, storage) -> FeedbackResult | None:
+        """Block-end feedback over every complete group, written into ``storage`` by
+        ``storage.write(depth, cell, hidden, index)``; forgets every group. Returns the
+        :class:`FeedbackResult` (``None``: no group was complete)."""
+        groups = [g for g in self.groups.values() if len(g[2]) == self.num_layers]
+        self.groups.clear()
+        if not groups:
+            return None
+        if len(groups) == 1:
+            index, mask, terminals = groups[0]
+        else:
+            index, mask, terminals = _batch_groups(groups)
+        result = block_feedback(terminals, mask, self.depth_coupling)
+        if index is not None:
+            index = torch.tensor(index, device=terminals[0].cell.device).reshape(-1)
+        for depth, (cell, hidden) in enumerate(zip(result.cells, result.hiddens, strict=True)):
+            storage.write(depth, cell, hidden, index)
+        return result
+
+
+def _batch_groups(groups: list) -> tuple[list[int], torch.Tensor, list[LayerTerminal]]:
+    """Groups of slot-stored blocks as one batch: their slots, the ``(G, P)`` mask padded to the
+    widest sample set, and per layer the terminals concatenated (samples padded with zeros)."""
+    width = max(mask.shape[1] for _, mask, _ in groups)
+
+    def pad(x: torch.Tensor, value=0) -> torch.Tensor:  # (k, P, ...) -> (k, width, ...)
+        return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)
+
+    terminals = []
+    for depth in range(len(groups[0][2])):
+        layer = [g[2][depth] for g in groups]
+        terminals.append(
+            LayerTerminal(
+                cell=torch.cat([t.cell for t in layer]),
+                hidden=torch.cat([t.hidden for t in layer]),
+                out_gate=torch.cat([t.out_gate for t in layer]),
+                depth_gate=torch.cat([t.depth_gate for t in layer]),
+                key=torch.cat([pad(t.key) for t in layer]),
+                value=torch.cat([pad(t.value) for t in layer]),
+            )
+        )
+    mask = torch.cat([pad(m, False) for _, m, _ in groups])
+    return [g[0] for g in groups], mask, terminals

@@ -1,12 +1,13 @@
 """What the memory layers of one LSTMem model share within a forward, and with the worker's sessions.
 
-:class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, which
-state slots only read, and each history request's block being written (:class:`HistorySlot`: the
-feedback samples kept across a block's chunks, the terminal states at its end), with the block-end
-feedback that runs after the last memory layer of a forward. The worker's sessions
-(:class:`~.worker_sessions.Sessions`) set its per-step fields before each step; the memory layers
-(:class:`~.state.LSTMemState`) and the metadata builder (:class:`~.backend.LSTMemMetadataBuilder`) read
-them.
+:class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, the
+memory layers' slot tables (:class:`~lstmem_peft.memory.storage.SlotTables`), which state slots only
+read, and each history request's block being written (:class:`HistorySlot`: the feedback samples
+kept across a block's chunks), with the terminals of the blocks that end in a forward and their
+feedback after its last memory layer (:class:`~lstmem_peft.memory.feedback.BlockEnds`, the library
+pass's own). The worker's sessions (:class:`~.worker_sessions.Sessions`) set its per-step fields
+before each step; the memory layers (:class:`~.state.LSTMemState`) and the metadata builder
+(:class:`~.backend.LSTMemMetadataBuilder`) read them.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from vllm.logger import init_logger
 
-from lstmem_peft.memory.feedback import LayerTerminal, block_feedback
+from lstmem_peft.memory.engine import MemoryPass
+from lstmem_peft.memory.feedback import BlockEnds, layer_terminal
 from lstmem_peft.memory.spec import MemorySpec
+from lstmem_peft.memory.storage import SlotTables
 
 from .history import ChunkPlan, plan_chunk
 
@@ -44,8 +47,15 @@ class EngineMemory:
     """What the memory layers of one model share within a forward, and with the worker's sessions.
 
     Attributes:
-        depth_seq: ``(N, n_h, r, r)`` float32 ``D_t`` of every token from the memory layer that ran last
-            in the current forward (the depth input of the next one), or ``None``.
+        depth_seq: ``(n, n_h, r, r)`` float32 ``D_t`` of the ``n`` decoding requests from the memory
+            layer that ran last in the current forward (the depth input of the next one), or ``None``.
+        prefill_passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the slot tables per
+            group of prefill chunks of the current forward (:meth:`start_forward`): each memory layer
+            runs the group through it, and it hands ``D_t`` from one memory layer to the next.
+        history_decodes: ``(rows, pass)`` for the one-token history chunks of the current forward
+            (vLLM runs them as decodes): their ``(h,)`` rows among the decodes and the
+            :class:`~lstmem_peft.memory.engine.MemoryPass` over their slots that writes them with the
+            block scan; ``None`` when the forward has none.
         read_only: the state slots of read-only requests (host), kept by
             :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` through :meth:`set_read_only`.
         step_has_read_only: whether the step about to run schedules a read-only request (host, set
@@ -54,32 +64,45 @@ class EngineMemory:
             kept by the sessions through :meth:`set_history`.
         step_history: state slot -> ``(start, length)`` of the prompt chunk each history request
             runs in the step about to run (host, set by the sessions before each step).
-        terminals: state slot -> the :class:`~lstmem_peft.memory.feedback.LayerTerminal` of each memory
-            layer that has run so far in this forward, for the history requests whose chunk ends a
-            block; block-end feedback consumes them after the last memory layer.
+        block_ends: the terminals of each memory layer that has run so far in this forward, by the
+            state slot of each history request whose chunk ends a block
+            (:class:`~lstmem_peft.memory.feedback.BlockEnds`, the library pass's own); block-end
+            feedback consumes them after the last memory layer.
         states: the memory layers (:class:`~.state.LSTMemState`), depth order (set by the model).
+        slots: their slot tables (:class:`~lstmem_peft.memory.storage.SlotTables`), where the memory
+            layers read and write the states of their requests.
         block_size, feedback_positions, block_feedback, depth_coupling: the adapter's history settings.
     """
 
     def __init__(self, config: MemorySpec | None = None) -> None:
         self.depth_seq: torch.Tensor | None = None
+        self.prefill_passes: list[MemoryPass] = []
+        self.history_decodes: tuple[torch.Tensor, MemoryPass] | None = None
         self.read_only: set[int] = set()
         self.step_has_read_only = False
         self._read_only_slots: torch.Tensor | None = None
         self.history: dict[int, HistorySlot] = {}
         self.step_history: dict[int, tuple[int, int]] = {}
-        self.terminals: dict[int, list[LayerTerminal]] = {}
-        self.states: list[torch.nn.Module] = []  # LSTMemState
         config = config or MemorySpec()
         self.block_size = int(config.block_size)
         self.feedback_positions = int(config.feedback_positions)
         self.block_feedback = bool(config.block_feedback)
         self.depth_coupling = bool(config.depth_coupling)
+        self.states = []
+
+    @property
+    def states(self) -> list[torch.nn.Module]:
+        return self.slots.layers
+
+    @states.setter
+    def states(self, layers: list[torch.nn.Module]) -> None:
+        self.slots = SlotTables(layers)
+        self.block_ends = BlockEnds(len(layers), self.depth_coupling)
 
     def set_history(self, slot: int, prompt_length: int | None) -> None:
         """Mark state slot ``slot`` as holding a history request of ``prompt_length`` prompt tokens
         (``None``: not a history request). Its blocks start over."""
-        self.terminals.pop(slot, None)
+        self.block_ends.discard(slot)
         if prompt_length is None:
             self.history.pop(slot, None)
         else:
@@ -131,50 +154,59 @@ class EngineMemory:
             request.keys[depth].index_copy_(0, slots, out.key[row, rows])
             request.values[depth].index_copy_(0, slots, out.value[row, rows])
         if plan.ends_block:
-            self.terminals.setdefault(slot, []).append(
-                LayerTerminal(
-                    cell=out.cell[row : row + 1],
-                    hidden=out.hidden[row : row + 1],
-                    out_gate=out.out_gate[row, last][None],
-                    depth_gate=out.depth_gate[row, last][None],
-                    key=request.keys[depth][None],
-                    value=request.values[depth][None],
-                )
+            device = out.key.device
+            terminal = layer_terminal(
+                out,
+                torch.tensor([last], device=device),
+                request.keys[depth][None],
+                request.values[depth][None],
+                rows=torch.tensor([row], device=device),
             )
+            mask = torch.ones(1, plan.num_samples, dtype=torch.bool, device=device)
+            self.block_ends.add(slot, terminal, mask, index=slot)
+
+    def start_forward(self, metadata) -> None:
+        """Open the forward's passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the
+        slot tables per group of prefill chunks of ``metadata`` (an ``LSTMemMetadata``,
+        :mod:`~.backend`), writing at the positions of its ``write`` mask; read-only chunks read the
+        fixed states when the step holds any, and groups with a history chunk keep their samples.
+        One more over the slots of its one-token history chunks, if any."""
+        history = {row for row, _, _ in metadata.history_prefills}
+        self.prefill_passes = [
+            MemoryPass(
+                self.slots,
+                group.write,
+                slots=group.slots,
+                read_only=group.read_only if metadata.read_only_pass else None,
+                depth_coupling=self.depth_coupling,
+                keep_samples=any(row in history for row in group.rows),
+            )
+            for group in metadata.prefill_groups
+        ]
+        self.history_decodes = None
+        if metadata.history_decodes:
+            slots = metadata.decode_slots
+            rows = torch.tensor([row for row, _, _ in metadata.history_decodes], device=slots.device)
+            history_pass = MemoryPass(
+                self.slots, slots=slots[rows], depth_coupling=self.depth_coupling, keep_samples=True
+            )
+            self.history_decodes = (rows, history_pass)
+
+    def finish_forward(self) -> None:
+        """Close the forward after its last memory layer: its passes (each checks that every memory
+        layer ran), then block-end feedback."""
+        for memory_pass in self.prefill_passes:
+            memory_pass.finish()
+        if self.history_decodes is not None:
+            self.history_decodes[1].finish()
+        self.prefill_passes, self.history_decodes = [], None
+        self.block_end_feedback()
 
     def block_end_feedback(self) -> None:
-        """Block-end feedback (the library's :func:`~lstmem_peft.memory.feedback.block_feedback`, one
+        """Block-end feedback (the library's :class:`~lstmem_peft.memory.feedback.BlockEnds`, one
         batch) for every history request whose chunk ended a block in this forward; the corrected
         states replace the block's terminal states in their slots, where the next block starts."""
-        if not self.terminals:
-            return
-        slots = [slot for slot, layers in self.terminals.items() if len(layers) == len(self.states)]
-        if slots:
-            counts = [self.terminals[s][0].key.shape[1] for s in slots]
-            width = max(counts)
-            per_layer = []
-            for d in range(len(self.states)):
-                layer = [self.terminals[s][d] for s in slots]
-                per_layer.append(
-                    LayerTerminal(
-                        cell=torch.cat([t.cell for t in layer]),
-                        hidden=torch.cat([t.hidden for t in layer]),
-                        out_gate=torch.cat([t.out_gate for t in layer]),
-                        depth_gate=torch.cat([t.depth_gate for t in layer]),
-                        # blocks of other lengths have fewer samples: zeros, masked out
-                        key=torch.cat([_pad_samples(t.key, width) for t in layer]),
-                        value=torch.cat([_pad_samples(t.value, width) for t in layer]),
-                    )
-                )
-            device = per_layer[0].cell.device
-            mask = torch.arange(width)[None, :] < torch.tensor(counts)[:, None]  # (rows, P)
-            result = block_feedback(per_layer, mask.to(device), self.depth_coupling)
-            index = torch.tensor(slots, device=device)
-            for state, cell, hidden in zip(self.states, result.cells, result.hiddens, strict=True):
-                cells, hiddens = state.kv_cache
-                cells.index_copy_(0, index, cell.to(cells.dtype))
-                hiddens.index_copy_(0, index, hidden.to(hiddens.dtype))
-        self.terminals.clear()
+        self.block_ends.apply(self.slots)
 
     def set_read_only(self, slot: int, read_only: bool) -> None:
         """Mark state slot ``slot`` read-only (or writing) for the request that starts in it."""
@@ -193,8 +225,3 @@ class EngineMemory:
             mask[sorted(self.read_only)] = True
             self._read_only_slots = mask.to(device)
         return self._read_only_slots
-
-
-def _pad_samples(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``(1, P, n_h, r)`` samples padded with zeros to ``(1, width, n_h, r)``."""
-    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, width - x.shape[1]))

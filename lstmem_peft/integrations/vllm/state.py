@@ -7,8 +7,10 @@ layer (decoder layer ``l`` with memory, depth ``m`` among the memory layers)::
     x = input_layernorm(h)                         (N, d)   the attention input (replicated on every TP rank)
     u = LSTMemState(x)                              the library's LSTMemLayer, all requests at once:
         decodes:  one batched step over every decoding request's state slot
-        prefills: a batched block scan per group of chunks of similar length (.prefill), padded to its longest
-        D_t of every token goes up to memory layer m + 1 (EngineMemory.depth_seq, engine_memory.py)
+        prefills: a batched block scan per group of chunks of similar length (.prefill), padded to its longest,
+                  each group run by one MemoryPass over the slot tables (EngineMemory.prefill_passes)
+        D_t of every token goes up to memory layer m + 1 (the decodes' in EngineMemory.depth_seq, the
+        prefill groups' in their passes)
     q = q_proj(x) + Δq -> q_norm -> RoPE -> attention -> o_proj(.) + Δo      (Δq, Δo made from u)
 
 Per-step metadata (:class:`~.backend.LSTMemMetadataBuilder`, built once per step for all memory
@@ -22,13 +24,18 @@ A request's state slot holds its starting memory before its first chunk runs: th
 :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` writes it there (a session's memory, or
 zeros) when the request is scheduled, so no layer asks which chunk is a request's first.
 
+A request's slot is a row of its memory layer's slot tables
+(:class:`~lstmem_peft.memory.storage.SlotTables`, :attr:`.EngineMemory.slots`): the layer reads and
+writes its requests' states there, in place.
+
 A read-only request (``lstmem_memory_write`` false) reads the fixed states of its slot at every
 token, as the library's read-only pass (:class:`lstmem_peft.memory.engine.MemoryPass` with
 ``write=False``) does; its depth input is the fixed ``D`` of memory layer ``m - 1`` (that layer hands
 it up in place of ``D_t``). In the batched decode step it runs with the writing requests and its slot
 keeps its states (``torch.where``): the step's read ``u`` uses ``D_{t-1}`` and the depth input before
 any write, which is the read-only read. In a prefill batch, its tokens are masked out of the write
-(``valid``) and its reads come from one read-only pass over the same batch.
+(``valid``) and its reads come from one read-only pass over the same batch (the group's
+:class:`~lstmem_peft.memory.engine.MemoryPass`, with the chunks' read-only mask).
 
 A history request (``lstmem_history``; :mod:`~lstmem_peft.integrations.vllm.history`) writes like any
 writing request; its chunks never cross a block end (the plugin's scheduler). At each of its chunks,
@@ -36,9 +43,11 @@ each memory layer also keeps the keys and values at the block's feedback positio
 (:meth:`~.engine_memory.EngineMemory.take_samples`: per-slot buffers that last the block), and at a
 block's end its terminal states and gates; after the last memory layer,
 :meth:`~.engine_memory.EngineMemory.block_end_feedback` runs the library's
-:func:`~lstmem_peft.memory.feedback.block_feedback` over every request whose block ended in this
-forward and writes the corrected states into their slots. A one-token history chunk, which vLLM
-runs as a decode, is stepped by the block scan (which gives the samples) in place of the decode step.
+:class:`~lstmem_peft.memory.feedback.BlockEnds` (the one :class:`~lstmem_peft.memory.engine.MemoryPass`
+collects its terminals in) over every request whose block ended in this forward, which writes the
+corrected states into their slots. A one-token history chunk, which vLLM runs as a decode, is
+written by the block scan (which gives the samples) through a pass of its own
+(:attr:`.EngineMemory.history_decodes`); the decode step only reads its slot.
 
 Tensor parallelism (``tensor_parallel_size > 1``): every rank keeps the whole memory of every memory
 layer (states replicated, not sharded by memory head: the read ``u``, the gates and the corrections
@@ -153,7 +162,8 @@ class LSTMemState(nn.Module, MambaBase):
 
         ``x`` ``(N', d)`` (``N'`` >= the ``N`` real tokens: vLLM pads); writes ``delta``
         ``(N', d_q / tp + d)`` (``[Δq | Δo]``, zero on the padding), the states of the requests'
-        slots, and ``EngineMemory.depth_seq``."""
+        slots, and ``EngineMemory.depth_seq`` (the decodes' ``D_t``; the prefill groups' passes hand
+        up their own)."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         shared = self.shared
@@ -163,17 +173,15 @@ class LSTMemState(nn.Module, MambaBase):
             return
         nd = metadata.num_decode_tokens
         tokens = nd + metadata.num_prefill_tokens
-        H, R = self.memory.num_heads, self.memory.head_dim
-        depth_seq = shared.depth_seq if self.memory.depth_input else None
+        depth_seq = shared.depth_seq if self.memory.depth_input else None  # the decodes' D_t from below
         weights = self.layer_weights()
+        if self.depth == 0:
+            shared.start_forward(metadata)
         if metadata.num_prefills or not nd:
-            read = x.new_empty(tokens, H * R, dtype=torch.float32)  # u of every token
-            out_seq = x.new_empty(tokens, H, R, R, dtype=torch.float32)  # D_t for the next memory layer
-            if nd:
-                depth = None if depth_seq is None else depth_seq[:nd]
-                self._decode(x[:nd], metadata, depth, weights, read[:nd], out_seq[:nd])
+            read = x.new_empty(tokens, self.memory.num_heads * self.memory.head_dim, dtype=torch.float32)
+            out_seq = self._decode(x[:nd], metadata, depth_seq, weights, read[:nd])[1] if nd else None
             if metadata.num_prefills:
-                self._prefill(x, metadata, depth_seq, read[nd:tokens], out_seq[nd:tokens])
+                self._prefill(x, metadata, read[nd:tokens])
         else:  # decoding only (the steady state): the step's u and D_t are used where they are
             read, out_seq = self._decode(x[:nd], metadata, depth_seq, weights)
         # eq:injection: [Δq | Δo] = u (alpha / r) [W_dq; W_do]^T, one product
@@ -181,31 +189,33 @@ class LSTMemState(nn.Module, MambaBase):
         if tokens < delta.shape[0]:
             delta[tokens:] = 0  # vLLM pads the batch for its graphs
         shared.depth_seq = out_seq
-        if self.depth == len(shared.states) - 1:  # every memory layer has run: block ends get feedback
-            shared.block_end_feedback()
+        if self.depth == len(shared.states) - 1:  # every memory layer has run: passes close, feedback
+            shared.finish_forward()
 
-    def _decode(self, x, metadata: LSTMemMetadata, depth, weights, read=None, out_seq=None):
+    def _decode(self, x, metadata: LSTMemMetadata, depth, weights, read=None):
         """One batched step for the ``n`` decoding requests: ``x`` ``(n, d)``, ``depth`` ``(n, n_h, r, r)``
         or ``None``, ``weights`` the layer's derived weights. Returns ``u`` ``(n, d_s)`` and ``D_t``
-        ``(n, n_h, r, r)``, written into ``read`` and ``out_seq`` when given. No host reads. The
+        ``(n, n_h, r, r)`` (``u`` written into ``read`` when given). No host reads. The
         states are stepped in their slots (:func:`lstmem_kernels.lstmem_decode_step` with ``slots``:
         in place in one launch with the Triton member); read-only requests keep theirs."""
-        cells, hiddens = self.kv_cache
+        cells, hiddens = self.shared.slots.tables(self.depth)
         history = metadata.history_decodes
-        if history:  # one-token history chunks: their states before the step
-            rows = torch.tensor([row for row, _, _ in history], device=x.device)
-            slots = metadata.decode_slots[rows]
-            before = cells[slots].clone(), hiddens[slots].clone()
         # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
         member = decode_backend(self.memory.backend, x, weights.w_in.dtype)
         write = metadata.decode_write
-        if not (member == "triton" or self.shared.step_has_read_only):
+        if history:
+            # one-token history chunks: the library writes a one-token block with its block scan,
+            # which also gives the feedback samples; their pass runs it on their slots, which the
+            # step then only reads
+            rows, history_pass = self.shared.history_decodes
+            out = history_pass.run(self.depth, self.memory, x[rows, None])
+            write = write.index_fill(0, rows, False)
+        elif not (member == "triton" or self.shared.step_has_read_only):
             write = None
-        if out_seq is None:  # D_t of each request, the next memory layer's depth input
-            H, R = self.memory.num_heads, self.memory.head_dim
-            out_seq = x.new_empty(x.shape[0], H, R, R, dtype=torch.float32)
+        H, R = self.memory.num_heads, self.memory.head_dim
+        out_seq = x.new_empty(x.shape[0], H, R, R, dtype=torch.float32)  # D_t: the next layer's depth input
         u = lstmem_decode_step(
             x,
             *weights.step_weights(depth is not None),
@@ -224,57 +234,28 @@ class LSTMemState(nn.Module, MambaBase):
             read = u
         else:
             read.copy_(u)
-        if history:
-            # the library writes a one-token block with its block scan, which also gives the
-            # feedback samples: that scan's states replace the step's for these rows
-            out = self.memory(
-                x[rows, None],
-                *before,
-                depth=None if depth is None else depth[rows, None],
-                aux=True,
-            )
-            cells.index_copy_(0, slots, out.cell)
-            hiddens.index_copy_(0, slots, out.hidden)
+        if history:  # the block scan's read and D_t replace the step's for these rows
             read[rows] = out.read[:, 0].to(read.dtype)
             out_seq[rows] = out.hidden_seq[:, 0]
             for i, (_, slot, plan) in enumerate(history):
                 self.shared.take_samples(slot, self.depth, plan, out, i, 0)
         return read, out_seq
 
-    def _prefill(self, x, metadata: LSTMemMetadata, depth_seq, read, out_seq) -> None:
+    def _prefill(self, x, metadata: LSTMemMetadata, read) -> None:
         """The ``P`` prefill chunks, one batched block scan per group of similar length
-        (:mod:`.prefill`), each padded to its longest chunk; fills ``read`` ``(n, d_s)`` and
-        ``out_seq`` ``(n, n_h, r, r)`` of the ``n`` prefill tokens."""
+        (:mod:`.prefill`), each padded to its longest chunk and run through its group's
+        :class:`~lstmem_peft.memory.engine.MemoryPass` over the slot tables (which writes the slots,
+        hands ``D_t`` up to the next memory layer, and reads the fixed states for read-only chunks);
+        fills ``read`` ``(n, d_s)`` of the ``n`` prefill tokens and keeps the feedback samples of
+        history chunks."""
         history = {row: (slot, plan) for row, slot, plan in metadata.history_prefills}
-        for group in metadata.prefill_groups:
-            samples = [(i, *history[row]) for i, row in enumerate(group.rows) if row in history]
-            reads, hidden_seq = self._prefill_group(x, group, depth_seq, metadata.read_only_pass, samples)
-            read[group.put] = reads.reshape(-1, reads.shape[-1])[group.pick].to(read.dtype)
-            out_seq[group.put] = hidden_seq.flatten(0, 1)[group.pick].to(out_seq.dtype)
-
-    def _prefill_group(self, x, group, depth_seq, read_only_pass: bool, samples: list) -> tuple:
-        """One padded block scan over a group's chunks: writes their states to their slots, keeps
-        the feedback samples of history chunks (``samples``: ``(row in group, slot, plan)``) and
-        returns the padded reads ``(G, T, d_s)`` and hidden states ``(G, T, n_h, r, r)``."""
-        cells, hiddens = self.kv_cache
-        slots, gather = group.slots, group.gather
-        cell, hidden = cells[slots], hiddens[slots]
-        xs = x[gather]  # (G, T, d)
-        depth = None if depth_seq is None else depth_seq[gather]  # (G, T, n_h, r, r)
-        out = self.memory(xs, cell, hidden, depth=depth, valid=group.write, aux=bool(samples))
-        reads, hidden_seq = out.read, out.hidden_seq
-        if read_only_pass:  # read-only chunks: every token reads the fixed states
-            fixed = self.memory(xs, cell, hidden, depth=None if depth is None else depth[:, 0], write=False)
-            keep = group.read_only
-            reads = torch.where(keep[:, None, None], fixed.read, reads)
-            hidden_seq = torch.where(
-                keep[:, None, None, None, None], hidden[:, None].to(hidden_seq.dtype), hidden_seq
-            )
-        cells.index_copy_(0, slots, out.cell)  # a read-only chunk's states come back unchanged
-        hiddens.index_copy_(0, slots, out.hidden)
-        for row, slot, plan in samples:  # feedback samples (and terminals at block ends) of history chunks
-            self.shared.take_samples(slot, self.depth, plan, out, row, plan.length - 1)
-        return reads, hidden_seq
+        for group, group_pass in zip(metadata.prefill_groups, self.shared.prefill_passes, strict=True):
+            out = group_pass.run(self.depth, self.memory, x[group.gather])  # (G, T, d) in
+            for i, row in enumerate(group.rows):
+                if row in history:  # samples (and terminals at block ends) of a history chunk
+                    slot, plan = history[row]
+                    self.shared.take_samples(slot, self.depth, plan, out, i, plan.length - 1)
+            read[group.put] = out.read.reshape(-1, out.read.shape[-1])[group.pick].to(read.dtype)
 
 
 def _apply(read: torch.Tensor, corr: torch.Tensor, out: torch.Tensor) -> None:

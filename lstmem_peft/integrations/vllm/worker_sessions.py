@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
 from lstmem_peft.memory.cache import MemoryCache
 from lstmem_peft.memory.sessions import session_file
+from lstmem_peft.memory.storage import SlotTables
 
 from . import MEMORY_WRITE, SESSION_OUT
 from .runner_view import RunnerView
@@ -75,6 +75,7 @@ class Sessions:
         self.view = view
         self.directory = directory
         self.states = model.memory_states()
+        self.tables = SlotTables(self.states)  # the memory layers' state slots
         self.shared = model.lstmem_shared
         # every tensor-parallel rank holds the whole memory (replicated states): rank 0 saves
         self.writer = get_tensor_model_parallel_rank() == 0
@@ -144,7 +145,7 @@ class Sessions:
             self.history.pop(request_id, None)
         self.start_tokens[request_id] = 0
         self.ran[request_id] = 0
-        self.write_start(slot, self.starting_memory(request_id, extra, read_only))
+        self.tables.load(slot, self.starting_memory(request_id, extra, read_only))
 
     def starting_memory(self, request_id: str, extra, read_only: bool) -> MemoryCache | None:
         """The memory of the request's in-session (read once per request), or ``None``: zeros. Records
@@ -187,30 +188,11 @@ class Sessions:
         self.start_tokens[request_id] = int(cache.tokens_written[0])
         return cache
 
-    def write_start(self, slot: int, cache: MemoryCache | None) -> None:
-        """Write ``cache``'s one row (``None``: zeros) into state slot ``slot`` of every memory layer."""
-        for depth, state in enumerate(self.states):
-            cells, hiddens = state.kv_cache
-            if cache is None:
-                cells[slot].zero_()
-                hiddens[slot].zero_()
-            else:
-                cells[slot].copy_(cache.layers[depth].cell[0])
-                hiddens[slot].copy_(cache.layers[depth].hidden[0])
-
     def save(self, request_id: str) -> None:
         """Write the memory in the request's state slot to its out-session (atomically)."""
         name, path = self.outputs[request_id]
-        slot = self.slots[request_id]
-        cache = MemoryCache(self.layout)
-        cache.ensure(1, torch.device("cpu"))
-        for layer, state in zip(cache.layers, self.states, strict=True):
-            cells, hiddens = state.kv_cache
-            layer.cell = cells[slot][None].to("cpu", copy=True)
-            layer.hidden = hiddens[slot][None].to("cpu", copy=True)
-        cache.tokens_written = torch.tensor(
-            [self.start_tokens.get(request_id, 0) + self.ran.get(request_id, 0)]
-        )
+        tokens = self.start_tokens.get(request_id, 0) + self.ran.get(request_id, 0)
+        cache = self.tables.rows(self.slots[request_id], self.layout, tokens)
         try:
             save_session(cache, path)
         except Exception as err:  # noqa: BLE001 (a full disk must not stop the engine)
