@@ -80,7 +80,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from lstmem_kernels import decode_backend, lstmem_decode_step
+from lstmem_kernels import lstmem_decode_step
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import STATE_DTYPES
 from lstmem_peft.memory.layer import LayerWeights
@@ -203,7 +203,7 @@ class LSTMemState(nn.Module, MambaBase):
         # Read-only requests keep their states: the fused kernel takes the mask as it is (the same
         # launch in every step, as a CUDA graph needs); the PyTorch step is spared its selections
         # when the step has no read-only request (a host flag the sessions set)
-        member = decode_backend(self.memory.backend, x, weights.w_in.dtype)
+        member = self.memory.decode_member(weight=weights.w_in)  # chosen once per device and dtype
         write = metadata.decode_write
         if history:
             # one-token history chunks: the library writes a one-token block with its block scan,
