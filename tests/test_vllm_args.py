@@ -195,8 +195,9 @@ def test_history_chunks_end_at_block_ends_and_find_their_feedback_samples():
     """A history request's chunks (``lstmem_history``): cut at block ends and nowhere else; over a
     block's chunks, each of the block's feedback positions is found exactly once, in the chunk and at
     the offset where it lies; the chunk that ends a block says so; a chunk across a block end is
-    refused with the scheduler named."""
-    from lstmem_peft.integrations.vllm.history import block_samples, cap_history_chunk, plan_chunk
+    refused."""
+    from lstmem_peft.integrations.vllm.history import cap_history_chunk
+    from lstmem_peft.memory.chunks import block_samples, plan_chunk
 
     assert cap_history_chunk(0, 16, 100, 40) == 16
     assert cap_history_chunk(32, 16, 100, 40) == 8  # the block ends at 40
@@ -221,7 +222,7 @@ def test_history_chunks_end_at_block_ends_and_find_their_feedback_samples():
         for first, samples in found.items():
             expected = block_samples(min(block, length - first), 32)
             assert [samples[j] for j in range(len(expected))] == list(expected)
-    with pytest.raises(ValueError, match="crosses the history block end 40.*LSTMemScheduler"):
+    with pytest.raises(ValueError, match=r"crosses the history block end 40 \(block_size 40\)"):
         plan_chunk(32, 16, 100, 40, 32)
 
 

@@ -15,18 +15,24 @@ memory-enabled decoder layer (shallow to deep; the backbone's own order), and ca
   decoder layers over devices): states, depth input and validity mask move there when they are
   elsewhere, and the cache keeps them there,
 * gathers what block-end feedback needs (terminal gates, shared sampled keys/values) and applies it
-  in :meth:`finish` when asked to (:class:`~lstmem_peft.memory.feedback.BlockEnds`, which the vLLM
-  plugin's memory layers share with the pass, over slot tables in place of dense rows).
+  in :meth:`finish` when asked to (:class:`~lstmem_peft.memory.feedback.BlockEnds`),
+* over slot tables, keeps the feedback samples of history chunks whose blocks span several forwards
+  (:class:`~lstmem_peft.memory.chunks.BlockSamples`, by slot), whose terminals reach the same
+  :class:`~lstmem_peft.memory.feedback.BlockEnds` at each block's end; the engine applies it after
+  the forward's last memory layer.
 
 It depends on torch only, so the whole engine can be driven without a transformer (see the tests).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import constants as K
 from .cache import MemoryCache
+from .chunks import BlockSamples, Chunk
 from .feedback import BlockEnds, FeedbackResult, layer_terminal, sample_feedback_positions
 from .layer import LayerOutput, LSTMemLayer
 from .storage import DenseRows, SlotTables
@@ -93,15 +99,20 @@ class MemoryPass:
             tables, the positions that write (``False`` also at every token of a read-only row).
         write: update the states (``False``: read-only pass over fixed states).
         feedback: apply block-end feedback in :meth:`finish` (history blocks of dense rows only: an
-            engine's blocks span several forwards, and it collects their terminals itself).
+            engine's blocks span several forwards, and ``samples`` collects them).
         depth_coupling: feed ``D^(l-1)_t`` to layer ``l`` (``False``: the paper's depth ablation).
         feedback_positions: ``|I_b|`` bound.
         every_layer: require every memory layer to run; ``False`` only for a read-only pass of a cut
             stack (an early-exit draft).
         slots: ``(B,)`` int64, the slot of each row (with :class:`~lstmem_peft.memory.storage.SlotTables`).
         read_only: ``(B,)`` bool, rows of a writing pass that only read (:func:`run_layer`), or ``None``.
-        keep_samples: have each layer return its feedback samples (keys, values, gates) for the
-            caller to collect (an engine's history chunks), without feedback in :meth:`finish`.
+        samples: over slot tables, where the history chunks among the rows keep their feedback
+            samples (:class:`~lstmem_peft.memory.chunks.BlockSamples`: a block written over several
+            forwards), or ``None``; each layer hands it its samples as it runs. Feedback itself
+            follows the forward's last memory layer, through the store's
+            :class:`~lstmem_peft.memory.feedback.BlockEnds`, not :meth:`finish`.
+        chunks: with ``samples``, the batch's history chunks, ``(row, slot, plan)`` each
+            (:data:`~lstmem_peft.memory.chunks.Chunk`).
     """
 
     def __init__(
@@ -116,7 +127,8 @@ class MemoryPass:
         every_layer: bool = True,
         slots: torch.Tensor | None = None,
         read_only: torch.Tensor | None = None,
-        keep_samples: bool = False,
+        samples: BlockSamples | None = None,
+        chunks: Sequence[Chunk] = (),
     ) -> None:
         if feedback and not write:
             raise ValueError("block feedback needs a writing pass (write=True)")
@@ -126,6 +138,10 @@ class MemoryPass:
             raise ValueError("a pass over slot tables needs the rows' slots (slots=), and only such a pass")
         if feedback and slots is not None:
             raise ValueError("block feedback over slot tables spans a block's chunks: the engine applies it")
+        if samples is not None and slots is None:
+            raise ValueError("samples kept across a block's chunks need a pass over slot tables (slots=)")
+        if chunks and samples is None:
+            raise ValueError("history chunks need a store for their samples (samples=)")
         self.cache = cache
         self.valid = valid
         self.write = write
@@ -135,7 +151,8 @@ class MemoryPass:
         self.every_layer = every_layer
         self.slots = slots
         self.read_only = (not write) if read_only is None else read_only
-        self.keep_samples = keep_samples
+        self.samples = samples
+        self.chunks = tuple(chunks)
         self.feedback_result: FeedbackResult | None = None
         # where each layer's new (C, D) go: staged until finish() (dense rows), or in place (slots)
         self.storage = cache if slots is not None else DenseRows(cache)
@@ -188,13 +205,15 @@ class MemoryPass:
         if depth is not None and depth.device != device:
             depth = depth.to(device)
         # the feedback samples (aux) only where block feedback reads them
-        aux = self.feedback or self.keep_samples
+        aux = self.feedback or bool(self.chunks)
         out, handoff = run_layer(
             layer, x, cell, hidden, depth=depth, valid=valid, read_only=self.read_only, aux=aux
         )
         self._depth = handoff if self.depth_coupling else None
         if self.write:
             self.storage.write(index, out.cell, out.hidden, self.slots)
+        if self.chunks:  # history chunks of blocks that span forwards: their samples, their block ends
+            self.samples.take(index, out, self.chunks)
         if index == 0:
             self._length = x.shape[1]
         if self.feedback:

@@ -53,8 +53,8 @@ class LSTMemMetadata(LinearAttentionMetadata):
             slots, read-only flags, gather and write masks of its padded scan, where its tokens go).
         read_only_pass: whether the step may hold a read-only prefill (host).
         history_decodes, history_prefills: ``(row, slot, plan)`` (host) for each history request's
-            chunk of the step that block-end feedback follows (:class:`~.history.ChunkPlan`), by its
-            row among the decodes (a one-token chunk) or among the prefill chunks.
+            chunk of the step that block-end feedback follows (:class:`~lstmem_peft.memory.chunks.ChunkPlan`),
+            by its row among the decodes (a one-token chunk) or among the prefill chunks.
     """
 
     decode_slots: torch.Tensor | None = None

@@ -2,45 +2,28 @@
 
 :class:`EngineMemory` holds the depth input ``D_t`` handed from one memory layer to the next, the
 memory layers' slot tables (:class:`~lstmem_peft.memory.storage.SlotTables`), which state slots only
-read, and each history request's block being written (:class:`HistorySlot`: the feedback samples
-kept across a block's chunks), with the terminals of the blocks that end in a forward and their
-feedback after its last memory layer (:class:`~lstmem_peft.memory.feedback.BlockEnds`, the library
-pass's own). The worker's sessions (:class:`~.worker_sessions.Sessions`) set its per-step fields
+read, the prompt length of each history request, and the forward's passes over the slot tables
+(:class:`~lstmem_peft.memory.engine.MemoryPass`). A history block spans several forwards: the
+passes keep its feedback samples across its chunks in the library's
+:class:`~lstmem_peft.memory.chunks.BlockSamples` (by slot), which hands the terminals of the blocks
+that end in a forward to :class:`~lstmem_peft.memory.feedback.BlockEnds`, applied after its last
+memory layer. The worker's sessions (:class:`~.worker_sessions.Sessions`) set its per-step fields
 before each step; the memory layers (:class:`~.state.LSTMemState`) and the metadata builder
 (:class:`~.backend.LSTMemMetadataBuilder`) read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from vllm.logger import init_logger
 
+from lstmem_peft.memory.chunks import BlockSamples, ChunkPlan, plan_chunk
 from lstmem_peft.memory.engine import MemoryPass
-from lstmem_peft.memory.feedback import BlockEnds, layer_terminal
+from lstmem_peft.memory.feedback import BlockEnds
 from lstmem_peft.memory.spec import MemorySpec
 from lstmem_peft.memory.storage import SlotTables
 
-from .history import ChunkPlan, plan_chunk
-
 logger = init_logger(__name__)
-
-
-@dataclass
-class HistorySlot:
-    """A history request's block being written, in its state slot.
-
-    Attributes:
-        prompt_length: the request's prompt tokens (the history).
-        keys, values: per memory layer (depth order), ``(P, n_h, r)`` memory keys and values at the
-            samples ``I_b`` of the current block seen so far (``P = |I_b|``), kept across the block's
-            chunks; ``None`` before the block's first chunk ran.
-    """
-
-    prompt_length: int
-    keys: list | None = None
-    values: list | None = None
 
 
 class EngineMemory:
@@ -60,12 +43,15 @@ class EngineMemory:
             :class:`~lstmem_peft.integrations.vllm.worker_sessions.Sessions` through :meth:`set_read_only`.
         step_has_read_only: whether the step about to run schedules a read-only request (host, set
             by the sessions before each step): only then do prefills run the read-only pass.
-        history: state slot -> :class:`HistorySlot` of each history request (``lstmem_history``),
+        history: state slot -> the prompt length of each history request (``lstmem_history``),
             kept by the sessions through :meth:`set_history`.
         step_history: state slot -> ``(start, length)`` of the prompt chunk each history request
             runs in the step about to run (host, set by the sessions before each step).
-        block_ends: the terminals of each memory layer that has run so far in this forward, by the
-            state slot of each history request whose chunk ends a block
+        samples: the history requests' feedback samples, kept across their blocks' chunks by
+            state slot (:class:`~lstmem_peft.memory.chunks.BlockSamples`), which the forward's
+            passes fill; its ``ends`` (:attr:`block_ends`) gets each memory layer's terminal of every
+            request whose chunk ends a block.
+        block_ends: those terminals in this forward, by state slot
             (:class:`~lstmem_peft.memory.feedback.BlockEnds`, the library pass's own); block-end
             feedback consumes them after the last memory layer.
         states: the memory layers (:class:`~.state.LSTMemState`), depth order (set by the model).
@@ -81,7 +67,7 @@ class EngineMemory:
         self.read_only: set[int] = set()
         self.step_has_read_only = False
         self._read_only_slots: torch.Tensor | None = None
-        self.history: dict[int, HistorySlot] = {}
+        self.history: dict[int, int] = {}
         self.step_history: dict[int, tuple[int, int]] = {}
         config = config or MemorySpec()
         self.block_size = int(config.block_size)
@@ -98,33 +84,40 @@ class EngineMemory:
     def states(self, layers: list[torch.nn.Module]) -> None:
         self.slots = SlotTables(layers)
         self.block_ends = BlockEnds(len(layers), self.depth_coupling)
+        self.samples = BlockSamples(self.block_ends)
 
     def set_history(self, slot: int, prompt_length: int | None) -> None:
         """Mark state slot ``slot`` as holding a history request of ``prompt_length`` prompt tokens
         (``None``: not a history request). Its blocks start over."""
-        self.block_ends.discard(slot)
+        self.samples.discard(slot)
         if prompt_length is None:
             self.history.pop(slot, None)
         else:
-            self.history[slot] = HistorySlot(int(prompt_length))
+            self.history[slot] = int(prompt_length)
 
     def plan_history(self, slot: int) -> ChunkPlan | None:
-        """The :class:`~.history.ChunkPlan` of the chunk history slot ``slot`` runs in this step, or
-        ``None`` (not a history request, a chunk past the prompt, feedback off). A chunk the
-        scheduler did not cut at its block end is logged and written without feedback (the engine
-        goes on; :func:`~.checks.check_engine_config` makes this impossible with the plugin's scheduler)."""
-        request = self.history.get(slot)
+        """The :class:`~lstmem_peft.memory.chunks.ChunkPlan` of the chunk history slot ``slot`` runs
+        in this step, or ``None`` (not a history request, a chunk past the prompt, feedback off). A
+        chunk the scheduler did not cut at its block end is logged and written without feedback (the
+        engine goes on; :func:`~.checks.check_engine_config` makes this impossible with the plugin's
+        scheduler)."""
+        prompt_length = self.history.get(slot)
         chunk = self.step_history.get(slot)
-        if request is None or chunk is None or not self.block_feedback:
+        if prompt_length is None or chunk is None or not self.block_feedback:
             return None
         start, length = chunk
-        if start >= request.prompt_length:
+        if start >= prompt_length:
             return None
-        length = min(length, request.prompt_length - start)
+        length = min(length, prompt_length - start)
         try:
-            return plan_chunk(start, length, request.prompt_length, self.block_size, self.feedback_positions)
+            return plan_chunk(start, length, prompt_length, self.block_size, self.feedback_positions)
         except ValueError as err:
-            logger.error("LSTMem history request in state slot %d: no block-end feedback (%s)", slot, err)
+            logger.error(
+                "LSTMem history request in state slot %d: no block-end feedback (%s; history requests need "
+                "the plugin's scheduler, lstmem_peft.integrations.vllm.scheduler.LSTMemScheduler)",
+                slot,
+                err,
+            )
             return None
 
     @property
@@ -133,45 +126,18 @@ class EngineMemory:
         feedback follows: vLLM runs it as a decode, and the memory op routes it through the block
         scan in Python (:meth:`~.state.LSTMemState._decode`), which a full CUDA graph would not run."""
         return self.block_feedback and any(
-            length == 1 and slot in self.history and start < self.history[slot].prompt_length
+            length == 1 and slot in self.history and start < self.history[slot]
             for slot, (start, length) in self.step_history.items()
         )
-
-    def take_samples(self, slot: int, depth: int, plan: ChunkPlan, out, row: int, last: int) -> None:
-        """Keep memory layer ``depth``'s samples of one history chunk: ``out`` is its
-        :class:`~lstmem_peft.memory.layer.LayerOutput` over a batch whose row ``row`` is the chunk
-        (its token ``t`` at time index ``t``; ``last`` the time index of its last token). At a block
-        end, also record the layer's :class:`~lstmem_peft.memory.feedback.LayerTerminal`."""
-        request = self.history[slot]
-        if request.keys is None or (plan.first and depth == 0):  # a new block: no samples yet
-            L = len(self.states)
-            shape = (plan.num_samples, *out.key.shape[2:])
-            request.keys = [out.key.new_zeros(shape) for _ in range(L)]
-            request.values = [out.value.new_zeros(shape) for _ in range(L)]
-        if plan.rows:
-            rows = torch.tensor(plan.rows, device=out.key.device)
-            slots = torch.tensor(plan.slots, device=out.key.device)
-            request.keys[depth].index_copy_(0, slots, out.key[row, rows])
-            request.values[depth].index_copy_(0, slots, out.value[row, rows])
-        if plan.ends_block:
-            device = out.key.device
-            terminal = layer_terminal(
-                out,
-                torch.tensor([last], device=device),
-                request.keys[depth][None],
-                request.values[depth][None],
-                rows=torch.tensor([row], device=device),
-            )
-            mask = torch.ones(1, plan.num_samples, dtype=torch.bool, device=device)
-            self.block_ends.add(slot, terminal, mask, index=slot)
 
     def start_forward(self, metadata) -> None:
         """Open the forward's passes: one :class:`~lstmem_peft.memory.engine.MemoryPass` over the
         slot tables per group of prefill chunks of ``metadata`` (an ``LSTMemMetadata``,
         :mod:`~.backend`), writing at the positions of its ``write`` mask; read-only chunks read the
-        fixed states when the step holds any, and groups with a history chunk keep their samples.
-        One more over the slots of its one-token history chunks, if any."""
-        history = {row for row, _, _ in metadata.history_prefills}
+        fixed states when the step holds any, and the history chunks of a group keep their samples
+        (in :attr:`samples`, each by its row in the group's batch). One more over the slots of its
+        one-token history chunks, if any."""
+        history = {row: (slot, plan) for row, slot, plan in metadata.history_prefills}
         self.prefill_passes = [
             MemoryPass(
                 self.slots,
@@ -179,7 +145,8 @@ class EngineMemory:
                 slots=group.slots,
                 read_only=group.read_only if metadata.read_only_pass else None,
                 depth_coupling=self.depth_coupling,
-                keep_samples=any(row in history for row in group.rows),
+                samples=self.samples,
+                chunks=[(i, *history[row]) for i, row in enumerate(group.rows) if row in history],
             )
             for group in metadata.prefill_groups
         ]
@@ -188,7 +155,11 @@ class EngineMemory:
             slots = metadata.decode_slots
             rows = torch.tensor([row for row, _, _ in metadata.history_decodes], device=slots.device)
             history_pass = MemoryPass(
-                self.slots, slots=slots[rows], depth_coupling=self.depth_coupling, keep_samples=True
+                self.slots,
+                slots=slots[rows],
+                depth_coupling=self.depth_coupling,
+                samples=self.samples,
+                chunks=[(i, slot, plan) for i, (_, slot, plan) in enumerate(metadata.history_decodes)],
             )
             self.history_decodes = (rows, history_pass)
 

@@ -39,9 +39,10 @@ any write, which is the read-only read. In a prefill batch, its tokens are maske
 
 A history request (``lstmem_history``; :mod:`~lstmem_peft.integrations.vllm.history`) writes like any
 writing request; its chunks never cross a block end (the plugin's scheduler). At each of its chunks,
-each memory layer also keeps the keys and values at the block's feedback positions in the chunk
-(:meth:`~.engine_memory.EngineMemory.take_samples`: per-slot buffers that last the block), and at a
-block's end its terminal states and gates; after the last memory layer,
+the pass that runs it keeps each memory layer's keys and values at the block's feedback positions in
+the chunk (the library's :class:`~lstmem_peft.memory.chunks.BlockSamples`, :attr:`.EngineMemory.samples`:
+per-slot buffers that last the block), and at a block's end its terminal states and gates; after
+the last memory layer,
 :meth:`~.engine_memory.EngineMemory.block_end_feedback` runs the library's
 :class:`~lstmem_peft.memory.feedback.BlockEnds` (the one :class:`~lstmem_peft.memory.engine.MemoryPass`
 collects its terminals in) over every request whose block ended in this forward, which writes the
@@ -207,8 +208,8 @@ class LSTMemState(nn.Module, MambaBase):
         write = metadata.decode_write
         if history:
             # one-token history chunks: the library writes a one-token block with its block scan,
-            # which also gives the feedback samples; their pass runs it on their slots, which the
-            # step then only reads
+            # which also gives the feedback samples; their pass runs it on their slots (keeping the
+            # samples), which the step then only reads
             rows, history_pass = self.shared.history_decodes
             out = history_pass.run(self.depth, self.memory, x[rows, None])
             write = write.index_fill(0, rows, False)
@@ -237,24 +238,17 @@ class LSTMemState(nn.Module, MambaBase):
         if history:  # the block scan's read and D_t replace the step's for these rows
             read[rows] = out.read[:, 0].to(read.dtype)
             out_seq[rows] = out.hidden_seq[:, 0]
-            for i, (_, slot, plan) in enumerate(history):
-                self.shared.take_samples(slot, self.depth, plan, out, i, 0)
         return read, out_seq
 
     def _prefill(self, x, metadata: LSTMemMetadata, read) -> None:
         """The ``P`` prefill chunks, one batched block scan per group of similar length
         (:mod:`.prefill`), each padded to its longest chunk and run through its group's
         :class:`~lstmem_peft.memory.engine.MemoryPass` over the slot tables (which writes the slots,
-        hands ``D_t`` up to the next memory layer, and reads the fixed states for read-only chunks);
-        fills ``read`` ``(n, d_s)`` of the ``n`` prefill tokens and keeps the feedback samples of
-        history chunks."""
-        history = {row: (slot, plan) for row, slot, plan in metadata.history_prefills}
+        hands ``D_t`` up to the next memory layer, reads the fixed states for read-only chunks, and
+        keeps the feedback samples of history chunks); fills ``read`` ``(n, d_s)`` of the ``n``
+        prefill tokens."""
         for group, group_pass in zip(metadata.prefill_groups, self.shared.prefill_passes, strict=True):
             out = group_pass.run(self.depth, self.memory, x[group.gather])  # (G, T, d) in
-            for i, row in enumerate(group.rows):
-                if row in history:  # samples (and terminals at block ends) of a history chunk
-                    slot, plan = history[row]
-                    self.shared.take_samples(slot, self.depth, plan, out, i, plan.length - 1)
             read[group.put] = out.read.reshape(-1, out.read.shape[-1])[group.pick].to(read.dtype)
 
 
