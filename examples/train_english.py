@@ -105,8 +105,10 @@ def episode_knobs(
     )
 
 
-#: Options a rerun may change; every other setting is the saved run's.
+#: Options a rerun may change; every other setting is the saved run's. The run's folder is where
+#: ``last.pt`` was found, not where it was first written (a run copied elsewhere writes there).
 RUN_LENGTH = (
+    "output_dir",
     "steps",
     "max_minutes",
     "threads",
@@ -145,6 +147,14 @@ def main() -> None:
         default=0.0,
         help="weight of -log sigmoid(gold score from its own history's memory - from the next episode's)",
     )
+    ap.add_argument(
+        "--near-miss-weight",
+        type=float,
+        default=0.0,
+        help="weight of a cross-entropy of the gold against its near misses (the same digits in "
+        "another order, one digit changed: training.english.near_misses), read from its own memory",
+    )
+    ap.add_argument("--near-misses", type=int, default=3, help="near misses per episode")
     ap.add_argument("--curriculum", default="0:1-1,150:1-2,300:2-4", help="first_step:min-max facts, ...")
     ap.add_argument("--same-relation", type=float, default=1.0)
     ap.add_argument(
@@ -232,7 +242,7 @@ def main() -> None:
     from lstmem_peft.eval.english_recall import recall_hit
     from lstmem_peft.eval.forced_choice import choice_rows, forced_choice, read_scores, swap_histories
     from lstmem_peft.training.data import left_pad
-    from lstmem_peft.training.english import TRAIN_RELATIONS, english_episodes
+    from lstmem_peft.training.english import TRAIN_RELATIONS, english_episodes, near_misses
     from lstmem_peft.tuner.loading import load_model_and_adapter
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -292,12 +302,12 @@ def main() -> None:
             sets.append((int(lo), int(hi or lo)))
         return sets
 
-    @torch.no_grad()
     def eval_layouts() -> list[str]:
         if args.eval_layouts:
             return args.eval_layouts.split(",")
         return ["text", "chat"] if args.layout == "mixed" else [args.layout]
 
+    @torch.no_grad()
     def recall(facts: tuple[int, int], layout: str, max_new_tokens: int = 8) -> dict:
         """Greedy answers from memory (read-only) to held-out questions; a hit when the normalised
         answer starts with the normalised gold at a word boundary (``recall_hit``, as
@@ -307,6 +317,7 @@ def main() -> None:
         )
         model.eval()
         hits = {"memory": 0, "empty": 0}
+        by_relation: dict[str, list[int]] = {}  # relation -> [memory hits, episodes]
         samples = []
         for start in range(0, len(held), 8):
             chunk = held[start : start + 8]
@@ -331,14 +342,25 @@ def main() -> None:
                 for e, text in zip(chunk, texts, strict=True):
                     hit = recall_hit(text, e["gold"])
                     hits[condition] += hit
-                    if condition == "memory" and len(samples) < 6:
-                        samples.append({"question": e["question"], "gold": e["gold"], "answer": text.strip()})
+                    if condition == "memory":
+                        tally = by_relation.setdefault(e["relation"], [0, 0])
+                        tally[0], tally[1] = tally[0] + hit, tally[1] + 1
+                    if condition == "memory":  # every answer, for reading the misses
+                        samples.append(
+                            {
+                                "relation": e["relation"],
+                                "question": e["question"],
+                                "gold": e["gold"],
+                                "answer": text.strip(),
+                            }
+                        )
         model.train()
         return {
             "facts": list(facts),
             "layout": layout,
             "n": len(held),
             **{c: v / len(held) for c, v in hits.items()},
+            "memory_by_relation": {r: {"memory": h / n, "n": n} for r, (h, n) in sorted(by_relation.items())},
             "samples": samples,
         }
 
@@ -358,6 +380,33 @@ def main() -> None:
             )
         model.train()
         return {"facts": list(facts), "layout": layout, "n": len(held), "memory_other_history": res["memory"]}
+
+    def near_miss_choice(facts: tuple[int, int], layout: str, k: int = 3) -> dict:
+        """Forced choice of the gold against ``k`` near misses of it (its digits in another order, one
+        digit changed: ``near_misses``), from memory: whether the memory holds a number's digits in
+        order, which the choice among the history's values (all far from the gold) does not test.
+        Episodes whose value has no digits are left out; chance is ``1 / (k + 1)``."""
+        held = english_episodes(
+            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
+        )
+        posed = []
+        for i, e in enumerate(held):
+            wrong = near_misses(e["gold"], k, random.Random(i))
+            if len(wrong) == k:
+                posed.append({**e, "choices": [e["gold"], *wrong]})
+        if not posed:  # relations whose values have no digits
+            return {"facts": list(facts), "layout": layout, "n": 0, "memory": None, "chance": 1 / (k + 1)}
+        model.eval()
+        with torch.no_grad(), autocast:
+            res = forced_choice(model, tokenizer, posed, conditions=("memory",), layout=layout, batch_size=8)
+        model.train()
+        return {
+            "facts": list(facts),
+            "layout": layout,
+            "n": len(posed),
+            "memory": res["memory"],
+            "chance": 1 / (k + 1),
+        }
 
     def evaluate(at: int) -> dict:
         """Held-out forced choice (memory, empty, chance) at each of ``--eval-facts`` (default: the stage's)."""
@@ -463,6 +512,7 @@ def main() -> None:
         sets = list(itertools.product(eval_sets(step), eval_layouts()))
         result["recall"] = [] if args.no_recall else [recall(facts, layout) for facts, layout in sets]
         result["other_history"] = [other_history(facts, layout) for facts, layout in sets]
+        result["near_miss_choice"] = [near_miss_choice(facts, layout) for facts, layout in sets]
         with open(os.path.join(args.output_dir, "eval.json"), "w") as fh:
             json.dump(result, fh, indent=1)
         print(json.dumps(result, indent=1))
@@ -503,6 +553,16 @@ def main() -> None:
                 reads.append(rows[g][0])
                 n_answer.append(rows[g][1])
                 owner.append((i + 1) % len(laid))
+        misses = []  # per episode, how many near-miss reads follow (from its own memory)
+        if args.near_miss_weight:
+            for i, e in enumerate(episodes):
+                wrong = near_misses(e["gold"], args.near_misses, random.Random(rng_seed * 31 + i))
+                misses.append(len(wrong))
+                if wrong:
+                    _, rows = choice_rows(tokenizer, {**e, "choices": [e["gold"], *wrong]}, layout)
+                    reads += [ids for ids, _ in rows[1:]]
+                    n_answer += [n for _, n in rows[1:]]
+                    owner += [i] * len(wrong)
         owner = torch.tensor(owner)
         for group in optimizer.param_groups:
             group["lr"] = args.lr * schedule(step)
@@ -523,16 +583,27 @@ def main() -> None:
             correct += int(s.argmax().item() == g)
             at += len(rows)
         answer_loss = answer_sum / answer_tokens
-        contrast_loss = torch.zeros(())
+        contrast_loss, near_miss_loss, near_miss_acc = torch.zeros(()), torch.zeros(()), 0.0
+        own = torch.stack([flat[sum(len(r) for _, r in laid[:i]) + g] for i, g in enumerate(gold)])
         if args.contrast_weight:
-            own = torch.stack([flat[sum(len(r) for _, r in laid[:i]) + g] for i, g in enumerate(gold)])
             other = flat[at : at + len(laid)]
             contrast_loss = -torch.nn.functional.logsigmoid(own - other).mean()
+            at += len(laid)
+        if any(misses):  # the gold against its near misses, each read from the episode's own memory
+            terms = []
+            for i, k in enumerate(misses):
+                if k:
+                    s = torch.cat([own[i : i + 1], flat[at : at + k]])
+                    terms.append(torch.logsumexp(s, 0) - s[0])
+                    near_miss_acc += int(s.argmax().item() == 0) / sum(1 for m in misses if m)
+                    at += k
+            near_miss_loss = torch.stack(terms).mean()
         choice_loss = torch.stack(choice_terms).mean()
         loss = (
             args.answer_weight * answer_loss
             + args.choice_weight * choice_loss
             + args.contrast_weight * contrast_loss
+            + args.near_miss_weight * near_miss_loss
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -549,6 +620,11 @@ def main() -> None:
             "answer_loss": round(answer_loss.item(), 4),
             "choice_loss": round(choice_loss.item(), 4),
             "contrast_loss": round(contrast_loss.item(), 4),
+            **(
+                {"near_miss_loss": round(near_miss_loss.item(), 4), "near_miss_acc": round(near_miss_acc, 4)}
+                if any(misses)
+                else {}
+            ),
             "train_choice_acc": correct / len(laid),
             "grad_norm": round(grad_norm, 4),
             "lr": optimizer.param_groups[0]["lr"],

@@ -12,6 +12,7 @@ with plain forwards, and the pick its argmax (a model made certain of one answer
 from __future__ import annotations
 
 import itertools
+import random
 import re
 import string
 
@@ -28,6 +29,7 @@ from lstmem_peft.training.english import (
     as_conversation,
     english_conversations,
     english_episodes,
+    near_misses,
 )
 from lstmem_peft.training.english_forms import (
     ACKNOWLEDGEMENTS,
@@ -411,3 +413,22 @@ def test_swap_histories_gives_each_question_another_history_of_its_relation():
         assert donor["gold"] != before["gold"] and before["gold"] not in after["history"]
     alone = swap_histories(episodes[:1])  # nothing to swap with: its own history, not an error
     assert alone[0]["history"] == episodes[0]["history"]
+
+
+def test_near_misses_change_only_digits_and_alternate_order_and_one_digit():
+    rng = random.Random(0)
+    misses = near_misses("1482", 6, rng)
+    assert len(misses) == len(set(misses)) == 6 and "1482" not in misses
+    reordered = [m for m in misses if sorted(m) == sorted("1482")]
+    changed = [m for m in misses if sum(a != b for a, b in zip(m, "1482", strict=True)) == 1]
+    assert set(reordered) | set(changed) == set(misses)
+    assert misses[0::2] == reordered[:3] and misses[1::2] == changed[:3]  # the two kinds in turn
+    # every character that is not a digit stays where it was
+    for value in ["May 19", "January 3", "811"]:
+        for miss in near_misses(value, 8, random.Random(1)):
+            assert len(miss) == len(value) and miss != value
+            assert all(a == b for a, b in zip(miss, value, strict=True) if not b.isdigit())
+    # one kind runs out: the other fills; no digits, or none asked: nothing
+    assert len(near_misses("January 3", 4, rng)) == 4  # one digit: no other order
+    assert near_misses("Oslo", 3, rng) == [] and near_misses("29", 0, rng) == []
+    assert near_misses("29", 3, random.Random(7)) == near_misses("29", 3, random.Random(7))

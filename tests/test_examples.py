@@ -3,6 +3,7 @@ without a warning the user cannot act on (issue 48, item 4)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     command += ["--model", str(folder), "--layers", "all", "--batch", "2", "--eval-every", "2"]
     command += ["--eval-episodes", "2", "--save-every", "2", "--threads", "1"]
     command += ["--layout", "mixed", "--chatter", "0-1"]  # both question layouts, chatter among the facts
+    command += ["--relations", "age,room", "--near-miss-weight", "1"]  # numbers, scored against near misses
     first = subprocess.run(
         [*command, "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
@@ -139,6 +141,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     assert records and any("memory" in json.dumps(r) for r in records)
     # --layout mixed: text and chat questions on alternate updates, each scored
     assert [r["layout"] for r in records if "answer_loss" in r] == ["text", "chat"] * 2
+    assert all(r["near_miss_loss"] > 0 for r in records if "answer_loss" in r)
     assert {e["layout"] for r in records for e in r.get("eval", [])} == {"text", "chat"}
     assert warnings_in(first.stderr + second.stderr) == []
 
@@ -153,3 +156,31 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     card = (shipped / "README.md").read_text()
     assert "| updates | 4 |" in card and "More Information Needed" not in card
     assert json.loads((out / "log.jsonl").read_text().splitlines()[-1])["step"] == 4  # nothing trained
+
+    # a run folder copied elsewhere is scored there, not in the folder it was trained in; the scores
+    # include the choice against near misses of each value and exact recall by relation
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    scored = subprocess.run(
+        [
+            *command[:3],
+            str(moved),
+            "--eval-only",
+            "--eval-episodes",
+            "2",
+            "--eval-facts",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert (moved / "eval.json").exists() and not (out / "eval.json").exists()
+    result = json.loads((moved / "eval.json").read_text())
+    assert {r["layout"] for r in result["near_miss_choice"]} == {"text", "chat"}
+    assert all(0 <= r["memory"] <= 1 and r["chance"] == 0.25 for r in result["near_miss_choice"])
+    assert all(set(r["memory_by_relation"]) <= {"age", "room"} for r in result["recall"])

@@ -41,6 +41,7 @@ Generation is deterministic: episode ``i`` of a seed and split is the same whate
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from collections.abc import Sequence
@@ -386,6 +387,40 @@ def english_episodes(
             }
         )
     return episodes
+
+
+def near_misses(value: str, n: int, rng: random.Random) -> list[str]:
+    """Up to ``n`` distinct strings that differ from ``value`` only in its digits, of two kinds taken
+    in turn (each drawn by ``rng``): the digits in another order (``"1482"`` -> ``"1842"``) and one
+    digit changed (``"1564"`` -> ``"1464"``); when one kind runs out, the other. Every other character
+    stays, so ``"May 19"`` gives ``"May 91"``, ``"May 18"``; a value without digits gives none.
+
+    These are the wrong answers a memory that holds a number's digits but not their order (or one
+    digit blurred) gives, the misses greedy recall on SmolLM2 showed; training can score the gold
+    against them (``examples/train_english.py --near-miss-weight``), which the history's other
+    values, all far from the gold, do not teach.
+    """
+    at = [i for i, c in enumerate(value) if c.isdigit()]
+    if not at or n <= 0:
+        return []
+    digits = [value[i] for i in at]
+
+    def put(new_digits) -> str:
+        chars = list(value)
+        for i, d in zip(at, new_digits, strict=True):
+            chars[i] = d
+        return "".join(chars)
+
+    reordered = sorted({put(p) for p in itertools.permutations(digits)} - {value})
+    changed = sorted(
+        {put(digits[:k] + [d] + digits[k + 1 :]) for k in range(len(at)) for d in "0123456789"}
+        - {value}
+        - set(reordered)
+    )
+    rng.shuffle(reordered)
+    rng.shuffle(changed)
+    turns = itertools.zip_longest(reordered, changed)
+    return [v for pair in turns for v in pair if v is not None][:n]
 
 
 def as_conversation(episode: dict[str, Any]) -> dict[str, Any]:
