@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import memory_stack
 
 from lstmem_peft import LSTMemLayer, MemoryCache, MemoryLayout, MemoryPass
 from lstmem_peft.memory.chunks import BlockSamples, plan_chunk
@@ -19,15 +20,7 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
 def _stack(seed=0) -> list[LSTMemLayer]:
-    torch.manual_seed(seed)
-    layers = [LSTMemLayer(D, D, num_heads=H, head_dim=R, layer_idx=i) for i in range(L)]
-    layers[0].set_depth_input(False)
-    with torch.no_grad():
-        for layer in layers:
-            layer.init_corrections(torch.randn(D, D), torch.randn(D, D))
-            for p in layer.parameters():
-                p.add_(0.2 * torch.randn_like(p))
-    return layers
+    return memory_stack(D, L, seed, num_heads=H, head_dim=R)
 
 
 def _tables(seed=1) -> SlotTables:

@@ -3,23 +3,16 @@
 import pytest
 import torch
 from oracle import assert_row_equals_alone
+from tiny_models import memory_stack
 
-from lstmem_peft import LSTMemLayer, MemoryCache, MemoryLayout, MemoryPass
+from lstmem_peft import MemoryCache, MemoryLayout, MemoryPass
 
 D = 32
 L = 3
 
 
 def make_stack(seed=0):
-    torch.manual_seed(seed)
-    layers = [LSTMemLayer(D, D, layer_idx=i) for i in range(L)]
-    layers[0].set_depth_input(False)  # as injection declares it: the first memory layer has none
-    with torch.no_grad():
-        for layer in layers:
-            layer.init_corrections(torch.randn(D, D), torch.randn(D, D))
-            for p in layer.parameters():
-                p.add_(0.2 * torch.randn_like(p))
-    return layers
+    return memory_stack(D, L, seed)
 
 
 def new_cache(batch, **layout):

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import memory_stack
 
 from lstmem_peft import LSTMemLayer, MemoryCache, MemoryLayout
 from lstmem_peft.memory.engine import run_layer
@@ -160,15 +161,7 @@ def test_one_layer_run_mixes_writing_and_read_only_rows():
 
 
 def _stack(d=16, seed=0) -> list[LSTMemLayer]:
-    torch.manual_seed(seed)
-    layers = [LSTMemLayer(d, d, num_heads=H, head_dim=R, layer_idx=i) for i in range(L)]
-    layers[0].set_depth_input(False)
-    with torch.no_grad():
-        for layer in layers:
-            layer.init_corrections(torch.randn(d, d), torch.randn(d, d))
-            for p in layer.parameters():
-                p.add_(0.2 * torch.randn_like(p))
-    return layers
+    return memory_stack(d, L, seed, num_heads=H, head_dim=R)
 
 
 def test_one_pass_over_slots_equals_each_row_over_dense_rows_alone():

@@ -149,6 +149,23 @@ def randomize_memory(model, scale=0.2, seed=1):
                 p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
+def memory_stack(d: int, num_layers: int, seed: int = 0, **shape):
+    """``num_layers`` memory layers of width ``d`` (``shape``: ``num_heads``, ``head_dim``), shallow to
+    deep, as injection builds them (the first without a depth input), moved off their initialisation
+    so that every path carries signal: a memory stack without a transformer."""
+    from lstmem_peft import LSTMemLayer
+
+    torch.manual_seed(seed)
+    layers = [LSTMemLayer(d, d, layer_idx=i, **shape) for i in range(num_layers)]
+    layers[0].set_depth_input(False)
+    with torch.no_grad():
+        for layer in layers:
+            layer.init_corrections(torch.randn(d, d), torch.randn(d, d))
+            for p in layer.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return layers
+
+
 def make(arch="qwen3", seed=0, **config):
     """A tiny model of ``arch`` with an LSTMem adapter moved off its initialisation (eval mode)."""
     from peft import get_peft_model
