@@ -160,6 +160,7 @@ class MemoryPass:
         self._next = 0
         self._depth: torch.Tensor | None = None
         self._length = 0
+        self._tokens: torch.Tensor | None = None
         self._valid_copies: dict[torch.device, torch.Tensor] = {}
 
     @property
@@ -216,6 +217,12 @@ class MemoryPass:
             self.samples.take(index, out, self.chunks)
         if index == 0:
             self._length = x.shape[1]
+            if self.write and self.slots is None:  # the rows' new token counts, committed by finish()
+                tokens = self.cache.tokens_written
+                n = self._length if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
+                # here rather than in finish(): a one-token step's count joins the layers' graph
+                # (torch.compile), where finish() would trace it as a graph of its own
+                self._tokens = tokens + n
         if self.feedback:
             if index == 0:
                 self._sampling(x.shape[1], x.device)
@@ -243,10 +250,8 @@ class MemoryPass:
             return None
         if self.feedback and self.block_ends:
             self.feedback_result = self.block_ends.apply(self.storage)  # stages the corrected states
-        tokens = self.cache.tokens_written
-        n = self._length if self.valid is None else self.valid.sum(dim=1).to(tokens.device)
         # block ends (one-token steps: at the next block end or save); a graph torch.compile traces
         # cannot read values on the host, so there too the check waits for the next eager block end
         check = (self._length > 1 or self.feedback) and not torch.compiler.is_compiling()
-        self.storage.commit(tokens + n, check=check)
+        self.storage.commit(self._tokens, check=check)
         return self.feedback_result
