@@ -1,5 +1,6 @@
 """The memory itself, independent of PEFT and transformers: the paper's constants, one memory
-layer's math (:mod:`.layer`; its decode step, :mod:`.step`; what both share, :mod:`.layer_common`)
+layer's math (:mod:`.layer`, whose decode step is the kernel family's ``lstmem_decode_step``; the
+weights and outputs its paths share, :mod:`.layer_common`)
 and its float64 reference (:mod:`.reference`), block-end feedback, the states
 (:class:`~lstmem_peft.memory.cache.MemoryCache`) and the two kinds of storage a forward reads and
 writes them in (:mod:`.storage`: a cache's dense rows, a serving engine's slot tables), one forward
