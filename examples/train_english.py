@@ -302,6 +302,11 @@ def main() -> None:
             sets.append((int(lo), int(hi or lo)))
         return sets
 
+    def held_out(facts: tuple[int, int]) -> list[dict]:
+        """The ``--eval-episodes`` held-out episodes every score reads (seed ``1000 + --seed``)."""
+        knobs = episode_knobs(args, facts, held_out=True)
+        return english_episodes(args.eval_episodes, "heldout", seed=1000 + args.seed, **knobs)
+
     def eval_layouts() -> list[str]:
         if args.eval_layouts:
             return args.eval_layouts.split(",")
@@ -312,9 +317,7 @@ def main() -> None:
         """Greedy answers from memory (read-only) to held-out questions; a hit when the normalised
         answer starts with the normalised gold at a word boundary (``recall_hit``, as
         ``examples/english_recall.py`` counts). Also from an empty memory, for the same check."""
-        held = english_episodes(
-            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
-        )
+        held = held_out(facts)
         model.eval()
         hits = {"memory": 0, "empty": 0}
         by_relation: dict[str, list[int]] = {}  # relation -> [memory hits, episodes]
@@ -342,10 +345,9 @@ def main() -> None:
                 for e, text in zip(chunk, texts, strict=True):
                     hit = recall_hit(text, e["gold"])
                     hits[condition] += hit
-                    if condition == "memory":
+                    if condition == "memory":  # by relation, and every answer, for reading the misses
                         tally = by_relation.setdefault(e["relation"], [0, 0])
                         tally[0], tally[1] = tally[0] + hit, tally[1] + 1
-                    if condition == "memory":  # every answer, for reading the misses
                         samples.append(
                             {
                                 "relation": e["relation"],
@@ -369,9 +371,7 @@ def main() -> None:
         """Forced choice with another held-out episode's history in memory (one of the same relation
         where there is one): the control for what memory adds whatever the history says. Recall shows
         as ``memory`` (own history) above this, not only above an empty memory."""
-        held = english_episodes(
-            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
-        )
+        held = held_out(facts)
         swapped = swap_histories(held)
         model.eval()
         with autocast:
@@ -386,25 +386,26 @@ def main() -> None:
         digit changed: ``near_misses``), from memory: whether the memory holds a number's digits in
         order, which the choice among the history's values (all far from the gold) does not test.
         Episodes whose value has no digits are left out; chance is ``1 / (k + 1)``."""
-        held = english_episodes(
-            args.eval_episodes, "heldout", seed=1000 + args.seed, **episode_knobs(args, facts, held_out=True)
-        )
+        held = held_out(facts)
         posed = []
         for i, e in enumerate(held):
             wrong = near_misses(e["gold"], k, random.Random(i))
             if len(wrong) == k:
                 posed.append({**e, "choices": [e["gold"], *wrong]})
-        if not posed:  # relations whose values have no digits
-            return {"facts": list(facts), "layout": layout, "n": 0, "memory": None, "chance": 1 / (k + 1)}
-        model.eval()
-        with torch.no_grad(), autocast:
-            res = forced_choice(model, tokenizer, posed, conditions=("memory",), layout=layout, batch_size=8)
-        model.train()
+        memory = None  # no episode posed: relations whose values have no digits
+        if posed:
+            model.eval()
+            with torch.no_grad(), autocast:
+                res = forced_choice(
+                    model, tokenizer, posed, conditions=("memory",), layout=layout, batch_size=8
+                )
+            model.train()
+            memory = res["memory"]
         return {
             "facts": list(facts),
             "layout": layout,
             "n": len(posed),
-            "memory": res["memory"],
+            "memory": memory,
             "chance": 1 / (k + 1),
         }
 
@@ -414,8 +415,7 @@ def main() -> None:
         out: dict = {"eval": []}
         t = time.time()
         for facts, layout in itertools.product(eval_sets(at), eval_layouts()):
-            knobs = episode_knobs(args, facts, held_out=True)
-            held = english_episodes(args.eval_episodes, "heldout", seed=1000 + args.seed, **knobs)
+            held = held_out(facts)
             with torch.no_grad(), autocast:
                 res = forced_choice(
                     model, tokenizer, held, conditions=("memory", "empty"), layout=layout, batch_size=8
@@ -590,14 +590,14 @@ def main() -> None:
             contrast_loss = -torch.nn.functional.logsigmoid(own - other).mean()
             at += len(laid)
         if any(misses):  # the gold against its near misses, each read from the episode's own memory
-            terms = []
+            terms, won = [], 0
             for i, k in enumerate(misses):
                 if k:
                     s = torch.cat([own[i : i + 1], flat[at : at + k]])
                     terms.append(torch.logsumexp(s, 0) - s[0])
-                    near_miss_acc += int(s.argmax().item() == 0) / sum(1 for m in misses if m)
+                    won += int(s.argmax().item() == 0)
                     at += k
-            near_miss_loss = torch.stack(terms).mean()
+            near_miss_loss, near_miss_acc = torch.stack(terms).mean(), won / len(terms)
         choice_loss = torch.stack(choice_terms).mean()
         loss = (
             args.answer_weight * answer_loss

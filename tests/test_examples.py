@@ -122,20 +122,21 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "run"
-    command = [sys.executable, str(ROOT / "examples" / "train_english.py"), "--output-dir", str(out)]
+
+    def train_english(*options: str) -> subprocess.CompletedProcess:
+        script = [sys.executable, str(ROOT / "examples" / "train_english.py")]
+        done = subprocess.run([*script, *options], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    command = ["--output-dir", str(out)]
     command += ["--model", str(folder), "--layers", "all", "--batch", "2", "--eval-every", "2"]
     command += ["--eval-episodes", "2", "--save-every", "2", "--threads", "1"]
     command += ["--layout", "mixed", "--chatter", "0-1"]  # both question layouts, chatter among the facts
     command += ["--relations", "age,room", "--near-miss-weight", "1"]  # numbers, scored against near misses
-    first = subprocess.run(
-        [*command, "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = train_english(*command, "--steps", "2")
     assert (out / "last.pt").exists() and (out / "adapter" / "adapter_config.json").exists()
-    second = subprocess.run(
-        [*command, "--steps", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = train_english(*command, "--steps", "4")
     assert f"resumed from {out / 'last.pt'} at step 2" in second.stdout
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert records and any("memory" in json.dumps(r) for r in records)
@@ -146,10 +147,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     assert warnings_in(first.stderr + second.stderr) == []
 
     shipped = tmp_path / "shipped"  # --export: the folder an adapter ships as, from last.pt
-    export = subprocess.run(
-        [*command, "--export", str(shipped)], cwd=tmp_path, capture_output=True, text=True, timeout=600
-    )
-    assert export.returncode == 0, export.stderr[-3000:]
+    export = train_english(*command, "--export", str(shipped))
     assert f"wrote {shipped} (step 4)" in export.stdout
     config = json.loads((shipped / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder)  # the --model value, as given
@@ -161,24 +159,17 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     # include the choice against near misses of each value and exact recall by relation
     moved = tmp_path / "moved"
     shutil.copytree(out, moved)
-    scored = subprocess.run(
-        [
-            *command[:3],
-            str(moved),
-            "--eval-only",
-            "--eval-episodes",
-            "2",
-            "--eval-facts",
-            "1",
-            "--threads",
-            "1",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    train_english(
+        "--output-dir",
+        str(moved),
+        "--eval-only",
+        "--eval-episodes",
+        "2",
+        "--eval-facts",
+        "1",
+        "--threads",
+        "1",
     )
-    assert scored.returncode == 0, scored.stderr[-3000:]
     assert (moved / "eval.json").exists() and not (out / "eval.json").exists()
     result = json.loads((moved / "eval.json").read_text())
     assert {r["layout"] for r in result["near_miss_choice"]} == {"text", "chat"}
