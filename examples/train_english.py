@@ -7,7 +7,9 @@
 Each step draws a fresh batch of ``english_episodes`` (train split; the knobs of the curriculum stage
 the step is in), writes each history into a fresh memory with gradients through the writes (stage 1)
 and reads the gold answer (with ``--choice-weight``: every one of the episode's ``choices``) from it
-(``forced_choice``'s ``"text"`` layout: ``"Question: ...\\nAnswer:"``, then the candidate and EOS).
+(by default ``forced_choice``'s ``"text"`` layout: ``"Question: ...\\nAnswer:"``, then the candidate
+and EOS; ``--layout`` takes its chat layouts too, ``conversation`` writing each history line as a
+chat client's message).
 The loss is
 
 * ``answer``: the mean cross-entropy of the gold answer's tokens (EOS included), as the trainer's;
@@ -75,6 +77,17 @@ def parse_curriculum(text: str) -> list[tuple[int, tuple[int, int]]]:
     return sorted(stages)
 
 
+def layout_cycle(text: str) -> list[str]:
+    """``--layout``: ``text``, ``text,conversation`` or ``mixed`` -> the layouts updates take in turn."""
+    from lstmem_peft.eval.forced_choice import LAYOUTS
+
+    layouts = ("text,chat" if text == "mixed" else text).split(",")
+    wrong = [layout for layout in layouts if layout not in LAYOUTS]
+    if wrong:
+        raise ValueError(f"--layout takes {', '.join(LAYOUTS)}, a comma list of them or mixed; got {text!r}")
+    return layouts
+
+
 def stage_at(curriculum, step: int) -> tuple[int, tuple[int, int]]:
     index = max(i for i, (first, _) in enumerate(curriculum) if first <= step)
     return index, curriculum[index][1]
@@ -121,6 +134,7 @@ RUN_LENGTH = (
     "eval_chatter",
     "eval_layouts",
     "export",
+    "export_dtype",
 )
 
 
@@ -169,21 +183,27 @@ def main() -> None:
         help="every episode of a step asks the same relation (cycling through them by step), so the "
         "contrast's other history states a value of the same kind",
     )
+    ap.add_argument(
+        "--step-relations",
+        default="",
+        help="with --one-relation-per-step, the relations the updates cycle through instead of "
+        "--relations: name one several times to train it more often (e.g. extension,room,extension,"
+        "price,age); held-out scores still draw evenly from --relations",
+    )
     ap.add_argument("--min-choices", type=int, default=4)
     ap.add_argument("--style", default="notes", choices=["notes", "chat", "mixed"])
     ap.add_argument(
         "--layout",
         default="text",
-        choices=["text", "chat", "mixed"],
-        help="how the question is read (forced_choice's layouts): text (Question: ...\\nAnswer:), chat "
-        "(a user message through the chat template, as lstmem serve's chat endpoint prompts), or mixed "
-        "(text on even steps, chat on odd ones); the history is written as text in every layout",
+        help="how an episode is laid out (forced_choice's layouts): text (the history written as text, "
+        "then Question: ...\\nAnswer:), chat (the question as a user message through the chat template, "
+        "as lstmem serve's chat endpoint prompts), conversation (chat, with each history line written "
+        "as a chat client's user message); a comma list takes them in turn by update; mixed is text,chat",
     )
     ap.add_argument(
         "--eval-layouts",
         default=None,
-        help="comma list of layouts to score (default: the training layout's; both for mixed); a "
-        "run-length option",
+        help="comma list of layouts to score (default: every layout of --layout); a run-length option",
     )
     ap.add_argument(
         "--chatter",
@@ -229,12 +249,31 @@ def main() -> None:
         "base_model_name_or_path is --model, not this machine's path; a model card with the run's "
         "settings, updates, time and, when the run folder holds eval.json, its scores)",
     )
+    ap.add_argument(
+        "--export-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="--export: the dtype the adapter's weights are stored in (loaded into the model's dtype); "
+        "bfloat16 halves the file: check that it keeps the scores (--eval-only on a rounded copy)",
+    )
     args = ap.parse_args()
-
-    torch.set_num_threads(args.threads)
     from lstmem_cli.quiet import quiet_command
 
     quiet_command(loads_models=True)  # what lstmem keeps off the terminal (README "Warnings")
+    try:
+        layout_cycle(args.layout)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.step_relations:
+        if not args.one_relation_per_step:
+            ap.error("--step-relations names the relation of each update: add --one-relation-per-step")
+        unknown = set(args.step_relations.split(",")) - set(
+            args.relations.split(",") if args.relations else []
+        )
+        if args.relations and unknown:
+            ap.error(f"--step-relations names {sorted(unknown)}, which --relations {args.relations} lacks")
+
+    torch.set_num_threads(args.threads)
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
     from tqdm import tqdm
 
@@ -284,6 +323,7 @@ def main() -> None:
         print(f"starting from the adapter of {args.init_from} (its step {origin['step']})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     curriculum = parse_curriculum(args.curriculum)
+    layouts = layout_cycle(args.layout)  # the saved run's, taken in turn by update
 
     def schedule(s: int) -> float:  # linear warm-up, then cosine to zero at --steps
         warm = min(1.0, (s + 1) / max(1, args.warmup))
@@ -310,7 +350,7 @@ def main() -> None:
     def eval_layouts() -> list[str]:
         if args.eval_layouts:
             return args.eval_layouts.split(",")
-        return ["text", "chat"] if args.layout == "mixed" else [args.layout]
+        return list(dict.fromkeys(layouts))
 
     @torch.no_grad()
     def recall(facts: tuple[int, int], layout: str, max_new_tokens: int = 8) -> dict:
@@ -459,6 +499,13 @@ def main() -> None:
         seconds = sum(r.get("step_s", 0) + r.get("eval_s", 0) for r in records)
         model.peft_config[model.active_adapter].base_model_name_or_path = args.model
         model.save_pretrained(folder)
+        if args.export_dtype != "float32":
+            from safetensors.torch import load_file, save_file
+
+            weights = os.path.join(folder, "adapter_model.safetensors")
+            stored = getattr(torch, args.export_dtype)
+            tensors = {k: v.to(stored).contiguous() for k, v in load_file(weights).items()}
+            save_file(tensors, weights, metadata={"format": "pt"})
         record_training(
             model,
             base_model_files=f"{args.model} (lstmem models; the GGUF's tensors dequantised to float32)",
@@ -474,8 +521,12 @@ def main() -> None:
             f"(the next episode's history), AdamW lr {args.lr}, {args.warmup} warm-up then cosine, batch "
             f"{args.batch}, curriculum {args.curriculum}"
             + (", one relation per update" if args.one_relation_per_step else "")
-            + f", questions in the {args.layout} layout"
-            + (" (text and chat on alternate updates)" if args.layout == "mixed" else ""),
+            + (f" (cycling through {args.step_relations})" if args.step_relations else "")
+            + (
+                f", episodes in the {layouts[0]} layout"
+                if len(layouts) == 1
+                else f", episodes in the {', '.join(layouts)} layouts in turn by update"
+            ),
             started_from=args.init_from or "random initialisation (the library's)",
             updates=step,
             time=f"{seconds / 60:.0f} min of updates and evaluations on a CPU ({args.threads} thread(s))",
@@ -536,10 +587,10 @@ def main() -> None:
         rng_seed = args.seed * 1_000_003 + step
         asked = None
         if args.one_relation_per_step:
-            pool = args.relations.split(",") if args.relations else list(TRAIN_RELATIONS)
+            pool = (args.step_relations or args.relations or ",".join(TRAIN_RELATIONS)).split(",")
             asked = [pool[step % len(pool)]]
         episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts, asked))
-        layout = args.layout if args.layout != "mixed" else ("text", "chat")[step % 2]
+        layout = layouts[step % len(layouts)]
         laid = [choice_rows(tokenizer, e, layout) for e in episodes]
         gold = [list(e["choices"]).index(e["gold"]) for e in episodes]
         if args.choice_weight == 0:  # only the gold reads are needed
@@ -617,6 +668,7 @@ def main() -> None:
             "stage": stage,
             "facts": list(facts),
             "layout": layout,
+            **({"relation": asked[0]} if asked else {}),
             "answer_loss": round(answer_loss.item(), 4),
             "choice_loss": round(choice_loss.item(), 4),
             "contrast_loss": round(contrast_loss.item(), 4),

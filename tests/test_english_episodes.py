@@ -337,7 +337,7 @@ def _by_hand(model, history, reads, n_answer, memory: bool) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["chat", "text"])
+@pytest.mark.parametrize("layout", ["chat", "text", "conversation"])
 def test_each_score_is_the_log_likelihood_of_the_answer_tokens(tiny, layout):
     tok = tokenizer96()
     tok.chat_template = (
@@ -350,13 +350,20 @@ def test_each_score_is_the_log_likelihood_of_the_answer_tokens(tiny, layout):
         for i, e in enumerate(episodes):
             history, rows = choice_rows(tok, e, layout)
             reads, n_answer = [r for r, _ in rows], [n for _, n in rows]
-            assert history == [tok.bos_token_id] + tok(e["history"], add_special_tokens=False)["input_ids"]
+            if layout == "conversation":  # each line a chat client's message, as the server writes it
+                fmt = ChatFormat(tok)
+                lines = e["history"].split("\n")
+                assert history == [t for line in lines for t in fmt.message("user", line)]
+            else:
+                assert (
+                    history == [tok.bos_token_id] + tok(e["history"], add_special_tokens=False)["input_ids"]
+                )
             for condition in ("memory", "empty"):
                 expected = _by_hand(tiny, history, reads, n_answer, memory=condition == "memory")
                 assert result["scores"][condition][i] == pytest.approx(expected, abs=2e-4)
     e = episodes[0]
     _, rows = choice_rows(tok, e, layout)
-    if layout == "chat":  # the question through the chat template, then the value and EOS
+    if layout != "text":  # the question through the chat template, then the value and EOS
         fmt = ChatFormat(tok)
         prompt = fmt.message("user", e["question"]) + fmt.generation_prompt()
         expected = [prompt + fmt.encode_text(c) + [tok.eos_token_id] for c in e["choices"]]
@@ -364,6 +371,29 @@ def test_each_score_is_the_log_likelihood_of_the_answer_tokens(tiny, layout):
         expected = [tokenize_episode(tok, {**e, "answer": " " + c})["input_ids"] for c in e["choices"]]
     assert [r for r, _ in rows] == expected
     assert [n for _, n in rows] == [len(c) + (layout == "text") + 1 for c in e["choices"]]
+
+
+def test_a_conversation_writes_each_line_as_a_message_and_the_default_system_prompt_never():
+    """The ``conversation`` layout as SmolLM2's kind of template lays it out (a default system prompt
+    when the conversation has none): the prompt starts with it once, memory holds each history line
+    as a user message of its own and never the system prompt, as ``lstmem serve`` writes a chat
+    client's turns."""
+    tok = tokenizer96()
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}<s>[system] Be brief.\n{% endif %}"
+        "{% for m in messages %}<s>[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    fmt = ChatFormat(tok)
+    e = english_episodes(1, "train", seed=5, num_facts=2, chatter=1.0)[0]
+    history, rows = choice_rows(tok, e, "conversation")
+    system = tok("<s>[system] Be brief.\n", add_special_tokens=False)["input_ids"]
+    assert fmt.preamble() == system
+    lines = e["history"].split("\n")
+    assert len(lines) >= 3 and history == [t for line in lines for t in fmt.message("user", line)]
+    assert tok.decode(history).count("[user]") == len(lines) and "[system]" not in tok.decode(history)
+    prompt = system + fmt.message("user", e["question"]) + fmt.generation_prompt()
+    assert [r for r, _ in rows] == [prompt + fmt.encode_text(c) + [tok.eos_token_id] for c in e["choices"]]
 
 
 def test_the_pick_is_the_likeliest_choice(tiny):

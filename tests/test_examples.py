@@ -104,6 +104,30 @@ def test_without_the_train_extra_the_recipe_names_it(tmp_path):
     assert "'datasets'" in result.stderr and install_command("train") in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        (["--relations", "age,room", "--step-relations", "room"], "add --one-relation-per-step"),
+        (
+            ["--relations", "age,room", "--one-relation-per-step", "--step-relations", "room,price"],
+            "--step-relations names ['price'], which --relations age,room lacks",
+        ),
+        (
+            ["--layout", "text,chats"],
+            "--layout takes chat, text, conversation, a comma list of them or mixed",
+        ),
+    ],
+)
+def test_english_training_refuses_cycles_it_cannot_take(tmp_path, options, says):
+    """A cycle of update relations that is not a subset of what is scored, or that nothing cycles
+    through, or a layout forced choice does not know, is refused before any model loads, naming the
+    fix."""
+    script = [sys.executable, str(ROOT / "examples" / "train_english.py"), "--output-dir", str(tmp_path)]
+    done = subprocess.run([*script, *options], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     """examples/train_english.py on a tiny random Llama with a character tokenizer (the real backbone is
@@ -134,6 +158,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     command += ["--eval-episodes", "2", "--save-every", "2", "--threads", "1"]
     command += ["--layout", "mixed", "--chatter", "0-1"]  # both question layouts, chatter among the facts
     command += ["--relations", "age,room", "--near-miss-weight", "1"]  # numbers, scored against near misses
+    command += ["--one-relation-per-step", "--step-relations", "room,room,age"]  # room twice as often
     first = train_english(*command, "--steps", "2")
     assert (out / "last.pt").exists() and (out / "adapter" / "adapter_config.json").exists()
     second = train_english(*command, "--steps", "4")
@@ -143,12 +168,20 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     # --layout mixed: text and chat questions on alternate updates, each scored
     assert [r["layout"] for r in records if "answer_loss" in r] == ["text", "chat"] * 2
     assert all(r["near_miss_loss"] > 0 for r in records if "answer_loss" in r)
+    assert [r["relation"] for r in records if "answer_loss" in r] == ["room", "room", "age", "room"]
     assert {e["layout"] for r in records for e in r.get("eval", [])} == {"text", "chat"}
     assert warnings_in(first.stderr + second.stderr) == []
 
     shipped = tmp_path / "shipped"  # --export: the folder an adapter ships as, from last.pt
-    export = train_english(*command, "--export", str(shipped))
+    export = train_english(*command, "--export", str(shipped), "--export-dtype", "bfloat16")
     assert f"wrote {shipped} (step 4)" in export.stdout
+    import torch
+    from safetensors.torch import load_file
+
+    stored = load_file(shipped / "adapter_model.safetensors")
+    saved = torch.load(out / "last.pt", map_location="cpu", weights_only=False)["adapter"]
+    assert stored and {t.dtype for t in stored.values()} == {torch.bfloat16}  # half the bytes
+    assert all(torch.equal(stored[k], saved[k].to(torch.bfloat16)) for k in stored)
     config = json.loads((shipped / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder)  # the --model value, as given
     card = (shipped / "README.md").read_text()

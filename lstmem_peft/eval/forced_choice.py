@@ -23,8 +23,12 @@ Layouts: ``"chat"`` (default) is the served layout of one question
 (:func:`~lstmem_peft.training.data.tokenize_conversation`: the history written as text, then the
 question as a user message through the tokenizer's chat template, :class:`~lstmem_peft.utils.chat.ChatFormat`,
 then the candidate and EOS); ``"text"`` is :func:`~lstmem_peft.training.data.tokenize_episode`'s
-(``prompt``, then ``" " + candidate`` and EOS). A candidate's score is the sum of the log-probabilities
-of its answer tokens (EOS included unless ``add_eos=False``), or their mean with ``per_token=True``.
+(``prompt``, then ``" " + candidate`` and EOS); ``"conversation"`` is a chat client's conversation
+(:class:`~lstmem_peft.training.data.ServedConversation`, the client sending each message alone): each
+line of the history a user message, written as ``lstmem serve`` writes a chat turn under its default
+write policy (the message's own template tokens), then the question as ``"chat"`` asks it. A
+candidate's score is the sum of the log-probabilities of its answer tokens (EOS included unless
+``add_eos=False``), or their mean with ``per_token=True``.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ import torch
 
 from lstmem_peft.memory import constants as K
 from lstmem_peft.memory.cache import MemoryCache
-from lstmem_peft.training.data import left_pad, tokenize_conversation, tokenize_episode
+from lstmem_peft.training.data import ServedConversation, left_pad, tokenize_conversation, tokenize_episode
 from lstmem_peft.tuner.history import find_memory, write_history
 
-LAYOUTS = ("chat", "text")
+LAYOUTS = ("chat", "text", "conversation")
 CONDITIONS = ("memory", "empty", "no_adapter")
 
 
@@ -60,6 +64,10 @@ def choice_rows(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if episode["gold"] not in episode["choices"]:
         raise ValueError(f"the gold {episode['gold']!r} is not among the choices {episode['choices']!r}")
+    if layout == "conversation":
+        history = conversation_history(tokenizer, episode["history"])[:history_max_tokens]
+        _, reads = choice_rows(tokenizer, {**episode, "history": ""}, "chat", history_max_tokens, add_eos)
+        return history, reads
     history, reads = [], []
     for j, choice in enumerate(episode["choices"]):
         text = episode["history"] if j == 0 else ""  # the history is tokenized once
@@ -83,6 +91,19 @@ def choice_rows(
         history = row["history_input_ids"] if j == 0 else history
         reads.append((row["input_ids"], n_answer))
     return history, reads
+
+
+def conversation_history(tokenizer, history: str) -> list[int]:
+    """What ``lstmem serve`` writes into a chat session's memory when a client sends each line of
+    ``history`` as a user message of its own and the session writes its messages (the default
+    ``write="messages"``): each message's own chat-template tokens, the template's preamble (a default
+    system prompt) never. The assistant's replies in between are not written under that policy."""
+    conversation, ids = ServedConversation(tokenizer), []
+    for line in history.split("\n"):
+        if line.strip():
+            before, _ = conversation.ask(line)
+            ids += before + conversation.answered("")
+    return ids
 
 
 def _pad_id(tokenizer) -> int:
