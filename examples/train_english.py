@@ -267,10 +267,10 @@ def main() -> None:
     if args.step_relations:
         if not args.one_relation_per_step:
             ap.error("--step-relations names the relation of each update: add --one-relation-per-step")
-        unknown = set(args.step_relations.split(",")) - set(
-            args.relations.split(",") if args.relations else []
+        unknown = (
+            set(args.step_relations.split(",")) - set(args.relations.split(",")) if args.relations else set()
         )
-        if args.relations and unknown:
+        if unknown:
             ap.error(f"--step-relations names {sorted(unknown)}, which --relations {args.relations} lacks")
 
     torch.set_num_threads(args.threads)
