@@ -99,11 +99,41 @@ def parse_range(text: str) -> tuple[float, float]:
     return float(low), float(high or low)
 
 
+def history_length(text: str | None, seed: int) -> int | None:
+    """The chatter-filled length (tokens) of one update's histories, from ``--history-tokens``:
+    ``None`` (no filling), a number, or a ``LOW-HIGH`` range drawn from uniformly by update, so every
+    history of a batch has about the same length and the batch pads little."""
+    if text is None:
+        return None
+    low, high = (int(x) for x in parse_range(text))
+    return random.Random(seed).randint(low, high)
+
+
+def check_history_tokens(text: str | None) -> None:
+    """Refuses a ``--history-tokens`` that is not ``N`` or ``LOW-HIGH`` with ``0 < LOW <= HIGH``."""
+    if text is None:
+        return
+    try:
+        low, high = parse_range(text)
+    except ValueError:
+        low = high = float("nan")
+    if not (0 < low <= high) or low != int(low) or high != int(high):
+        raise ValueError(
+            f"--history-tokens takes a number of tokens or a range LOW-HIGH of them (e.g. 128-768), got {text!r}"
+        )
+
+
 def episode_knobs(
-    args, facts: tuple[int, int], relations: list[str] | None = None, held_out: bool = False
+    args,
+    facts: tuple[int, int],
+    relations: list[str] | None = None,
+    held_out: bool = False,
+    history_tokens: int | None = None,
+    tokenizer=None,
 ) -> dict:
     """The ``english_episodes`` knobs of a training batch, or of a held-out evaluation
-    (``held_out``: ``--eval-chatter`` where given, else the training's ``--chatter``)."""
+    (``held_out``: ``--eval-chatter`` where given, else the training's ``--chatter``).
+    ``history_tokens``: chatter is added until each history reaches that many tokens of ``tokenizer``."""
     if relations is None and args.relations:
         relations = args.relations.split(",")
     chatter = args.eval_chatter if held_out and args.eval_chatter is not None else args.chatter
@@ -111,6 +141,8 @@ def episode_knobs(
         relations=relations,
         num_facts=facts,
         chatter=parse_range(chatter),
+        history_tokens=history_tokens,
+        tokenizer=tokenizer if history_tokens is not None else None,
         updates=0.0,
         same_relation=args.same_relation,
         min_choices=args.min_choices,
@@ -132,6 +164,7 @@ RUN_LENGTH = (
     "eval_episodes",
     "eval_facts",
     "eval_chatter",
+    "eval_history_tokens",
     "eval_layouts",
     "export",
     "export_dtype",
@@ -216,6 +249,20 @@ def main() -> None:
         help="lines of chatter per fact in the held-out histories (default: --chatter); a run-length "
         "option, so --eval-only can score a run on histories it was not trained on",
     )
+    ap.add_argument(
+        "--history-tokens",
+        default=None,
+        help="fill each training history with more chatter up to this many tokens: a number, or a range "
+        "LOW-HIGH drawn from by update (e.g. 128-768), so the memory learns to keep a fact across "
+        "the chatter written after it",
+    )
+    ap.add_argument(
+        "--eval-history-tokens",
+        type=int,
+        default=None,
+        help="fill each held-out history with chatter up to this many tokens (default: no filling); "
+        "a run-length option",
+    )
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-episodes", type=int, default=48)
     ap.add_argument(
@@ -262,8 +309,11 @@ def main() -> None:
     quiet_command(loads_models=True)  # what lstmem keeps off the terminal (README "Warnings")
     try:
         layout_cycle(args.layout)
+        check_history_tokens(args.history_tokens)
     except ValueError as err:
         ap.error(str(err))
+    if args.eval_history_tokens is not None and args.eval_history_tokens < 1:
+        ap.error(f"--eval-history-tokens takes a positive number of tokens, got {args.eval_history_tokens}")
     if args.step_relations:
         if not args.one_relation_per_step:
             ap.error("--step-relations names the relation of each update: add --one-relation-per-step")
@@ -344,7 +394,9 @@ def main() -> None:
 
     def held_out(facts: tuple[int, int]) -> list[dict]:
         """The ``--eval-episodes`` held-out episodes every score reads (seed ``1000 + --seed``)."""
-        knobs = episode_knobs(args, facts, held_out=True)
+        knobs = episode_knobs(
+            args, facts, held_out=True, history_tokens=args.eval_history_tokens, tokenizer=tokenizer
+        )
         return english_episodes(args.eval_episodes, "heldout", seed=1000 + args.seed, **knobs)
 
     def eval_layouts() -> list[str]:
@@ -515,6 +567,7 @@ def main() -> None:
                 if float(parse_range(args.chatter)[1])
                 else "no chatter"
             )
+            + (f", filled with chatter to {args.history_tokens} tokens" if args.history_tokens else "")
             + ", same-relation facts"
             + (f", relations {args.relations}" if args.relations else ""),
             recipe=f"stage 1 (gradients through the writes), answer CE + {args.contrast_weight} x contrast "
@@ -589,7 +642,9 @@ def main() -> None:
         if args.one_relation_per_step:
             pool = (args.step_relations or args.relations or ",".join(TRAIN_RELATIONS)).split(",")
             asked = [pool[step % len(pool)]]
-        episodes = english_episodes(args.batch, "train", seed=rng_seed, **episode_knobs(args, facts, asked))
+        length = history_length(args.history_tokens, rng_seed)
+        knobs = episode_knobs(args, facts, asked, history_tokens=length, tokenizer=tokenizer)
+        episodes = english_episodes(args.batch, "train", seed=rng_seed, **knobs)
         layout = layouts[step % len(layouts)]
         laid = [choice_rows(tokenizer, e, layout) for e in episodes]
         gold = [list(e["choices"]).index(e["gold"]) for e in episodes]
@@ -620,8 +675,8 @@ def main() -> None:
         t0 = time.time()
         with autocast:
             cache = MemoryCache()
-            ids, mask = left_pad([h for h, _ in laid], pad)
-            write_history(model, ids, cache, attention_mask=mask, progress=False)
+            history_ids, history_mask = left_pad([h for h, _ in laid], pad)
+            write_history(model, history_ids, cache, attention_mask=history_mask, progress=False)
             cache.batch_select_indices(owner)
             flat = read_scores(model, reads, n_answer, pad, cache).float()
         answer_sum, answer_tokens, choice_terms, correct = 0.0, 0, [], 0
@@ -669,6 +724,9 @@ def main() -> None:
             "facts": list(facts),
             "layout": layout,
             **({"relation": asked[0]} if asked else {}),
+            "history_tokens": round(
+                history_mask.sum(1).float().mean().item(), 1
+            ),  # mean, the batch's histories
             "answer_loss": round(answer_loss.item(), 4),
             "choice_loss": round(choice_loss.item(), 4),
             "contrast_loss": round(contrast_loss.item(), 4),

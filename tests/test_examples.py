@@ -116,12 +116,15 @@ def test_without_the_train_extra_the_recipe_names_it(tmp_path):
             ["--layout", "text,chats"],
             "--layout takes chat, text, conversation, a comma list of them or mixed",
         ),
+        (["--history-tokens", "512-128"], "--history-tokens takes a number of tokens or a range LOW-HIGH"),
+        (["--history-tokens", "many"], "--history-tokens takes a number of tokens or a range LOW-HIGH"),
+        (["--eval-history-tokens", "0"], "--eval-history-tokens takes a positive number of tokens, got 0"),
     ],
 )
 def test_english_training_refuses_cycles_it_cannot_take(tmp_path, options, says):
     """A cycle of update relations that is not a subset of what is scored, or that nothing cycles
-    through, or a layout forced choice does not know, is refused before any model loads, naming the
-    fix."""
+    through, a layout forced choice does not know, or a history length that is not one, is refused
+    before any model loads, naming the fix."""
     script = [sys.executable, str(ROOT / "examples" / "train_english.py"), "--output-dir", str(tmp_path)]
     done = subprocess.run([*script, *options], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
@@ -159,6 +162,7 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     command += ["--layout", "mixed", "--chatter", "0-1"]  # both question layouts, chatter among the facts
     command += ["--relations", "age,room", "--near-miss-weight", "1"]  # numbers, scored against near misses
     command += ["--one-relation-per-step", "--step-relations", "room,room,age"]  # room twice as often
+    command += ["--history-tokens", "150-200"]  # one character per token: filled with chatter to 150-200
     first = train_english(*command, "--steps", "2")
     assert (out / "last.pt").exists() and (out / "adapter" / "adapter_config.json").exists()
     second = train_english(*command, "--steps", "4")
@@ -169,6 +173,11 @@ def test_english_training_runs_checkpoints_and_resumes(tmp_path):
     assert [r["layout"] for r in records if "answer_loss" in r] == ["text", "chat"] * 2
     assert all(r["near_miss_loss"] > 0 for r in records if "answer_loss" in r)
     assert [r["relation"] for r in records if "answer_loss" in r] == ["room", "room", "age", "room"]
+    # chatter fills each history towards the update's drawn length (it stops short by less than a
+    # line): one or two facts with up to one line of chatter each are 72 characters on average
+    # unfilled, 17 to 181 each
+    lengths = [r["history_tokens"] for r in records if "answer_loss" in r]
+    assert len(lengths) == 4 and all(n >= 120 for n in lengths), lengths
     assert {e["layout"] for r in records for e in r.get("eval", [])} == {"text", "chat"}
     assert warnings_in(first.stderr + second.stderr) == []
 
