@@ -724,9 +724,7 @@ def main() -> None:
             "facts": list(facts),
             "layout": layout,
             **({"relation": asked[0]} if asked else {}),
-            "history_tokens": round(
-                history_mask.sum(1).float().mean().item(), 1
-            ),  # mean, the batch's histories
+            "history_tokens": round(history_mask.sum(1).float().mean().item(), 1),  # the batch's mean
             "answer_loss": round(answer_loss.item(), 4),
             "choice_loss": round(choice_loss.item(), 4),
             "contrast_loss": round(contrast_loss.item(), 4),
